@@ -1,0 +1,61 @@
+"""Where an Engram table lives: the store interface and the in-memory store (the oracle).
+
+Row ids are known before the forward pass (they depend on token ids only), so a store can be told
+which rows are coming (``prefetch``) long before they are read (``lookup``). Every other tier (a
+memory-mapped file, pinned host memory, a shared pool, a cache in front of any of them) implements
+the same two calls and is tested against :class:`MemoryTable`.
+
+Shape legend: r rows in the table, e row width (the head dim), ... any leading shape of row ids.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@runtime_checkable
+class TableStore(Protocol):
+    num_rows: int
+    dim: int
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows [...] (global ids, int64) -> embeddings [..., e]."""
+        ...
+
+    def prefetch(self, rows: torch.Tensor) -> None:
+        """A hint that ``rows`` will be looked up soon; may start fetching them in the background."""
+        ...
+
+
+class MemoryTable(nn.Module):
+    """The whole table as one parameter [r, e] in memory.
+
+    ``sparse=True`` makes the backward produce a sparse row gradient, so a row-wise optimiser touches
+    only the rows a batch read (paper section 2.5: the tables are updated sparsely).
+    """
+
+    def __init__(self, num_rows: int, dim: int, sparse: bool = False, init_std: float = 1.0,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+        super().__init__()
+        if num_rows <= 0 or dim <= 0:
+            raise ValueError(f"a table needs positive rows and width, got {num_rows} x {dim}")
+        self.num_rows, self.dim, self.sparse, self.init_std = int(num_rows), int(dim), sparse, init_std
+        self.weight = nn.Parameter(torch.empty(self.num_rows, self.dim, dtype=dtype, device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # N(0, 1) like nn.Embedding, which the official demo uses.
+        nn.init.normal_(self.weight, std=self.init_std)
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        return F.embedding(rows, self.weight, sparse=self.sparse)
+
+    def prefetch(self, rows: torch.Tensor) -> None:
+        pass  # already resident
+
+    def extra_repr(self) -> str:
+        return f"rows={self.num_rows}, dim={self.dim}, sparse={self.sparse}"

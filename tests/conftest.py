@@ -1,0 +1,42 @@
+"""Shared fixtures: real tiny configs and the golden data from the official demo's hashing."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engram import EngramConfig
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def golden():
+    """Hashes produced by running the official demo's code (shared/data/golden_hash_tiny.npz)."""
+    return dict(np.load(DATA / "golden_hash_tiny.npz"))
+
+
+def golden_config(g) -> EngramConfig:
+    heads = int(g["n_head_per_ngram"])
+    return EngramConfig(
+        engram_vocab_size=g["engram_vocab_size"].tolist(), max_ngram_size=int(g["max_ngram_size"]),
+        n_embed_per_ngram=8 * heads, n_head_per_ngram=heads, layer_ids=g["layer_ids"].tolist(),
+        pad_id=int(g["pad_id"]), seed=int(g["seed"]))
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    return EngramConfig(engram_vocab_size=[101, 211], max_ngram_size=3, n_embed_per_ngram=16,
+                        n_head_per_ngram=4, layer_ids=[0, 2], pad_id=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_lookup():
+    """A surjective map of 300 raw ids onto 250 compressed ids."""
+    return np.arange(300) % 250
+
+
+@pytest.fixture(scope="session")
+def deepseek():
+    from engram import build_compression
+    return build_compression()

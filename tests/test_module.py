@@ -1,0 +1,160 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engram import Engram, EngramConfig, EngramState, MemoryTable, NgramHasher, build_engram
+from engram.module import gate_fn
+
+
+def _ids(cfg, lookup, b=2, t=17, seed=0):
+    x = torch.randint(0, 300, (b, t), generator=torch.Generator().manual_seed(seed))
+    return NgramHasher(cfg, lookup).hash(x)
+
+
+VARIANTS = [
+    dict(hc_mult=1, gate="demo", conv=True, profile="demo-v1"),
+    dict(hc_mult=4, gate="paper", conv=True, profile="demo-v1"),
+    dict(hc_mult=2, gate="paper", conv=False, profile="v4.1"),
+    dict(hc_mult=1, gate="demo", conv=True, profile="v4.1"),
+]
+
+
+def _module(tiny_config, v, d=24):
+    cfg = tiny_config.replace(profile=v["profile"])
+    torch.manual_seed(0)
+    m = build_engram(cfg, 2, d, v["hc_mult"], gate=v["gate"], conv=v["conv"], conv_init="default")
+    return cfg, m
+
+
+@pytest.mark.parametrize("v", VARIANTS)
+@given(chunks=st.lists(st.integers(1, 5), min_size=1, max_size=8))
+@settings(max_examples=10, deadline=None)
+def test_incremental_equals_full(tiny_config, tiny_lookup, v, chunks):
+    cfg, m = _module(tiny_config, v)
+    ids = _ids(cfg, tiny_lookup)[2]
+    b, t = ids.shape[:2]
+    h = torch.randn(b, t, v["hc_mult"], 24) if v["hc_mult"] > 1 else torch.randn(b, t, 24)
+    with torch.no_grad():
+        full, alpha = m(h, ids, return_gate=True)
+        state, outs, i = EngramState(), [], 0
+        for c in chunks * t:
+            if i >= t:
+                break
+            outs.append(m(h[:, i:i + c], ids[:, i:i + c], state=state))
+            i += c
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-6)
+    assert alpha.shape == (b, t, v["hc_mult"])
+
+
+def test_demo_forward_matches_formula(tiny_config, tiny_lookup):
+    """Y = alpha*v + SiLU(conv(RMSNorm(alpha*v))), alpha = sigmoid(signed sqrt(s)), written out by hand."""
+    cfg, m = _module(tiny_config, VARIANTS[0])
+    ids = _ids(cfg, tiny_lookup)[2]
+    h = torch.randn(2, 17, 24)
+    with torch.no_grad():
+        rows = ids + torch.tensor(np.cumsum([0] + NgramHasher(cfg, tiny_lookup).table_sizes(2)[:-1]))
+        e = m.table.weight[rows].flatten(-2)
+        k, v = m.key_projs[0](e), m.value_proj(e)
+        s = (m.norm1[0](k) * m.norm2[0](h)).sum(-1) / math.sqrt(24)
+        alpha = torch.sigmoid(torch.sign(s) * torch.sqrt(s.abs().clamp_min(1e-6)))
+        vt = alpha[..., None] * v
+        conv = torch.nn.Conv1d(24, 24, 4, groups=24, bias=False, padding=3 * 3, dilation=3)
+        conv.weight.copy_(m.short_conv.conv.weight)
+        y = vt + torch.nn.functional.silu(conv(m.short_conv.norms[0](vt).transpose(1, 2))[..., :17]
+                                          .transpose(1, 2))
+        torch.testing.assert_close(m(h, ids), y, rtol=1e-5, atol=1e-5)
+
+
+def test_zero_conv_starts_as_gated_lookup(tiny_config, tiny_lookup):
+    m = build_engram(tiny_config, 2, 24)  # conv_init="zero" by default
+    ids = _ids(tiny_config, tiny_lookup)[2]
+    h = torch.randn(2, 17, 24)
+    with torch.no_grad():
+        y, alpha = m(h, ids, return_gate=True)
+        v = m.value_proj(m.read(ids))
+        torch.testing.assert_close(y, alpha * v)
+    assert (alpha > 0).all() and (alpha < 1).all()
+
+
+def test_gate_variants():
+    s = torch.tensor([-4.0, 0.0, 0.25, 4.0])
+    torch.testing.assert_close(gate_fn(s, "paper"), torch.sigmoid(s))
+    torch.testing.assert_close(gate_fn(s, "demo"), torch.sigmoid(torch.tensor([-2.0, 0.0, 0.5, 2.0])))
+
+
+def test_memory_path_equals_ids_path_and_tableless_module(tiny_config, tiny_lookup):
+    torch.manual_seed(1)
+    m = build_engram(tiny_config, 0, 24)
+    ids = _ids(tiny_config, tiny_lookup)[0]
+    h = torch.randn(2, 17, 24)
+    with torch.no_grad():
+        mem = m.read(ids)
+        torch.testing.assert_close(m(h, memory=mem), m(h, ids))
+        # The same weights with the table elsewhere: the module runs on gathered rows alone.
+        tableless = build_engram(tiny_config, 0, 24, table=None)
+        tableless.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith("table")})
+        torch.testing.assert_close(tableless(h, memory=mem), m(h, ids))
+
+
+def test_sparse_table_grad_touches_only_read_rows(tiny_config, tiny_lookup):
+    m = build_engram(tiny_config, 0, 24, sparse=True)
+    ids = _ids(tiny_config, tiny_lookup, t=5)[0]
+    m(torch.randn(2, 5, 24), ids).square().sum().backward()
+    g = m.table.weight.grad
+    assert g.is_sparse
+    touched = set(g.coalesce().indices()[0].tolist())
+    assert touched == set(m.rows(ids).flatten().tolist())
+
+
+def test_v41_build_uses_global_ids_fused_no_bias_no_conv(tiny_config, tiny_lookup):
+    cfg = tiny_config.replace(profile="v4.1")
+    m = build_engram(cfg, 2, 24, hc_mult=2)
+    assert m.short_conv is None and m.fused and m.kv_proj.bias is None and m.gate == "paper"
+    ids = NgramHasher(cfg, tiny_lookup).hash(torch.randint(0, 300, (1, 9)))[2]
+    assert torch.equal(m.rows(ids), ids)
+    assert m(torch.randn(1, 9, 2, 24), ids).shape == (1, 9, 2, 24)
+
+
+def test_official_state_dict_names(tiny_config):
+    keys = set(build_engram(tiny_config, 0, 24, hc_mult=2, conv_init="default").state_dict())
+    for k in ["value_proj.weight", "value_proj.bias", "key_projs.1.weight", "norm1.1.weight",
+              "norm2.0.weight", "short_conv.conv.weight", "short_conv.norms.1.weight", "table.weight"]:
+        assert k in keys
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+def test_bad_inputs_raise(tiny_config, tiny_lookup):
+    m = build_engram(tiny_config, 0, 24)
+    ids = _ids(tiny_config, tiny_lookup)[0]
+    h = torch.randn(2, 17, 24)
+    with pytest.raises(ValueError, match="out of range"):
+        m(h, ids + 1000)
+    with pytest.raises(ValueError, match="out of range"):
+        m(h, ids - 1000)
+    with pytest.raises(TypeError, match="integer"):
+        m(h, ids.float())
+    with pytest.raises(ValueError, match="heads"):
+        m(h, ids[..., :3])
+    with pytest.raises(ValueError, match="shape"):
+        m(h, ids[0])
+    with pytest.raises(ValueError, match="hidden"):
+        m(torch.randn(2, 17, 25), ids)
+    with pytest.raises(ValueError, match="memory"):
+        m(h, memory=torch.randn(2, 17, 5))
+    with pytest.raises(RuntimeError, match="no table"):
+        build_engram(tiny_config, 0, 24, table=None)(h, ids)
+    with pytest.raises(ValueError, match="hc_mult"):
+        build_engram(tiny_config, 0, 24, hc_mult=2)(h, ids)
+    with pytest.raises(KeyError, match="layer 7"):
+        build_engram(tiny_config, 7, 24)
+    with pytest.raises(ValueError, match="needs"):
+        build_engram(tiny_config, 0, 24, table=MemoryTable(10, 4))
+    with pytest.raises(ValueError, match="gate"):
+        Engram(None, None, 8, 8, gate="tanh")
+    with pytest.raises(ValueError, match="positive"):
+        MemoryTable(0, 4)
