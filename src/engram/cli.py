@@ -17,6 +17,16 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from .train import TrainConfig, parse_overrides, train
+
+    cfg = parse_overrides(TrainConfig, args.overrides)
+    run = train(cfg, resume=not args.no_resume)
+    last = run.history[-1] if run.history else {}
+    print(json.dumps({"out_dir": cfg.out_dir, "step": run.step, **last}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engram", description="Engram conditional memory for LMs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -27,17 +37,25 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--hidden-size", type=int, default=256)
     d.add_argument("--json", default=None, help="also write ids, hashes and gates here")
     d.set_defaults(func=_demo)
+    t = sub.add_parser("train", help="train an LM (--key=value overrides of TrainConfig)")
+    t.add_argument("--no-resume", action="store_true",
+                   help="refuse to continue from a checkpoint in out_dir")
+    t.set_defaults(func=_train)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, rest = build_parser().parse_known_args(argv)
+    if args.command == "train":
+        args.overrides = rest
+    elif rest:
+        build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     if getattr(args, "text", "") is None:
         from .demo import DEFAULT_TEXT
         args.text = DEFAULT_TEXT
     try:
         return args.func(args)
-    except (ValueError, TypeError, KeyError, FileNotFoundError) as e:
+    except (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError) as e:
         print(f"engram {args.command}: error: {e}", file=sys.stderr)
         return 2
 

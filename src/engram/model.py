@@ -1,0 +1,408 @@
+"""The reference decoder-only LM with Engram at chosen layers (paper section 2.1, figure 1).
+
+token embedding -> blocks -> final RMSNorm -> LM head. A block is, in order:
+    H <- H + Engram(H, hash ids)   (Engram layers only: the memory is added before attention & FFN)
+    H <- H + Attention(RMSNorm(H))  (RoPE, causal)
+    H <- H + FFN(RMSNorm(H))        (SwiGLU, or shared + routed top-k experts)
+With hyper-connections (hc_mult = m > 1) H is m branches and each "+" is a hyper-connection
+(``engram.layers.HyperConnection``); Engram then sees all branches and gates each one separately.
+
+Hash ids are computed outside (data loader, serving engine) from raw token ids; the model never
+hashes, so the tables' rows are known, and can be prefetched, before the forward pass.
+
+Shape legend:
+    b batch, t new positions, d model width, m residual branches, V model vocabulary,
+    H hash heads per Engram layer, h attention heads, e head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import EngramConfig
+from .layers import Block, MoE, SwiGLU, rope_tables
+from .module import GATES, Engram, EngramState, build_engram
+from .store import TableStore
+
+
+@dataclass
+class ModelConfig:
+    # The model's own vocabulary (possibly a restricted one); hash ids come from raw ids separately.
+    vocab_size: int = 32768
+    # Number of transformer blocks.
+    n_layer: int = 12
+    # Model width d.
+    d_model: int = 768
+    # Attention heads; d_model must divide evenly, and the head dim must be even (RoPE pairs).
+    n_head: int = 12
+    # Dense SwiGLU hidden width; None -> 8/3 * d_model rounded up to a multiple of 32 (LLaMA).
+    d_ff: int | None = None
+    # Longest sequence (RoPE tables and the default decode cache length).
+    max_seq_len: int = 2048
+    # RoPE base frequency.
+    rope_base: float = 10000.0
+    # Epsilon of every RMSNorm in the backbone.
+    norm_eps: float = 1e-5
+    # Std of the normal init of dense weights (residual output projections get std/sqrt(2*n_layer)).
+    init_std: float = 0.02
+    # Share the input embedding with the LM head.
+    tie_embeddings: bool = False
+    # DeepSeekMoE (shared + routed experts) instead of the dense FFN, from first_dense_layers on.
+    moe: bool = False
+    # Routed experts per MoE layer (E).
+    n_routed_experts: int = 8
+    # Always-on shared experts per MoE layer.
+    n_shared_experts: int = 1
+    # Routed experts each token uses (k).
+    top_k: int = 2
+    # Expert hidden width; None -> d_ff // (n_shared + top_k), so the activated FFN matches dense.
+    d_expert: int | None = None
+    # Weight of the load-balancing loss (DeepSeek expert-level balance loss), added to aux_loss.
+    aux_loss_coef: float = 0.01
+    # Leading layers that keep a dense FFN even when moe=True (DeepSeek's first_k_dense_replace).
+    first_dense_layers: int = 0
+    # Hyper-connection branches m (Zhu et al. 2024); 1 = the plain residual stream.
+    hc_mult: int = 1
+    # Engram retrieval config (its layer_ids say which blocks get Engram); None = no Engram.
+    engram: EngramConfig | None = None
+    # Engram gate: "paper" or "demo"; None = the profile's default.
+    engram_gate: str | None = None
+    # Engram short conv on/off; None = the profile's default (demo-v1 on, v4.1 off).
+    engram_conv: bool | None = None
+    # Tables produce sparse row gradients (pair with a row-wise optimiser, e.g. torch SparseAdam).
+    sparse_tables: bool = True
+    # Std of the tables' normal init (1.0 = nn.Embedding and the official demo).
+    table_init_std: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.engram, dict):
+            self.engram = EngramConfig.from_dict(self.engram)
+        for name in ("vocab_size", "n_layer", "d_model", "n_head", "max_seq_len", "hc_mult"):
+            _positive(name, getattr(self, name))
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
+        if (self.d_model // self.n_head) % 2:
+            raise ValueError(f"head dim d_model/n_head={self.d_model // self.n_head} must be even "
+                             "(RoPE rotates pairs of channels)")
+        for name in ("rope_base", "norm_eps", "init_std", "table_init_std"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.d_ff is None:
+            self.d_ff = 32 * math.ceil(8 * self.d_model / 3 / 32)
+        _positive("d_ff", self.d_ff)
+        if self.moe:
+            _positive("n_routed_experts", self.n_routed_experts)
+            _positive("top_k", self.top_k)
+            if self.n_shared_experts < 0:
+                raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
+            if self.top_k > self.n_routed_experts:
+                raise ValueError(f"top_k={self.top_k} > n_routed_experts={self.n_routed_experts}")
+            if self.d_expert is None:
+                self.d_expert = max(1, self.d_ff // (self.n_shared_experts + self.top_k))
+            _positive("d_expert", self.d_expert)
+            if self.aux_loss_coef < 0:
+                raise ValueError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+            if not 0 <= self.first_dense_layers <= self.n_layer:
+                raise ValueError(f"first_dense_layers={self.first_dense_layers} must be in "
+                                 f"[0, n_layer={self.n_layer}]")
+        if self.engram is not None:
+            if not isinstance(self.engram, EngramConfig):
+                raise TypeError(f"engram must be an EngramConfig or None, got {type(self.engram)}")
+            bad = [i for i in self.engram.layer_ids if i >= self.n_layer]
+            if bad:
+                raise ValueError(f"Engram layer ids {bad} are out of range for n_layer="
+                                 f"{self.n_layer} (layers are 0-based)")
+        if self.engram_gate is not None and self.engram_gate not in GATES:
+            raise ValueError(f"engram_gate must be one of {GATES} or None, "
+                             f"got {self.engram_gate!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def engram_layers(self) -> list[int]:
+        return [] if self.engram is None else list(self.engram.layer_ids)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe and layer >= self.first_dense_layers
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["engram"] = None if self.engram is None else self.engram.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields: {unknown}")
+        return cls(**d)
+
+
+def _positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [b, t, V]
+    aux_loss: torch.Tensor  # scalar: MoE load-balancing loss (already weighted), 0 without MoE
+    gates: dict[int, torch.Tensor] | None = None  # {layer: alpha [b, t, m]} when asked
+
+
+@dataclass
+class DecodeCache:
+    """Everything a cached forward needs to continue a batch of sequences at position ``pos``."""
+
+    keys: list[torch.Tensor]  # per layer [b, h, max_len, e]
+    values: list[torch.Tensor]  # per layer [b, h, max_len, e]
+    engram: dict[int, EngramState] = field(default_factory=dict)  # per Engram layer: conv context
+    pos: int = 0  # positions already processed (the next token's position)
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].shape[2]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` (beam search, batch compaction)."""
+        self.keys = [k.index_select(0, index.to(k.device)) for k in self.keys]
+        self.values = [v.index_select(0, index.to(v.device)) for v in self.values]
+        for state in self.engram.values():
+            state.reorder(index)
+
+
+def build_ffn(config: ModelConfig, layer: int) -> nn.Module:
+    if config.is_moe_layer(layer):
+        return MoE(config.d_model, config.n_routed_experts, config.n_shared_experts, config.top_k,
+                   config.d_expert, config.aux_loss_coef)
+    return SwiGLU(config.d_model, config.d_ff)
+
+
+def build_block(config: ModelConfig, layer: int,
+                table: TableStore | None | str = "memory") -> Block:
+    engram = None
+    if layer in config.engram_layers:
+        engram = build_engram(config.engram, layer, config.d_model, config.hc_mult,
+                              gate=config.engram_gate, conv=config.engram_conv, table=table,
+                              sparse=config.sparse_tables, init_std=config.table_init_std)
+    return Block(config.d_model, config.n_head, build_ffn(config, layer), norm_eps=config.norm_eps,
+                 engram=engram, hc_mult=config.hc_mult, index=layer)
+
+
+class EngramLM(nn.Module):
+    """Decoder-only LM; ``tables`` puts given layers' rows in another store (kept as it is)."""
+
+    def __init__(self, config: ModelConfig, tables: dict[int, TableStore | None] | None = None):
+        super().__init__()
+        tables = dict(tables or {})
+        extra = sorted(set(tables) - set(config.engram_layers))
+        if extra:
+            raise ValueError(f"tables given for layers {extra} without Engram "
+                             f"(Engram layers: {config.engram_layers})")
+        self.config = config
+        self._own_tables = [i for i in config.engram_layers if i not in tables]
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList([build_block(config, i, tables.get(i, "memory"))
+                                     for i in range(config.n_layer)])
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, e/2]
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    # -- initialisation (all of it) ----------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        c = self.config
+        std, out_std = c.init_std, c.init_std / math.sqrt(2 * c.n_layer)  # GPT-2 residual scaling
+        nn.init.normal_(self.embed.weight, std=std)
+        if not c.tie_embeddings:
+            nn.init.normal_(self.head.weight, std=std)
+        for module in self.modules():
+            if isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+        for i, block in enumerate(self.blocks):
+            nn.init.normal_(block.attn.qkv.weight, std=std)
+            nn.init.normal_(block.attn.proj.weight, std=out_std)
+            ffn = block.ffn
+            swiglu = ffn if isinstance(ffn, SwiGLU) else ffn.shared  # MoE: its shared experts
+            if swiglu is not None:
+                nn.init.normal_(swiglu.w1.weight, std=std)
+                nn.init.normal_(swiglu.w3.weight, std=std)
+                nn.init.normal_(swiglu.w2.weight, std=out_std)
+            if isinstance(ffn, MoE):
+                nn.init.normal_(ffn.router.weight, std=std)
+                nn.init.normal_(ffn.w1, std=std)
+                nn.init.normal_(ffn.w3, std=std)
+                nn.init.normal_(ffn.w2, std=out_std)
+            for hc in (block.attn_hc, block.ffn_hc):
+                if hc is not None:  # identity at the start: every branch is the plain residual
+                    hc.mix.copy_(F.one_hot(torch.tensor(hc.index % hc.hc_mult), hc.hc_mult))
+                    hc.res.copy_(torch.eye(hc.hc_mult))
+                    hc.out.fill_(1.0)
+            if block.engram is not None:
+                self._init_engram(block.engram, own_table=i in self._own_tables)
+
+    def _init_engram(self, engram: Engram, own_table: bool) -> None:
+        for module in engram.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=self.config.init_std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        if own_table:  # a table passed in by the caller brings its own (trained) rows
+            nn.init.normal_(engram.table.weight, std=self.config.table_init_std)
+        # Zero conv (paper 2.3): Y = alpha * v at the start, a pure gated lookup.
+        engram.init_weights()
+
+    # -- forward -----------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, hash_ids: dict[int, torch.Tensor] | None = None, *,
+                cache: DecodeCache | None = None, return_gates: bool = False) -> ModelOutput:
+        """tokens [b, t] (model-vocabulary ids) -> logits [b, t, V].
+
+        With ``cache`` only the new tokens are passed; they sit at positions cache.pos.. and the
+        cache advances by t. ``hash_ids`` then hold the new tokens' ids only (``HashStream.step``).
+        """
+        self._check_inputs(tokens, hash_ids, cache)
+        b, t = tokens.shape
+        m = self.config.hc_mult
+        pos = 0 if cache is None else cache.pos
+        cos, sin = self.rope_cos[pos:pos + t], self.rope_sin[pos:pos + t]  # [t, e/2]
+        h = self.embed(tokens)  # [b, t, d]
+        if m > 1:
+            h = h.unsqueeze(2).expand(b, t, m, h.shape[-1]).contiguous()  # [b, t, m, d] copies
+        aux = h.new_zeros(())
+        gates = {}
+        for i, block in enumerate(self.blocks):
+            kv = None if cache is None else (cache.keys[i], cache.values[i])
+            state = None if cache is None else cache.engram.get(i)
+            ids = None if block.engram is None else hash_ids[i]
+            h, a, g = block(h, cos, sin, ids, kv=kv, pos=pos, state=state, return_gate=return_gates)
+            if a is not None:
+                aux = aux + a
+            if g is not None:
+                gates[i] = g
+        if m > 1:
+            # Branches are summed in the HC paper; the mean is the same after RMSNorm (up to eps)
+            # and makes an m-branch model at init exactly the plain-residual one.
+            h = h.mean(dim=2)  # [b, t, d]
+        logits = self.head(self.norm(h))  # [b, t, V]
+        if cache is not None:
+            cache.pos += t
+        return ModelOutput(logits, aux, gates if return_gates else None)
+
+    def _check_inputs(self, tokens, hash_ids, cache) -> None:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
+            raise ValueError(f"tokens must be an integer tensor [batch, seq], got "
+                             f"{getattr(tokens, 'shape', type(tokens))}")
+        b, t = tokens.shape
+        v = self.config.vocab_size
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= v):
+            raise ValueError(f"token ids must be in [0, vocab_size={v}), got "
+                             f"[{int(tokens.min())}, {int(tokens.max())}]")
+        pos = 0 if cache is None else cache.pos
+        if pos + t > self.config.max_seq_len:
+            raise ValueError(f"positions up to {pos + t} exceed "
+                             f"max_seq_len={self.config.max_seq_len}")
+        if cache is not None:
+            if b != cache.batch_size:
+                raise ValueError(f"batch of {b} rows but the cache holds {cache.batch_size}")
+            if pos + t > cache.max_len:
+                raise ValueError(f"cache full: {pos} + {t} new positions > max_len={cache.max_len}")
+        layers = self.config.engram_layers
+        given = sorted(hash_ids or {})
+        if layers and hash_ids is None:
+            raise ValueError(f"this model has Engram at layers {layers}: pass hash_ids={{layer: "
+                             "LongTensor[b, t, H]} computed by engram.NgramHasher from raw ids")
+        missing = sorted(set(layers) - set(given))
+        extra = sorted(set(given) - set(layers))
+        if missing or extra:
+            raise ValueError(f"hash_ids layers {given} do not match the model's Engram layers "
+                             f"{layers} (missing {missing}, unexpected {extra})")
+        for lid in layers:
+            if tuple(hash_ids[lid].shape[:2]) != (b, t):
+                raise ValueError(f"hash_ids[{lid}] has shape {tuple(hash_ids[lid].shape)}, "
+                                 f"expected [{b}, {t}, H] to match tokens")
+
+    def loss(self, output: ModelOutput, targets: torch.Tensor, *,
+             ignore_index: int = -100) -> torch.Tensor:
+        """Mean next-token cross entropy over targets [b, t] (already shifted) + MoE aux loss."""
+        ce = F.cross_entropy(output.logits.flatten(0, 1).float(), targets.flatten(),
+                             ignore_index=ignore_index)
+        return ce + output.aux_loss
+
+    # -- decoding ----------------------------------------------------------------------------------
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> DecodeCache:
+        """An empty cache for ``batch_size`` sequences of up to ``max_len`` (or max_seq_len)."""
+        c = self.config
+        max_len = c.max_seq_len if max_len is None else max_len
+        if not 0 < max_len <= c.max_seq_len:
+            raise ValueError(f"max_len must be in [1, max_seq_len={c.max_seq_len}], got {max_len}")
+        w = self.embed.weight
+        shape = (batch_size, c.n_head, max_len, c.head_dim)
+        return DecodeCache(
+            keys=[torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in range(c.n_layer)],
+            values=[torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in range(c.n_layer)],
+            engram={i: EngramState() for i in c.engram_layers})
+
+    # -- parameters --------------------------------------------------------------------------------
+    def engrams(self) -> dict[int, Engram]:
+        return {i: b.engram for i, b in enumerate(self.blocks) if b.engram is not None}
+
+    def table_parameters(self) -> Iterator[nn.Parameter]:
+        """The Engram tables' parameters (sparse, row-wise optimiser, no weight decay)."""
+        for engram in self.engrams().values():
+            if isinstance(engram.table, nn.Module):
+                yield from engram.table.parameters()
+
+    def dense_parameters(self) -> Iterator[nn.Parameter]:
+        """Every other parameter (each shared one once)."""
+        tables = {id(p) for p in self.table_parameters()}
+        return (p for p in self.parameters() if id(p) not in tables)
+
+    def param_counts(self) -> dict[str, int]:
+        """Parameter accounting; the convention is applied identically to every variant.
+
+        - ``total``: all parameters: embeddings, head, every expert, the tables (also when they live
+          in an outside store, counted as rows x width).
+        - ``table``: Engram table entries (the memory; the "sparse" parameters of the Engram side).
+        - ``embedding`` / ``head``: input embedding / LM head (head 0 when tied).
+        - ``routed_inactive``: routed experts a token does not use, (E - k) per MoE layer.
+        - ``active``: parameters used per token, ~ FLOPs/2: total - table - routed_inactive - the
+          input embedding when untied (a lookup, no FLOPs, like the tables). The LM head is a matmul
+          and counts; tied, the shared matrix counts once, as the head.
+        - ``total_non_embedding`` / ``active_non_embedding``: the same without embedding and head,
+          the paper's P_tot and P_act (section 3); ``sparse`` = P_tot - P_act = table +
+          routed_inactive, so the paper's allocation ratio is rho = routed_inactive / sparse.
+        """
+        c = self.config
+        dense = sum(p.numel() for p in self.dense_parameters())
+        table = sum(e.table.num_rows * e.table.dim for e in self.engrams().values()
+                    if e.table is not None)
+        total = dense + table
+        embedding = self.embed.weight.numel()
+        head = 0 if c.tie_embeddings else self.head.weight.numel()
+        routed_inactive = sum((b.ffn.n_routed - b.ffn.top_k) * b.ffn.params_per_expert
+                              for b in self.blocks if isinstance(b.ffn, MoE))
+        active = total - table - routed_inactive - (0 if c.tie_embeddings else embedding)
+        return {
+            "total": total, "table": table, "embedding": embedding, "head": head,
+            "routed_inactive": routed_inactive, "active": active,
+            "total_non_embedding": total - embedding - head,
+            "active_non_embedding": active - c.vocab_size * c.d_model,
+            "sparse": table + routed_inactive,
+        }

@@ -1,0 +1,294 @@
+"""Train an Engram (or dense, or MoE) language model on the package corpus.
+
+One flat dataclass config, `--key=value` overrides, warmup + cosine schedule, gradient accumulation,
+periodic validation, JSONL metrics, tqdm progress, atomic safetensors checkpoints and exact resume:
+batches depend on (seed, step) alone and the RNG state is saved, so a run killed at any point and
+resumed reaches the same losses as one that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .compress import build_compression
+from .config import EngramConfig
+from .data import Corpus, DataConfig, TokenBatches, build_corpus, val_batches
+from .hashing import NgramHasher
+from .model import EngramLM, ModelConfig
+from .optim import build_optimizers, clip_grad_norm_
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "runs/engram"  # checkpoints, metrics.jsonl, config.json
+    seed: int = 0  # model init and batch order
+    # -- data --
+    sources: tuple[str, ...] = ("kjv", "peoples-daily")
+    max_chars: int | None = None  # per source; None = all the text
+    val_fraction: float = 0.05
+    # -- backbone --
+    n_layer: int = 4
+    d_model: int = 128
+    n_head: int = 4
+    d_ff: int | None = None  # None: SwiGLU default (~8/3 d)
+    seq_len: int = 128
+    tie_embeddings: bool = True
+    hc_mult: int = 1  # hyper-connection branches
+    # -- MoE (replaces the FFN) --
+    moe: bool = False
+    n_routed_experts: int = 8
+    n_shared_experts: int = 1
+    top_k: int = 1
+    d_expert: int | None = None
+    # -- Engram --
+    engram: bool = True
+    engram_layers: tuple[int, ...] = (1,)  # paper ablation: an early layer is best for one module
+    table_size: int = 20_000  # rows per head before rounding up to a prime
+    max_ngram_size: int = 3
+    n_head_per_ngram: int = 4
+    n_embed_per_ngram: int = 128  # d_ngram; head dim = d_ngram / heads
+    engram_gate: str | None = None  # None: the profile's default
+    table_init_std: float = 1.0
+    # -- optimisation --
+    steps: int = 300
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 3e-3
+    table_lr_mult: float = 5.0  # paper: tables at 5x the learning rate, no weight decay
+    weight_decay: float = 0.1
+    warmup: int = 30
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    # -- bookkeeping --
+    eval_every: int = 100
+    eval_batches: int = 8
+    ckpt_every: int = 100
+    log_every: int = 10
+    threads: int | None = None  # torch threads; None leaves the default
+
+    def __post_init__(self) -> None:
+        self.sources, self.engram_layers = tuple(self.sources), tuple(self.engram_layers)
+        for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches",
+                     "ckpt_every", "log_every", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup < 0:
+            raise ValueError("need lr > 0, 0 <= min_lr_ratio <= 1 and warmup >= 0")
+
+    def engram_config(self) -> EngramConfig | None:
+        if not self.engram:
+            return None
+        return EngramConfig(
+            engram_vocab_size=[self.table_size] * (self.max_ngram_size - 1),
+            max_ngram_size=self.max_ngram_size, n_embed_per_ngram=self.n_embed_per_ngram,
+            n_head_per_ngram=self.n_head_per_ngram, layer_ids=list(self.engram_layers),
+            pad_id=1, seed=self.seed)  # pad = DeepSeek's EOS, which also separates documents
+
+    def model_config(self, vocab_size: int) -> ModelConfig:
+        return ModelConfig(
+            vocab_size=vocab_size, n_layer=self.n_layer, d_model=self.d_model, n_head=self.n_head,
+            d_ff=self.d_ff, max_seq_len=self.seq_len, tie_embeddings=self.tie_embeddings,
+            hc_mult=self.hc_mult, moe=self.moe, n_routed_experts=self.n_routed_experts,
+            n_shared_experts=self.n_shared_experts, top_k=self.top_k, d_expert=self.d_expert,
+            engram=self.engram_config(), engram_gate=self.engram_gate, sparse_tables=True,
+            table_init_std=self.table_init_std)
+
+    def data_config(self) -> DataConfig:
+        return DataConfig(sources=self.sources, max_chars=self.max_chars,
+                          val_fraction=self.val_fraction)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def parse_overrides(cls, args: list[str], base: Any = None):
+    """``["--steps=100", "--engram=false", "--engram_layers=1,3"]`` -> a ``cls`` instance."""
+    types = {f.name: f.type for f in fields(cls)}
+    values = dataclasses.asdict(base) if base is not None else {}
+    for a in args:
+        if not a.startswith("--") or "=" not in a:
+            raise ValueError(f"overrides look like --key=value, got {a!r}")
+        key, raw = a[2:].split("=", 1)
+        key = key.replace("-", "_")
+        if key not in types:
+            raise ValueError(f"unknown option {key!r}; known: {', '.join(sorted(types))}")
+        values[key] = _parse_value(str(types[key]), raw, key)
+    return cls(**values)
+
+
+def _parse_value(type_name: str, raw: str, key: str) -> Any:
+    if raw.lower() == "none" and "None" in type_name:
+        return None
+    try:
+        if type_name.startswith("tuple"):
+            inner = int if "int" in type_name else str
+            return tuple(inner(x) for x in raw.split(",") if x != "")
+        if type_name.startswith("bool"):
+            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1", "yes")
+        if type_name.startswith("int"):
+            return int(raw)
+        if type_name.startswith("float"):
+            return float(raw)
+    except ValueError as e:
+        raise ValueError(f"bad value for --{key}: {raw!r} (expected {type_name})") from e
+    return raw
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio * lr at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(1, cfg.steps - cfg.warmup)
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup) / span)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
+
+
+@dataclass
+class Run:
+    """Everything one training run holds."""
+    cfg: TrainConfig
+    corpus: Corpus
+    hasher: NgramHasher | None
+    model: EngramLM
+    batches: TokenBatches
+    optim: Any
+    step: int = 0
+    history: list[dict] = field(default_factory=list)
+
+
+def build_run(cfg: TrainConfig, corpus: Corpus | None = None) -> Run:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    corpus = corpus if corpus is not None else build_corpus(cfg.data_config())
+    ecfg = cfg.engram_config()
+    # Compression always uses the full tokenizer, whatever the model's restricted vocabulary.
+    hasher = NgramHasher(ecfg, build_compression()) if ecfg is not None else None
+    torch.manual_seed(cfg.seed)
+    model = EngramLM(cfg.model_config(corpus.vocab_size))
+    batches = TokenBatches(corpus.train, cfg.batch_size, cfg.seq_len, corpus, hasher, seed=cfg.seed)
+    optim = build_optimizers(model, cfg.lr, weight_decay=cfg.weight_decay,
+                             table_lr_mult=cfg.table_lr_mult)
+    return Run(cfg, corpus, hasher, model, batches, optim)
+
+
+@torch.no_grad()
+def evaluate(run: Run, max_batches: int | None = None) -> float:
+    """Mean next-token cross entropy (nats) over the fixed validation sweep."""
+    run.model.eval()
+    total, count = 0.0, 0
+    for b in val_batches(run.corpus.val, run.cfg.batch_size, run.cfg.seq_len, run.corpus,
+                         run.hasher, max_batches=max_batches or run.cfg.eval_batches):
+        logits = run.model(b.inputs, b.hash_ids).logits
+        total += float(torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), b.targets.flatten(), reduction="sum"))
+        count += b.targets.numel()
+    run.model.train()
+    return total / max(count, 1)
+
+
+def _state(run: Run) -> dict[str, Any]:
+    return {"model": run.model.state_dict(), "optim": run.optim.state_dict(),
+            "rng": torch.get_rng_state()}
+
+
+def save(run: Run) -> Path:
+    return save_checkpoint(Path(run.cfg.out_dir) / "checkpoints", run.step, _state(run),
+                           {"config": run.cfg.to_dict(), "history": run.history})
+
+
+def _comparable(d: dict[str, Any]) -> dict[str, Any]:
+    """Fields that must match to resume: everything but the bookkeeping."""
+    skip = {"out_dir", "steps", "eval_every", "eval_batches", "ckpt_every", "log_every", "threads"}
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k not in skip}
+
+
+def try_resume(run: Run) -> bool:
+    """Load the newest checkpoint of run.cfg.out_dir, if any. Refuses one from another config."""
+    path = latest_checkpoint(Path(run.cfg.out_dir) / "checkpoints")
+    if path is None:
+        return False
+    state, meta, step = load_checkpoint(path)
+    ours, theirs = _comparable(run.cfg.to_dict()), _comparable(meta["config"])
+    if ours != theirs:
+        diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+        raise CheckpointError(f"checkpoint {path} was written with another config (differs in "
+                              f"{diff}); use another --out_dir or the same config")
+    try:
+        run.model.load_state_dict(state["model"])
+        run.optim.load_state_dict(state["optim"])
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} does not fit this model: {e}") from e
+    torch.set_rng_state(state["rng"])
+    run.step, run.history = step, meta["history"]
+    return True
+
+
+def _log(run: Run, record: dict) -> None:
+    run.history.append(record)
+    with open(Path(run.cfg.out_dir) / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def train(cfg: TrainConfig, corpus: Corpus | None = None, progress: bool = True,
+          resume: bool = True) -> Run:
+    """Train to cfg.steps; resumes from out_dir's checkpoint when there is one (and resume=True)."""
+    out = Path(cfg.out_dir)
+    run = build_run(cfg, corpus)
+    if latest_checkpoint(out / "checkpoints") is not None:
+        if not resume:
+            raise CheckpointError(f"{out} already holds a checkpoint; pass resume=True or use "
+                                  "another out_dir (nothing was overwritten)")
+        try_resume(run)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    if run.step == 0:
+        (out / "metrics.jsonl").write_text("")
+    else:  # drop records past the checkpoint: they will be written again, identically
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run.history))
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=cfg.steps, initial=run.step, disable=not progress, desc=Path(cfg.out_dir).name,
+               dynamic_ncols=True)
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+    t_last, window = time.perf_counter(), 0
+    while run.step < cfg.steps:
+        lr = lr_at(run.step, cfg)
+        run.optim.set_lr(lr)
+        loss_sum = 0.0
+        for micro in range(cfg.grad_accum):
+            b = run.batches.batch(run.step * cfg.grad_accum + micro)
+            out_ = run.model(b.inputs, b.hash_ids)
+            loss = run.model.loss(out_, b.targets) / cfg.grad_accum
+            loss.backward()
+            loss_sum += float(loss.detach())
+        clip_grad_norm_([p for p in run.model.parameters() if p.grad is not None], cfg.grad_clip)
+        run.optim.step()
+        run.optim.zero_grad(set_to_none=True)
+        run.step += 1
+        window += 1
+        bar.update(1)
+        if run.step % cfg.log_every == 0 or run.step == cfg.steps:
+            now = time.perf_counter()
+            rec = {"step": run.step, "loss": loss_sum, "lr": lr, "tokens": run.step * tokens_per_step,
+                   "tok_s": window * tokens_per_step / max(now - t_last, 1e-9)}
+            if run.step % cfg.eval_every == 0 or run.step == cfg.steps:
+                rec["val_loss"] = evaluate(run)
+            _log(run, rec)
+            t_last, window = time.perf_counter(), 0  # evaluation time is not training time
+            bar.set_postfix(loss=f"{loss_sum:.3f}", **({"val": f"{rec['val_loss']:.3f}"}
+                                                      if "val_loss" in rec else {}))
+        if run.step % cfg.ckpt_every == 0 or run.step == cfg.steps:
+            save(run)
+    bar.close()
+    return run
