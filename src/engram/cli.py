@@ -27,6 +27,40 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from .compare import CompareConfig, run_compare
+    from .train import TrainConfig, parse_overrides
+
+    own = {f.name for f in dataclasses.fields(CompareConfig)}
+    mine = [a for a in args.overrides if a[2:].split("=", 1)[0].replace("-", "_") in own]
+    rest = [a for a in args.overrides if a not in mine]
+    cc = parse_overrides(CompareConfig, mine)
+    summary = run_compare(cc, parse_overrides(TrainConfig, rest))
+    runs = summary["runs"]
+    print(" ".join(f"{k}: {v['val_loss']:.4f}" for k, v in runs.items())
+          + f" | engram gain vs dense {summary['engram_gain_vs_dense']:.4f} nats; "
+          f"wrote {cc.out_dir}/results.json, loss.png, report.md, gates.html")
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from .sweep import SweepConfig, run_sweep
+    from .train import TrainConfig, parse_overrides
+
+    own = {f.name for f in dataclasses.fields(SweepConfig)}
+    mine = [a for a in args.overrides if a[2:].split("=", 1)[0].replace("-", "_") in own]
+    sc = parse_overrides(SweepConfig, mine)
+    base = parse_overrides(TrainConfig, [a for a in args.overrides if a not in mine])
+    summary = run_sweep(args.command.split("-", 1)[1], sc, base)
+    print(" ".join(f"{p['name']}: {p['val_loss']:.4f}" for p in summary["points"])
+          + f" | best {summary['best']['name']}; wrote {sc.out_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engram", description="Engram conditional memory for LMs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -41,12 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-resume", action="store_true",
                    help="refuse to continue from a checkpoint in out_dir")
     t.set_defaults(func=_train)
+    c = sub.add_parser("compare", help="dense vs Engram vs MoE on the default corpus (the main job); "
+                       "--key=value overrides of CompareConfig and TrainConfig")
+    c.set_defaults(func=_compare)
+    for kind, what in (("allocation", "split a fixed sparse budget between experts and Engram (rhos)"),
+                       ("slots", "fixed backbone, Engram tables of growing size")):
+        sw = sub.add_parser(f"sweep-{kind}", help=f"{what}; --key=value overrides")
+        sw.set_defaults(func=_sweep)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
-    if args.command == "train":
+    if args.command in ("train", "compare", "sweep-allocation", "sweep-slots"):
         args.overrides = rest
     elif rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")

@@ -142,10 +142,11 @@ class NgramHasher:
         b, t = xc.shape
         n_max = self.config.max_ngram_size
         dead = xc == DEAD
-        x = torch.where(dead, self.pad, xc) if dead.any() else xc
+        any_dead = bool(dead.any())
+        x = torch.where(dead, self.pad, xc) if any_dead else xc
         padded = torch.nn.functional.pad(x, (n_max - 1, 0), value=self.pad)  # [b, N-1+t]
         shifts = torch.stack([padded[:, n_max - 1 - j: n_max - 1 - j + t] for j in range(n_max)])
-        if dead.any():
+        if any_dead:
             pos = torch.arange(t, device=xc.device)
             last_dead = torch.cummax(torch.where(dead, pos, -1), dim=1).values  # [b, t]
             js = torch.arange(n_max, device=xc.device)[:, None, None]

@@ -75,7 +75,7 @@ class ModelConfig:
     engram_gate: str | None = None
     # Engram short conv on/off; None = the profile's default (demo-v1 on, v4.1 off).
     engram_conv: bool | None = None
-    # Tables produce sparse row gradients (pair with a row-wise optimiser, e.g. torch SparseAdam).
+    # Tables produce sparse row gradients (pair with a row-wise optimiser, engram.optim.RowAdam).
     sparse_tables: bool = True
     # Std of the tables' normal init (1.0 = nn.Embedding and the official demo).
     table_init_std: float = 1.0
