@@ -18,6 +18,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by torchrun: sharded tables + DDP
+        from .distributed import cli_train_distributed
+        return cli_train_distributed(args.overrides + (["--no-resume"] if args.no_resume else []))
     from .train import TrainConfig, parse_overrides, train
 
     cfg = parse_overrides(TrainConfig, args.overrides)

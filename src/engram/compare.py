@@ -50,7 +50,8 @@ def budget(base: TrainConfig, cc: CompareConfig) -> TrainConfig:
     """The shared token budget and bookkeeping of every run of a study."""
     return dataclasses.replace(base, steps=cc.steps, batch_size=cc.batch_size, seq_len=cc.seq_len,
                                eval_every=cc.eval_every, eval_batches=cc.eval_batches,
-                               ckpt_every=cc.steps, log_every=10, warmup=max(1, cc.steps // 10))
+                               ckpt_every=cc.steps, log_every=10, warmup=max(1, cc.steps // 10),
+                               final_eval_full=True)
 
 
 def counts(cfg: TrainConfig, vocab: int) -> dict[str, int]:
@@ -157,7 +158,10 @@ def summarise(results: list[dict], configs: dict[str, TrainConfig], corpus, wall
         noise[name] = max(losses) - min(losses) if len(losses) > 1 else None
     gap = runs["dense"]["val_loss"] - runs["engram"]["val_loss"]
     spread = [n for n in noise.values() if n is not None]
-    return {"runs": runs, "noise_seed_spread": noise,
+    # Same seed = same batch order for every variant, so per-seed differences are paired.
+    paired = [d - e for d, e in zip(runs["dense"]["val_loss_per_seed"],
+                                    runs["engram"]["val_loss_per_seed"])]
+    return {"runs": runs, "noise_seed_spread": noise, "engram_gain_per_seed": paired,
             "engram_gain_vs_dense": gap, "engram_gain_vs_moe": runs["moe"]["val_loss"] -
             runs["engram"]["val_loss"], "gain_over_max_noise": gap / max(spread) if spread and
             max(spread) > 0 else None, "corpus": {"vocab": corpus.vocab_size,

@@ -116,10 +116,10 @@ def _adapter(tokenizer):
     if isinstance(tokenizer, Tokenizer):
         v = tokenizer.get_vocab_size(with_added_tokens=True)
         return (v, lambda ids: tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False),
-                tokenizer.id_to_token, tokenizer.to_str())
+                tokenizer.id_to_token, _stable_str(tokenizer))
     if hasattr(tokenizer, "convert_ids_to_tokens") and hasattr(tokenizer, "decode"):
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        serial = backend.to_str() if backend is not None else json.dumps(
+        serial = _stable_str(backend) if backend is not None else json.dumps(
             sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
         serial += json.dumps(sorted((str(k), str(v)) for k, v in tokenizer.get_added_vocab().items()))
 
@@ -129,6 +129,19 @@ def _adapter(tokenizer):
         return len(tokenizer), decode, tokenizer.convert_ids_to_tokens, serial
     raise TypeError("tokenizer must be a tokenizers.Tokenizer or a transformers tokenizer, "
                     f"got {type(tokenizer).__name__}")
+
+
+def _stable_str(tok) -> str:
+    """``to_str()`` without padding/truncation: a transformers tokenizer stores them in its backend
+    when called with ``padding=True``, and a runtime setting must not change the fingerprint."""
+    if tok.padding is None and tok.truncation is None:
+        return tok.to_str()
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(tok.to_str())
+    copy.no_padding()
+    copy.no_truncation()
+    return copy.to_str()
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -401,13 +401,20 @@ class TokenBatches:
 
 def val_batches(tokens: np.ndarray, batch_size: int, seq_len: int, corpus: Corpus,
                 hasher: NgramHasher | None = None, max_batches: int | None = None) -> Iterator[Batch]:
-    """Consecutive non-overlapping windows from the start of the stream (the last batch may be
-    smaller), so every validation token is predicted once and every evaluation sees the same ones."""
+    """Non-overlapping windows in stream order (the last batch may be smaller), so every
+    validation token is predicted once and every evaluation sees the same ones.
+
+    With ``max_batches`` below the full sweep, the windows kept are spread evenly over the whole
+    stream: the stream is sources back to back, and its head alone would measure one source.
+    """
     raw = _check_stream(tokens, batch_size, seq_len)  # checked now, not at the first next()
     local = corpus.to_local(raw).astype(np.int32)
     starts = np.arange((len(raw) - 1) // seq_len) * seq_len  # [windows]
     n = -(-len(starts) // batch_size)  # ceil: a smaller last batch, no token left out
-    n = n if max_batches is None else min(n, max_batches)
+    if max_batches is not None and max_batches < n:
+        n = max_batches
+        keep = np.linspace(0, len(starts) - 1, n * batch_size).round().astype(np.int64)
+        starts = starts[np.unique(keep)]
 
     def gen() -> Iterator[Batch]:
         for i in range(n):

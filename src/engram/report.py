@@ -116,6 +116,8 @@ def write_report(summary: dict[str, Any], path: Path) -> None:
               f"{'lower' if gain > 0 else 'higher'} by {abs(gain):.4f} nats, "
               f"{'' if ratio is None else f'{ratio:.1f}x '}the largest seed-to-seed spread "
               f"({verdict} run-to-run noise).",
+              f"- Paired by seed (same batch order): Engram's gain over dense is "
+              f"{', '.join(f'{g:+.4f}' for g in summary.get('engram_gain_per_seed', []))} nats.",
               f"- Engram vs MoE at equal total parameters: Engram is "
               f"{'better' if vs_moe > 0 else 'worse'} by {abs(vs_moe):.4f} nats.",
               "- The tables are the only extra parameters of the Engram model and are updated "

@@ -73,7 +73,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     # -- bookkeeping --
     eval_every: int = 100
-    eval_batches: int = 8
+    eval_batches: int = 8  # validation batches per evaluation, spread over the whole val stream
+    final_eval_full: bool = False  # evaluate the last step on every validation token
     ckpt_every: int = 100
     log_every: int = 10
     threads: int | None = None  # torch threads; None leaves the default
@@ -168,6 +169,7 @@ class Run:
     optim: Any
     step: int = 0
     history: list[dict] = field(default_factory=list)
+    window: tuple[int, float] = (0, 0.0)  # steps and summed loss since the last log record
 
 
 def build_run(cfg: TrainConfig, corpus: Corpus | None = None) -> Run:
@@ -186,12 +188,12 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None) -> Run:
 
 
 @torch.no_grad()
-def evaluate(run: Run, max_batches: int | None = None) -> float:
-    """Mean next-token cross entropy (nats) over the fixed validation sweep."""
+def evaluate(run: Run, full: bool = False) -> float:
+    """Mean next-token cross entropy (nats) over the fixed validation sweep (all of it if full)."""
     run.model.eval()
     total, count = 0.0, 0
     for b in val_batches(run.corpus.val, run.cfg.batch_size, run.cfg.seq_len, run.corpus,
-                         run.hasher, max_batches=max_batches or run.cfg.eval_batches):
+                         run.hasher, max_batches=None if full else run.cfg.eval_batches):
         logits = run.model(b.inputs, b.hash_ids).logits
         total += float(torch.nn.functional.cross_entropy(
             logits.flatten(0, 1), b.targets.flatten(), reduction="sum"))
@@ -207,7 +209,8 @@ def _state(run: Run) -> dict[str, Any]:
 
 def save(run: Run) -> Path:
     return save_checkpoint(Path(run.cfg.out_dir) / "checkpoints", run.step, _state(run),
-                           {"config": run.cfg.to_dict(), "history": run.history})
+                           {"config": run.cfg.to_dict(), "history": run.history,
+                            "window": list(run.window)})
 
 
 def _comparable(d: dict[str, Any]) -> dict[str, Any]:
@@ -234,6 +237,7 @@ def try_resume(run: Run) -> bool:
         raise CheckpointError(f"checkpoint {path} does not fit this model: {e}") from e
     torch.set_rng_state(state["rng"])
     run.step, run.history = step, meta["history"]
+    run.window = tuple(meta.get("window", (0, 0.0)))
     return True
 
 
@@ -264,7 +268,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, progress: bool = True,
     bar = tqdm(total=cfg.steps, initial=run.step, disable=not progress, desc=Path(cfg.out_dir).name,
                dynamic_ncols=True)
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
-    t_last, window = time.perf_counter(), 0
+    t_last = time.perf_counter()
     while run.step < cfg.steps:
         lr = lr_at(run.step, cfg)
         run.optim.set_lr(lr)
@@ -279,16 +283,20 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, progress: bool = True,
         run.optim.step()
         run.optim.zero_grad(set_to_none=True)
         run.step += 1
-        window += 1
+        run.window = (run.window[0] + 1, run.window[1] + loss_sum)
         bar.update(1)
         if run.step % cfg.log_every == 0 or run.step == cfg.steps:
-            now = time.perf_counter()
-            rec = {"step": run.step, "loss": loss_sum, "lr": lr, "tokens": run.step * tokens_per_step,
-                   "tok_s": window * tokens_per_step / max(now - t_last, 1e-9)}
-            if run.step % cfg.eval_every == 0 or run.step == cfg.steps:
+            now, (steps, summed) = time.perf_counter(), run.window
+            # The mean over the logging window: one batch's loss is too noisy to plot.
+            rec = {"step": run.step, "loss": summed / steps, "last_loss": loss_sum, "lr": lr,
+                   "tokens": run.step * tokens_per_step,
+                   "tok_s": steps * tokens_per_step / max(now - t_last, 1e-9)}
+            if run.step == cfg.steps and cfg.final_eval_full:
+                rec["val_loss"] = evaluate(run, full=True)
+            elif run.step % cfg.eval_every == 0 or run.step == cfg.steps:
                 rec["val_loss"] = evaluate(run)
             _log(run, rec)
-            t_last, window = time.perf_counter(), 0  # evaluation time is not training time
+            run.window, t_last = (0, 0.0), time.perf_counter()  # eval is not training time
             bar.set_postfix(loss=f"{loss_sum:.3f}", **({"val": f"{rec['val_loss']:.3f}"}
                                                       if "val_loss" in rec else {}))
         if run.step % cfg.ckpt_every == 0 or run.step == cfg.steps:
