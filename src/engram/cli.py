@@ -66,6 +66,12 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from .generate import cli_generate
+
+    return cli_generate(args.overrides)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engram", description="Engram conditional memory for LMs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -83,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="dense vs Engram vs MoE on the default corpus (the main job); "
                        "--key=value overrides of CompareConfig and TrainConfig")
     c.set_defaults(func=_compare)
+    g = sub.add_parser("generate", help="greedy/sampled decoding from a trained run, tables on any "
+                       "tier (see `engram generate --help`)", add_help=False)
+    g.set_defaults(func=_generate)
     for kind, what in (("allocation", "split a fixed sparse budget between experts and Engram (rhos)"),
                        ("slots", "fixed backbone, Engram tables of growing size")):
         sw = sub.add_parser(f"sweep-{kind}", help=f"{what}; --key=value overrides")
@@ -92,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
-    if args.command in ("train", "compare", "sweep-allocation", "sweep-slots"):
+    if args.command in ("train", "compare", "sweep-allocation", "sweep-slots", "generate"):
         args.overrides = rest
     elif rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
