@@ -72,6 +72,12 @@ def _generate(args: argparse.Namespace) -> int:
     return cli_generate(args.overrides)
 
 
+def _finetune(args: argparse.Namespace) -> int:
+    from .finetune import cli_finetune
+
+    return cli_finetune(args.overrides)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engram", description="Engram conditional memory for LMs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -92,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="greedy/sampled decoding from a trained run, tables on any "
                        "tier (see `engram generate --help`)", add_help=False)
     g.set_defaults(func=_generate)
+    f = sub.add_parser("finetune", help="memory-only training of Engram injected into a pretrained "
+                       "HF model (SmolLM2) vs LoRA; --key=value overrides", add_help=False)
+    f.set_defaults(func=_finetune)
     for kind, what in (("allocation", "split a fixed sparse budget between experts and Engram (rhos)"),
                        ("slots", "fixed backbone, Engram tables of growing size")):
         sw = sub.add_parser(f"sweep-{kind}", help=f"{what}; --key=value overrides")
@@ -101,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
-    if args.command in ("train", "compare", "sweep-allocation", "sweep-slots", "generate"):
+    if args.command in ("train", "compare", "sweep-allocation", "sweep-slots", "generate",
+                        "finetune"):
         args.overrides = rest
     elif rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
