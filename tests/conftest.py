@@ -4,6 +4,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from engram import EngramConfig
 
@@ -40,3 +41,32 @@ def tiny_lookup():
 def deepseek():
     from engram import build_compression
     return build_compression()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: intra-op threads only add overhead (and stall on a shared machine).
+    Use per module with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """A real byte-level BPE (320 ids) trained on KJV text, as a transformers tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from engram.data import load_documents
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(
+        [d.text for d in load_documents("kjv", max_chars=30_000)],
+        trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<eos>"], show_progress=False,
+                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>",
+                                                eos_token="<eos>")

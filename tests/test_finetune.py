@@ -14,23 +14,6 @@ from engram.finetune import (FinetuneConfig, cli_finetune, eval_windows,  # noqa
 from engram.hf import engram_runtime  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from engram.data import load_documents
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(
-        [d.text for d in load_documents("kjv", max_chars=30_000)],
-        trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<eos>"], show_progress=False,
-                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>",
-                                                eos_token="<eos>")
-
-
 def tiny_llama(vocab):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,

@@ -26,13 +26,7 @@ PROFILES = {
 VOCAB = np.sort(np.random.default_rng(0).choice(300, 120, replace=False))  # a restricted vocabulary
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and stall on a shared machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(profile, hc_mult=1):

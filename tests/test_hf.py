@@ -17,23 +17,6 @@ NEW = 8
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from engram.data import load_documents
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(
-        [d.text for d in load_documents("kjv", max_chars=30_000)],
-        trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<eos>"], show_progress=False,
-                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>",
-                                                eos_token="<eos>")
-
-
-@pytest.fixture(scope="module")
 def comp(tok):
     return build_compression(tok, cache=False)
 

@@ -19,13 +19,7 @@ CFG = EngramConfig(engram_vocab_size=[2003, 3001], max_ngram_size=3, n_embed_per
                    n_head_per_ngram=4, layer_ids=[1, 3], pad_id=1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and stall on a shared machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,7 @@ CFG = EngramConfig(engram_vocab_size=[101, 211], max_ngram_size=3, n_embed_per_n
 LOOKUP = np.arange(300) % 250
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and stall on a shared machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
