@@ -33,7 +33,7 @@ from .model import EngramLM
 from .optim import Optimizers, RowAdam, build_optimizers
 from .primes import rows_per_layer
 from .sharded import ShardedTable, read_shards, row_range, shard_bounds, write_shard
-from .train import Run, TrainConfig, _comparable, build_run, lr_at, parse_overrides, save
+from .train import Run, TrainConfig, build_run, check_same_config, save
 
 from typing import TYPE_CHECKING
 
@@ -129,11 +129,7 @@ def load_distributed(run: Run, step_dir: Path, info: dict, check_config: bool = 
         raise CheckpointError(f"checkpoint {step_dir} has no dense part")
     state, meta, step = load_checkpoint(dense_file)
     if check_config:
-        ours, theirs = _comparable(run.cfg.to_dict()), _comparable(meta["config"])
-        if ours != theirs:
-            diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
-            raise CheckpointError(f"checkpoint {step_dir} was written with another config (differs "
-                                  f"in {diff}); use another --out_dir or the same config")
+        check_same_config(run.cfg, meta["config"], step_dir)
     try:
         missing, unexpected = run.model.load_state_dict(state["model"], strict=False)
         rows = _table_keys(run.model)

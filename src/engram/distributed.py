@@ -55,7 +55,7 @@ from .model import EngramLM
 from .optim import Optimizers, RowAdam, build_optimizers
 from .primes import rows_per_layer
 from .sharded import ShardedTable, read_shards, row_range, shard_bounds, write_shard
-from .train import Run, TrainConfig, _comparable, build_run, lr_at, parse_overrides, save
+from .train import Run, TrainConfig, build_run, log_record, lr_at, parse_overrides, save
 
 from .dist_checkpoint import LATEST  # noqa: E402,F401
 
@@ -338,14 +338,8 @@ def _train(cfg: TrainConfig, d: Dist, corpus: Corpus | None, progress: bool, res
             run.window = (run.window[0] + 1, run.window[1] + loss)
             bar.update(1)
             if run.step % cfg.log_every == 0 or run.step == cfg.steps:
-                now, (steps, summed) = time.perf_counter(), run.window
-                rec = {"step": run.step, "loss": summed / steps, "last_loss": loss, "lr": lr,
-                       "tokens": run.step * tokens_per_step,
-                       "tok_s": steps * tokens_per_step / max(now - t_last, 1e-9)}
-                if run.step == cfg.steps and cfg.final_eval_full:
-                    rec["val_loss"] = evaluate_distributed(run, d, full=True)
-                elif run.step % cfg.eval_every == 0 or run.step == cfg.steps:
-                    rec["val_loss"] = evaluate_distributed(run, d)
+                rec = log_record(run, lr, loss, tokens_per_step, t_last,
+                                 lambda full: evaluate_distributed(run, d, full=full))
                 run.history.append(rec)
                 if d.rank == 0:
                     with open(out / "metrics.jsonl", "a") as f:

@@ -219,17 +219,37 @@ def _comparable(d: dict[str, Any]) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k not in skip}
 
 
+def check_same_config(cfg: TrainConfig, saved: dict[str, Any], where: Any) -> None:
+    """Refuse to resume from a checkpoint written with another config (bookkeeping aside)."""
+    ours, theirs = _comparable(cfg.to_dict()), _comparable(saved)
+    if ours != theirs:
+        diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+        raise CheckpointError(f"checkpoint {where} was written with another config (differs in "
+                              f"{diff}); use another --out_dir or the same config")
+
+
+def log_record(run: Run, lr: float, last_loss: float, tokens_per_step: int, t_last: float,
+               evaluate_fn) -> dict[str, Any]:
+    """The metrics record of a logging step; ``evaluate_fn(full)`` gives the validation loss."""
+    cfg, (steps, summed) = run.cfg, run.window
+    # The mean over the logging window: one batch's loss is too noisy to plot.
+    rec = {"step": run.step, "loss": summed / steps, "last_loss": last_loss, "lr": lr,
+           "tokens": run.step * tokens_per_step,
+           "tok_s": steps * tokens_per_step / max(time.perf_counter() - t_last, 1e-9)}
+    if run.step == cfg.steps and cfg.final_eval_full:
+        rec["val_loss"] = evaluate_fn(True)
+    elif run.step % cfg.eval_every == 0 or run.step == cfg.steps:
+        rec["val_loss"] = evaluate_fn(False)
+    return rec
+
+
 def try_resume(run: Run) -> bool:
     """Load the newest checkpoint of run.cfg.out_dir, if any. Refuses one from another config."""
     path = latest_checkpoint(Path(run.cfg.out_dir) / "checkpoints")
     if path is None:
         return False
     state, meta, step = load_checkpoint(path)
-    ours, theirs = _comparable(run.cfg.to_dict()), _comparable(meta["config"])
-    if ours != theirs:
-        diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
-        raise CheckpointError(f"checkpoint {path} was written with another config (differs in "
-                              f"{diff}); use another --out_dir or the same config")
+    check_same_config(run.cfg, meta["config"], path)
     try:
         run.model.load_state_dict(state["model"])
         run.optim.load_state_dict(state["optim"])
@@ -286,15 +306,8 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, progress: bool = True,
         run.window = (run.window[0] + 1, run.window[1] + loss_sum)
         bar.update(1)
         if run.step % cfg.log_every == 0 or run.step == cfg.steps:
-            now, (steps, summed) = time.perf_counter(), run.window
-            # The mean over the logging window: one batch's loss is too noisy to plot.
-            rec = {"step": run.step, "loss": summed / steps, "last_loss": loss_sum, "lr": lr,
-                   "tokens": run.step * tokens_per_step,
-                   "tok_s": steps * tokens_per_step / max(now - t_last, 1e-9)}
-            if run.step == cfg.steps and cfg.final_eval_full:
-                rec["val_loss"] = evaluate(run, full=True)
-            elif run.step % cfg.eval_every == 0 or run.step == cfg.steps:
-                rec["val_loss"] = evaluate(run)
+            rec = log_record(run, lr, loss_sum, tokens_per_step, t_last,
+                             lambda full: evaluate(run, full=full))
             _log(run, rec)
             run.window, t_last = (0, 0.0), time.perf_counter()  # eval is not training time
             bar.set_postfix(loss=f"{loss_sum:.3f}", **({"val": f"{rec['val_loss']:.3f}"}
