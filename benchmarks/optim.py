@@ -73,6 +73,34 @@ class Case:
         return out
 
 
+def run(small: int = 1_000_000, large: int = 50_000_000, dim: int = 16, batch: int = 16_384,
+        steps: int = 30, warmup: int = 5, zipf: float = 1.1) -> dict:
+    """Step the three cases interleaved on the same gradients; figures and ratios as a dict."""
+    cases = {"row_adam_small": Case(small, dim), "row_adam_large": Case(large, dim),
+             "dense_adam_small": Case(small, dim, dense=True)}
+    batches = {name: id_batches(steps, batch, c.rows, zipf, seed=0) for name, c in cases.items()}
+    gen = torch.Generator().manual_seed(0)
+    for i in tqdm(range(steps), desc="optimiser steps"):
+        grad = torch.randn(batch, dim, generator=gen)
+        for name, c in cases.items():
+            dt = c.step(batches[name][i], grad)
+            if i == 0:
+                c.first = dt
+            elif i >= warmup:
+                c.times.append(dt)
+    res = {name: c.report() for name, c in cases.items()}
+    uniq = statistics.fmean(len(torch.unique(b)) for b in batches["row_adam_large"])
+    res.update(config={"small": small, "large": large, "dim": dim, "batch": batch, "steps": steps,
+                       "warmup": warmup, "zipf": zipf, "dtype": "float32",
+                       "distinct_ids_per_step": uniq},
+               ratio_large_over_small=(res["row_adam_large"]["median_step_s"]
+                                       / res["row_adam_small"]["median_step_s"]),
+               ratio_dense_over_row_adam=(res["dense_adam_small"]["median_step_s"]
+                                          / res["row_adam_small"]["median_step_s"]),
+               peak_rss_gib=peak_rss_gib())
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the figures here")
@@ -88,29 +116,10 @@ def main() -> None:
                          "region stalls a scheduler slice (~8 ms) whenever the other core is busy")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-
-    cases = {"row_adam_small": Case(args.small, args.dim),
-             "row_adam_large": Case(args.large, args.dim),
-             "dense_adam_small": Case(args.small, args.dim, dense=True)}
-    batches = {name: id_batches(args.steps, args.batch, c.rows, args.zipf, seed=0)
-               for name, c in cases.items()}
-    gen = torch.Generator().manual_seed(0)
-    for i in tqdm(range(args.steps), desc="steps"):
-        grad = torch.randn(args.batch, args.dim, generator=gen)
-        for name, c in cases.items():
-            dt = c.step(batches[name][i], grad)
-            if i == 0:
-                c.first = dt
-            elif i >= args.warmup:
-                c.times.append(dt)
-
-    res = {name: c.report() for name, c in cases.items()}
+    res = run(args.small, args.large, args.dim, args.batch, args.steps, args.warmup, args.zipf)
+    res["config"]["threads"] = args.threads
     small, large, dense = res["row_adam_small"], res["row_adam_large"], res["dense_adam_small"]
-    uniq = statistics.fmean(len(torch.unique(b)) for b in batches["row_adam_large"])
-    res.update(config={**vars(args), "dtype": "float32", "distinct_ids_per_step": uniq},
-               ratio_large_over_small=large["median_step_s"] / small["median_step_s"],
-               ratio_dense_over_row_adam=dense["median_step_s"] / small["median_step_s"],
-               peak_rss_gib=peak_rss_gib())
+    uniq = res["config"]["distinct_ids_per_step"]
 
     mib = 2**20
     for label, r in (("RowAdam", small), ("RowAdam", large), ("dense Adam", dense)):

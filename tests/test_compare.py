@@ -12,7 +12,8 @@ def test_variants_match_active_and_total_params():
     cfgs = variant_configs(TrainConfig(), 38_304)
     c = {k: _counts(v, 38_304) for k, v in cfgs.items()}
     assert abs(c["engram"]["active"] - c["dense"]["active"]) / c["dense"]["active"] < 0.005
-    assert abs(c["moe"]["active"] - c["dense"]["active"]) / c["dense"]["active"] < 0.005
+    # MoE adds its router (d x E per layer) to the activated parameters: under 1% here.
+    assert abs(c["moe"]["active"] - c["dense"]["active"]) / c["dense"]["active"] < 0.01
     assert abs(c["moe"]["total"] - c["engram"]["total"]) / c["engram"]["total"] < 0.01
     assert c["engram"]["table"] > 0 and c["dense"]["table"] == 0
     assert c["engram"]["total"] - c["engram"]["table"] < c["dense"]["total"] + 1000

@@ -42,6 +42,7 @@ VARIANTS = {
     "engram_v41": dict(engram=engram_cfg(profile="v4.1", engram_vocab_size=101)),
     "moe_top1_tied": dict(moe=True, n_routed_experts=3, n_shared_experts=0, top_k=1, d_expert=16,
                           tie_embeddings=True, first_dense_layers=1),
+    "engram_adaptive": dict(engram=engram_cfg(), head="adaptive", head_cutoffs=(8, 40)),
 }
 
 
@@ -248,7 +249,45 @@ def test_loss_is_cross_entropy_plus_aux():
     torch.testing.assert_close(model.loss(out, targets), ce + out.aux_loss)
 
 
+def test_adaptive_head_is_an_exact_distribution():
+    """Full log-probs normalise over every id, the training NLL equals them, the frequency ranks
+    only permute ids, and ignore_index works as in cross_entropy."""
+    model = make("engram_adaptive")
+    counts = torch.randint(0, 1000, (V,), generator=torch.Generator().manual_seed(3))
+    model.head.set_frequencies(counts)
+    assert sorted(model.head.rank.tolist()) == list(range(V))
+    assert model.head.rank[counts.argmax()] == 0  # the most frequent id is in the shortlist
+    raw = raw_batch()
+    out = model(raw, hash_ids(model, raw))
+    lp = out.logits  # [B, T, V] log-probabilities
+    torch.testing.assert_close(lp.logsumexp(-1), torch.zeros(B, T), atol=1e-5, rtol=0)
+    targets = raw.roll(-1, dims=1)
+    nll = model.token_nll(out, targets)
+    torch.testing.assert_close(nll, -lp.gather(-1, targets[..., None])[..., 0])
+    targets[:, -1] = -100
+    torch.testing.assert_close(model.loss(out, targets),
+                               F.nll_loss(lp.reshape(-1, V), targets.reshape(-1)))
+    assert model.token_nll(out, targets)[:, -1].eq(0).all()
+    with pytest.raises(ValueError, match="counts"):
+        model.head.set_frequencies(counts[:-1])
+
+
+def test_adaptive_head_state_round_trip():
+    """The frequency ranks travel with the state dict, so a reloaded model scores identically."""
+    a = make("engram_adaptive")
+    a.head.set_frequencies(torch.arange(V).flip(0))
+    b = make("engram_adaptive", seed=5)
+    b.load_state_dict(a.state_dict())
+    raw = raw_batch()
+    torch.testing.assert_close(a(raw, hash_ids(a, raw)).logits, b(raw, hash_ids(b, raw)).logits)
+
+
 @pytest.mark.parametrize("overrides, match", [
+    (dict(head="adaptive", head_cutoffs=(40, 8)), "head_cutoffs"),
+    (dict(head="adaptive", head_cutoffs=(8, V)), "head_cutoffs"),
+    (dict(head="adaptive", head_cutoffs=()), "head_cutoffs"),
+    (dict(head="adaptive", head_cutoffs=(8,), tie_embeddings=True), "tie_embeddings"),
+    (dict(head="sampled"), "head must be"),
     (dict(engram=engram_cfg(layer_ids=[3])), "out of range"),
     (dict(n_head=0), "n_head"),
     (dict(d_model=30), "divisible"),

@@ -39,10 +39,10 @@ class CompareConfig:
     out_dir: str = "out"  # results.json, loss.png, report.md, gates.html land here
     seeds: tuple[int, ...] = (0, 1)  # two seeds give the noise estimate
     workers: int = 2  # parallel training processes (one torch thread each)
-    steps: int = 160
+    steps: int = 480
     batch_size: int = 16
     seq_len: int = 128
-    eval_every: int = 40
+    eval_every: int = 80
     eval_batches: int = 16
 
 

@@ -55,7 +55,7 @@ from .model import EngramLM
 from .optim import Optimizers, RowAdam, build_optimizers
 from .primes import rows_per_layer
 from .sharded import ShardedTable, read_shards, row_range, shard_bounds, write_shard
-from .train import Run, TrainConfig, build_run, log_record, lr_at, parse_overrides, save
+from .train import Run, TrainConfig, build_model, build_run, log_record, lr_at, parse_overrides, save
 
 from .dist_checkpoint import LATEST  # noqa: E402,F401
 
@@ -168,7 +168,7 @@ def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = Non
         tables = {} if ecfg is None else {
             L: ShardedTable(n, ecfg.head_dim, group=d.tables, init_std=cfg.table_init_std,
                             seed=cfg.seed * 10_007 + L) for L, n in rows_per_layer(ecfg).items()}
-        model = EngramLM(cfg.model_config(corpus.vocab_size), tables=tables)
+        model = build_model(cfg, corpus, tables)
         hasher = NgramHasher(ecfg, build_compression()) if ecfg is not None else None
         run = Run(cfg, corpus, hasher, model, None, None)
     else:
@@ -208,9 +208,7 @@ def evaluate_distributed(run: Run, d: Dist, full: bool = False) -> float:
     for b in val_batches(run.corpus.val, run.cfg.batch_size, run.cfg.seq_len, run.corpus, None,
                          max_batches=None if full else run.cfg.eval_batches):
         lb = local_batch(b, run.hasher, d)  # may be empty: the rank still joins the lookups
-        logits = run.model(lb.inputs, lb.hash_ids).logits
-        total += float(torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), lb.targets.flatten(), reduction="sum"))
+        total += float(run.model.token_nll(run.model(lb.inputs, lb.hash_ids), lb.targets).sum())
         count += lb.targets.numel()
     run.model.train()
     total, count = _sum([total, count], d)

@@ -284,7 +284,7 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
     from .prefetch import wrap_prefetch
     from .stores import PinnedTable, SharedPool, open_tables
     from .tablefile import export_tables, read_header, table_path
-    from .train import TrainConfig
+    from .train import TrainConfig, build_model
 
     if tier not in TIERS:
         raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
@@ -319,7 +319,7 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
             tables = {lid: build_cache(t, counts[lid], cache_fraction) for lid, t in tables.items()}
         if prefetch:
             tables = dict(wrap_prefetch(tables))
-    model = EngramLM(cfg.model_config(corpus.vocab_size), tables=tables or None)
+    model = build_model(cfg, corpus, tables or None)
     load_dense_state(model, state["model"])
     model.eval()
     return Served(model, hasher, corpus.vocab, ckpt, tok, tables)

@@ -18,17 +18,21 @@ Shape legend:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import EngramConfig
-from .layers import Block, MoE, SwiGLU, rope_tables
+from .layers import AdaptiveHead, Block, MoE, SwiGLU, rope_tables
 from .module import GATES, Engram, EngramState, build_engram
 from .store import TableStore
+
+
+HEADS = ("full", "adaptive")
 
 
 @dataclass
@@ -51,8 +55,14 @@ class ModelConfig:
     norm_eps: float = 1e-5
     # Std of the normal init of dense weights (residual output projections get std/sqrt(2*n_layer)).
     init_std: float = 0.02
-    # Share the input embedding with the LM head.
+    # Share the input embedding with the LM head (full head only).
     tie_embeddings: bool = False
+    # LM head: "full" softmax, or "adaptive" softmax (layers.AdaptiveHead; exact, cheaper on CPU).
+    head: str = "full"
+    # Adaptive head: frequency ranks where the shortlist and each tail cluster end (< vocab_size).
+    head_cutoffs: tuple[int, ...] = (2048, 8192)
+    # Adaptive head: tail cluster i is computed at width d_model / head_div**i.
+    head_div: float = 4.0
     # DeepSeekMoE (shared + routed experts) instead of the dense FFN, from first_dense_layers on.
     moe: bool = False
     # Routed experts per MoE layer (E).
@@ -93,6 +103,19 @@ class ModelConfig:
         for name in ("rope_base", "norm_eps", "init_std", "table_init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        self.head_cutoffs = tuple(self.head_cutoffs)
+        if self.head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
+        if self.head == "adaptive":
+            cuts = (0, *self.head_cutoffs, self.vocab_size)
+            if len(cuts) < 3 or any(a >= b for a, b in zip(cuts, cuts[1:])):
+                raise ValueError(f"head_cutoffs must increase strictly within (0, vocab_size="
+                                 f"{self.vocab_size}), got {self.head_cutoffs}")
+            if self.tie_embeddings:
+                raise ValueError("tie_embeddings needs head='full' (the adaptive head has no "
+                                 "[V, d] matrix to share)")
+            if not self.head_div >= 1:
+                raise ValueError(f"head_div must be >= 1, got {self.head_div}")
         if self.d_ff is None:
             self.d_ff = 32 * math.ceil(8 * self.d_model / 3 / 32)
         _positive("d_ff", self.d_ff)
@@ -153,9 +176,16 @@ def _positive(name: str, value: int) -> None:
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [b, t, V]
+    hidden: torch.Tensor  # [b, t, d] after the final norm
     aux_loss: torch.Tensor  # scalar: MoE load-balancing loss (already weighted), 0 without MoE
     gates: dict[int, torch.Tensor] | None = None  # {layer: alpha [b, t, m]} when asked
+    head: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
+
+    @cached_property
+    def logits(self) -> torch.Tensor:
+        """[b, t, V], computed on first use (training losses never need them with the adaptive
+        head); with the adaptive head they are log-probabilities, which softmax/argmax take as is."""
+        return self.head(self.hidden)
 
 
 @dataclass
@@ -217,7 +247,11 @@ class EngramLM(nn.Module):
         self.blocks = nn.ModuleList([build_block(config, i, tables.get(i, "memory"))
                                      for i in range(config.n_layer)])
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.head == "adaptive":
+            self.head = AdaptiveHead(config.d_model, config.vocab_size, config.head_cutoffs,
+                                     config.head_div)
+        else:
+            self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
         cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_base)
@@ -232,7 +266,9 @@ class EngramLM(nn.Module):
         std, out_std = c.init_std, c.init_std / math.sqrt(2 * c.n_layer)  # GPT-2 residual scaling
         nn.init.normal_(self.embed.weight, std=std)
         if not c.tie_embeddings:
-            nn.init.normal_(self.head.weight, std=std)
+            for module in self.head.modules():
+                if isinstance(module, nn.Linear):
+                    nn.init.normal_(module.weight, std=std)
         for module in self.modules():
             if isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
@@ -300,10 +336,15 @@ class EngramLM(nn.Module):
             # Branches are summed in the HC paper; the mean is the same after RMSNorm (up to eps)
             # and makes an m-branch model at init exactly the plain-residual one.
             h = h.mean(dim=2)  # [b, t, d]
-        logits = self.head(self.norm(h))  # [b, t, V]
         if cache is not None:
             cache.pos += t
-        return ModelOutput(logits, aux, gates if return_gates else None)
+        return ModelOutput(self.norm(h), aux, gates if return_gates else None, self.logits)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., d] -> logits [..., V] (log-probabilities with the adaptive head)."""
+        if isinstance(self.head, AdaptiveHead):
+            return self.head.log_probs(hidden)
+        return self.head(hidden)
 
     def _check_inputs(self, tokens, hash_ids, cache) -> None:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
@@ -341,9 +382,25 @@ class EngramLM(nn.Module):
     def loss(self, output: ModelOutput, targets: torch.Tensor, *,
              ignore_index: int = -100) -> torch.Tensor:
         """Mean next-token cross entropy over targets [b, t] (already shifted) + MoE aux loss."""
-        ce = F.cross_entropy(output.logits.flatten(0, 1).float(), targets.flatten(),
-                             ignore_index=ignore_index)
-        return ce + output.aux_loss
+        nll = self.token_nll(output, targets, ignore_index=ignore_index)
+        keep = targets != ignore_index
+        return nll.sum() / keep.sum().clamp(min=1) + output.aux_loss
+
+    def token_nll(self, output: ModelOutput, targets: torch.Tensor, *,
+                  ignore_index: int = -100) -> torch.Tensor:
+        """Next-token negative log-likelihood [b, t] in nats; 0 where targets == ignore_index."""
+        if not isinstance(self.head, AdaptiveHead):
+            return F.cross_entropy(output.logits.flatten(0, 1).float(), targets.flatten(),
+                                   ignore_index=ignore_index, reduction="none").view_as(targets)
+        keep = (targets != ignore_index).flatten()  # [n]
+        if keep.all():
+            return self.head.token_nll(output.hidden.flatten(0, 1), targets.flatten()).view_as(targets)
+        nll = output.hidden.new_zeros(targets.numel())  # [n]
+        if keep.any():
+            idx = keep.nonzero().squeeze(1)
+            nll = nll.index_copy(0, idx, self.head.token_nll(output.hidden.flatten(0, 1)[idx],
+                                                             targets.flatten()[idx]))
+        return nll.view_as(targets)
 
     # -- decoding ----------------------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int | None = None) -> DecodeCache:
@@ -395,7 +452,7 @@ class EngramLM(nn.Module):
                     if e.table is not None)
         total = dense + table
         embedding = self.embed.weight.numel()
-        head = 0 if c.tie_embeddings else self.head.weight.numel()
+        head = 0 if c.tie_embeddings else sum(p.numel() for p in self.head.parameters())
         routed_inactive = sum((b.ffn.n_routed - b.ffn.top_k) * b.ffn.params_per_expert
                               for b in self.blocks if isinstance(b.ffn, MoE))
         active = total - table - routed_inactive - (0 if c.tie_embeddings else embedding)

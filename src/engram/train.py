@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -23,6 +24,7 @@ from .compress import build_compression
 from .config import EngramConfig
 from .data import Corpus, DataConfig, TokenBatches, build_corpus, val_batches
 from .hashing import NgramHasher
+from .layers import AdaptiveHead
 from .model import EngramLM, ModelConfig
 from .optim import build_optimizers, clip_grad_norm_
 
@@ -41,7 +43,9 @@ class TrainConfig:
     n_head: int = 4
     d_ff: int | None = None  # None: SwiGLU default (~8/3 d)
     seq_len: int = 128
-    tie_embeddings: bool = True
+    head: str = "adaptive"  # "full" softmax or "adaptive" (exact; ~4x faster training on CPU)
+    head_cutoffs: tuple[int, ...] = (2048, 8192)  # adaptive: ranks >= the vocabulary are dropped
+    tie_embeddings: bool = False  # full head only
     hc_mult: int = 1  # hyper-connection branches
     # -- MoE (replaces the FFN) --
     moe: bool = False
@@ -98,9 +102,13 @@ class TrainConfig:
             pad_id=1, seed=self.seed)  # pad = DeepSeek's EOS, which also separates documents
 
     def model_config(self, vocab_size: int) -> ModelConfig:
+        # A small corpus (tests, --max_chars) may have fewer ids than the default cutoffs.
+        cutoffs = tuple(c for c in self.head_cutoffs if c < vocab_size)
+        head = self.head if cutoffs else "full"
         return ModelConfig(
             vocab_size=vocab_size, n_layer=self.n_layer, d_model=self.d_model, n_head=self.n_head,
             d_ff=self.d_ff, max_seq_len=self.seq_len, tie_embeddings=self.tie_embeddings,
+            head=head, head_cutoffs=cutoffs or (1,),
             hc_mult=self.hc_mult, moe=self.moe, n_routed_experts=self.n_routed_experts,
             n_shared_experts=self.n_shared_experts, top_k=self.top_k, d_expert=self.d_expert,
             engram=self.engram_config(), engram_gate=self.engram_gate, sparse_tables=True,
@@ -172,6 +180,16 @@ class Run:
     window: tuple[int, float] = (0, 0.0)  # steps and summed loss since the last log record
 
 
+def build_model(cfg: TrainConfig, corpus: Corpus,
+                tables: dict[int, Any] | None = None) -> EngramLM:
+    """The model of ``cfg`` for ``corpus``; an adaptive head gets the training set's id counts."""
+    model = EngramLM(cfg.model_config(corpus.vocab_size), tables=tables)
+    if isinstance(model.head, AdaptiveHead):
+        counts = np.bincount(corpus.to_local(corpus.train), minlength=corpus.vocab_size)
+        model.head.set_frequencies(torch.from_numpy(counts))
+    return model
+
+
 def build_run(cfg: TrainConfig, corpus: Corpus | None = None) -> Run:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -180,7 +198,7 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None) -> Run:
     # Compression always uses the full tokenizer, whatever the model's restricted vocabulary.
     hasher = NgramHasher(ecfg, build_compression()) if ecfg is not None else None
     torch.manual_seed(cfg.seed)
-    model = EngramLM(cfg.model_config(corpus.vocab_size))
+    model = build_model(cfg, corpus)
     batches = TokenBatches(corpus.train, cfg.batch_size, cfg.seq_len, corpus, hasher, seed=cfg.seed)
     optim = build_optimizers(model, cfg.lr, weight_decay=cfg.weight_decay,
                              table_lr_mult=cfg.table_lr_mult)
@@ -194,9 +212,7 @@ def evaluate(run: Run, full: bool = False) -> float:
     total, count = 0.0, 0
     for b in val_batches(run.corpus.val, run.cfg.batch_size, run.cfg.seq_len, run.corpus,
                          run.hasher, max_batches=None if full else run.cfg.eval_batches):
-        logits = run.model(b.inputs, b.hash_ids).logits
-        total += float(torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), b.targets.flatten(), reduction="sum"))
+        total += float(run.model.token_nll(run.model(b.inputs, b.hash_ids), b.targets).sum())
         count += b.targets.numel()
     run.model.train()
     return total / max(count, 1)
