@@ -16,10 +16,8 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import multiprocessing as mp
-import resource
 import statistics
 import sys
 import time
@@ -37,8 +35,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 import optim as optim_bench  # noqa: E402  (benchmarks/optim.py)
 
 
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+def _status_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024  # kB
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> None:
+    """Restart VmHWM (peak RSS) from the current RSS (Linux >= 4.0), so a phase's peak is its own."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def configs(batch: int, seq: int) -> dict[str, TrainConfig]:
@@ -80,12 +86,17 @@ def throughput(cfgs: dict[str, TrainConfig], steps: int, warmup: int) -> dict:
 def _memory_child(args: tuple[TrainConfig, int]) -> dict:
     cfg, steps = args
     torch.set_num_threads(1)
-    base = peak_rss_mib()
-    run = build_run(cfg)
-    built = peak_rss_mib()
+    corpus = build_corpus(cfg.data_config())
+    reset_peak_rss()
+    before = _status_mib("VmRSS")
+    run = build_run(cfg, corpus)  # model, optimisers, batches (the corpus is shared by both)
+    built = _status_mib("VmRSS")
+    reset_peak_rss()
     for i in range(steps):
         train_step(run, i)
-    return {"rss_start_mib": base, "peak_rss_built_mib": built, "peak_rss_train_mib": peak_rss_mib()}
+    return {"rss_corpus_mib": before, "rss_built_mib": built, "model_mib": built - before,
+            "peak_rss_train_mib": _status_mib("VmHWM"),
+            "train_over_built_mib": _status_mib("VmHWM") - built}
 
 
 def memory(cfgs: dict[str, TrainConfig], steps: int) -> dict:
@@ -119,8 +130,9 @@ def main() -> None:
         s, m = speed[name], mem[name]
         print(f"{name:>7}: {s['tokens_per_s']:8,.0f} tok/s  ({s['median_step_s'] * 1e3:6.0f} ms a "
               f"step of {args.batch}x{args.seq}); active {s['active_params']:,}, tables "
-              f"{s['table_params']:,}; peak RSS built {m['peak_rss_built_mib']:,.0f} MiB, "
-              f"training {m['peak_rss_train_mib']:,.0f} MiB")
+              f"{s['table_params']:,}; model + optimisers {m['model_mib']:,.0f} MiB, peak RSS "
+              f"while training {m['peak_rss_train_mib']:,.0f} MiB "
+              f"(+{m['train_over_built_mib']:,.0f} MiB over the built model)")
     print(f"Engram / dense tokens/s at equal activated parameters: "
           f"{res['engram_over_dense_tokens_per_s']:.3f}")
     if not args.skip_optim:

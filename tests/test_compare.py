@@ -56,4 +56,5 @@ def test_slots_sweep_end_to_end(tmp_path):
                      eval_batches=1, table_sizes=(50, 400), workers=2)
     s = run_sweep("slots", sc, TINY)
     assert [p["name"] for p in s["points"]] == ["slots=50", "slots=400"]
+    assert all(list(p["val_loss_per_seed"]) == [0] for p in s["points"])
     assert (tmp_path / "slots.json").exists() and (tmp_path / "slots.png").stat().st_size > 100

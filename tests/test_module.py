@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engram import Engram, EngramConfig, EngramState, MemoryTable, NgramHasher, build_engram
+from engram import Engram, EngramState, MemoryTable, NgramHasher, build_engram
 from engram.module import gate_fn
 
 

@@ -5,12 +5,14 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from engram.checkpoint import CheckpointError, latest_checkpoint
 from engram.data import DataConfig, build_corpus
-from engram.train import TrainConfig, lr_at, parse_overrides, train
+from engram.layers import AdaptiveHead
+from engram.train import TrainConfig, build_run, lr_at, parse_overrides, train
 
 TINY = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, seq_len=32, batch_size=4,
             table_size=997, n_embed_per_ngram=32, n_head_per_ngram=2, engram_layers=(0,),
@@ -88,6 +90,17 @@ def test_bad_configs_raise(tmp_path, corpus):
         train(_cfg(tmp_path, "y", steps=1, n_head_per_ngram=0), corpus, progress=False)
     with pytest.raises(ValueError, match="steps"):
         TrainConfig(steps=0)
+
+
+def test_adaptive_head_follows_the_corpus(corpus):
+    """Cutoffs past the vocabulary are dropped (none left: full softmax); ranks come from the
+    training counts, so the most frequent training id sits at rank 0."""
+    assert TrainConfig().model_config(5000).head_cutoffs == (2048,)
+    assert TrainConfig().model_config(1000).head == "full"
+    run = build_run(TrainConfig(**TINY), corpus)
+    assert isinstance(run.model.head, AdaptiveHead)
+    counts = np.bincount(corpus.to_local(corpus.train), minlength=corpus.vocab_size)
+    assert int(run.model.head.rank[int(counts.argmax())]) == 0
 
 
 def test_overrides_and_schedule():

@@ -8,31 +8,18 @@ each written atomically; ``latest.json`` is published last with every shard's SH
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import sys
-import time
-from contextlib import nullcontext
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint import (CheckpointError, _atomic_write_text, _sha256, latest_checkpoint,
                          load_checkpoint, save_checkpoint)
-from .compress import build_compression
-from .data import Batch, Corpus, TokenBatches, build_corpus, val_batches
-from .hashing import NgramHasher
 from .model import EngramLM
-from .optim import Optimizers, RowAdam, build_optimizers
-from .primes import rows_per_layer
-from .sharded import ShardedTable, read_shards, row_range, shard_bounds, write_shard
+from .sharded import read_shards, row_range, shard_bounds, write_shard
 from .train import Run, TrainConfig, build_run, check_same_config, save
 
 from typing import TYPE_CHECKING

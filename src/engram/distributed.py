@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import sys
 import time
@@ -46,16 +45,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .checkpoint import (CheckpointError, _atomic_write_text, _sha256, latest_checkpoint,
-                         load_checkpoint, save_checkpoint)
+from .checkpoint import (CheckpointError)
 from .compress import build_compression
 from .data import Batch, Corpus, TokenBatches, build_corpus, val_batches
 from .hashing import NgramHasher
 from .model import EngramLM
 from .optim import Optimizers, RowAdam, build_optimizers
 from .primes import rows_per_layer
-from .sharded import ShardedTable, read_shards, row_range, shard_bounds, write_shard
-from .train import Run, TrainConfig, build_model, build_run, log_record, lr_at, parse_overrides, save
+from .sharded import ShardedTable
+from .train import Run, TrainConfig, build_model, build_run, log_record, lr_at, parse_overrides
 
 from .dist_checkpoint import LATEST  # noqa: E402,F401
 

@@ -49,17 +49,23 @@ def render_gates(run, corpus, html_path: Path, png_path: Path | None = None,
     seq_len = min(seq_len, run.cfg.seq_len)
     # Windows spread over the validation stream, so both languages show up.
     batch = next(val_batches(corpus.val, 512, seq_len, corpus, run.hasher, max_batches=1))
-    pick = torch.linspace(0, batch.inputs.shape[0] - 1, n_windows).long()
+    # Half the windows from each script (English / Chinese), evenly spread within it.
+    is_latin = torch.tensor([_latin(tok.decode(w.tolist())) for w in batch.raw])
+    groups = [torch.nonzero(is_latin == flag).squeeze(1) for flag in (True, False)]
+    groups = [g for g in groups if len(g)]
+    pick = torch.cat([g[torch.linspace(0, len(g) - 1, -(-n_windows // len(groups))).long()]
+                      for g in groups])[:n_windows]
     out = model(batch.inputs[pick], {k: v[pick] for k, v in batch.hash_ids.items()},
                 return_gates=True)
     layer = sorted(out.gates)[0]
     gates = out.gates[layer].mean(-1)  # [n, t]: mean over branches
     raw = batch.raw[pick]
-    rows = []
+    rows, texts = [], []
     for i in range(len(pick)):
         spans = []
-        for t in range(raw.shape[1]):
-            text = tok.decode([int(raw[i, t])], skip_special_tokens=False)
+        texts.append(["<eos>" if int(r) == corpus.eos_id else tok.decode([int(r)])
+                      for r in raw[i]])
+        for t, text in enumerate(texts[-1]):
             g = float(gates[i, t])
             spans.append(f'<span title="{g:.3f}" style="background: rgba(220,40,40,{g:.3f})">'
                          f"{html.escape(text).replace(chr(10), '&#8629;<br>')}</span>")
@@ -70,24 +76,52 @@ def render_gates(run, corpus, html_path: Path, png_path: Path | None = None,
         "span{padding:1px 0}</style>"
         f"<h2>Engram gate alpha at layer {layer} (darker = gate open)</h2>{''.join(rows)}")
     if png_path is not None:
-        _gates_png(gates, png_path, layer)
+        _gates_png(gates, texts, png_path, layer)
     flat = gates.flatten()
     top = torch.topk(flat, 10).indices
     return {"layer": layer, "mean": float(flat.mean()), "std": float(flat.std()),
             "top_tokens": [tok.decode([int(raw.flatten()[j])]) for j in top]}
 
 
-def _gates_png(gates: torch.Tensor, path: Path, layer: int) -> None:
+def _latin(text: str) -> bool:
+    return all(ord(c) < 0x250 for c in text)
+
+
+def _gates_png(gates: torch.Tensor, texts: list[list[str]], path: Path, layer: int) -> None:
+    """Top: Latin-script windows as text, each token on its gate's shade (the paper's figure);
+    bottom: every window as a heatmap. Matplotlib's stock fonts have no CJK glyphs, so Chinese
+    windows appear in the heatmap and in gates.html only."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 2 + 0.4 * gates.shape[0]))
-    im = ax.imshow(gates.numpy(), aspect="auto", cmap="Reds", vmin=0, vmax=1)
-    ax.set_xlabel("position")
-    ax.set_ylabel("validation window")
-    ax.set_title(f"Engram gate alpha, layer {layer} (tokens in gates.html)")
-    fig.colorbar(im, ax=ax)
+    latin = [i for i, ws in enumerate(texts) if _latin("".join(ws))]
+    fig = plt.figure(figsize=(11, 2.2 + 1.1 * len(latin) + 0.4 * gates.shape[0]))
+    grid = fig.add_gridspec(2, 1, height_ratios=[max(1, 1.1 * len(latin)), 1 + 0.4 * gates.shape[0]])
+    ax = fig.add_subplot(grid[0])
+    ax.set_axis_off()
+    ax.set_title(f"Engram gate alpha at layer {layer}: darker = gate open")
+    renderer, box = fig.canvas.get_renderer(), ax.get_window_extent()
+    line = 0.3 / max(1, len(latin))  # axes fraction per text line
+    y = 0.98
+    for i in latin:
+        x = 0.0
+        for word, g in zip(texts[i], gates[i].tolist()):
+            word = word.replace("\n", "\u21b5").replace("$", r"\$")
+            t = ax.text(x, y, word, fontsize=9, va="top", transform=ax.transAxes,
+                        bbox=dict(boxstyle="square,pad=0.15", ec="none",
+                                  fc=(0.86, 0.16, 0.16, 0.85 * g)))  # as gates.html shades
+            width = t.get_window_extent(renderer).width / box.width
+            if x + width > 1.0 and x > 0:
+                x, y = 0.0, y - line
+                t.set_position((x, y))
+            x += width
+        y -= 1.5 * line
+    hm = fig.add_subplot(grid[1])
+    im = hm.imshow(gates.numpy(), aspect="auto", cmap="Reds", vmin=0, vmax=1)
+    hm.set_xlabel("position")
+    hm.set_ylabel("validation window")
+    fig.colorbar(im, ax=hm)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -24,7 +24,7 @@ class SweepConfig(CompareConfig):
     out_dir: str = "out/sweep"
     seeds: tuple[int, ...] = (0,)
     rhos: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)  # allocation: share of budget to MoE
-    table_sizes: tuple[int, ...] = (1_000, 4_000, 16_000, 64_000)  # slots sweep: rows per head
+    table_sizes: tuple[int, ...] = (1_000, 4_000, 16_000, 64_000, 256_000, 1_000_000)  # rows/head
     n_routed_max: int = 24  # allocation: routed experts at rho = 1 (sets the sparse budget)
 
 
@@ -76,9 +76,10 @@ def run_sweep(kind: str, sc: SweepConfig, base: TrainConfig | None = None) -> di
     results = run_jobs(jobs, sc.workers, f"sweep-{kind}")
     points = []
     for name, cfg in configs.items():
-        rs = [r for r in results if r["name"] == name]
+        rs = sorted((r for r in results if r["name"] == name), key=lambda r: r["seed"])
         x = float(name.split("=")[1])
         points.append({"name": name, "x": x, "val_loss": sum(r["val_loss"] for r in rs) / len(rs),
+                       "val_loss_per_seed": {r["seed"]: r["val_loss"] for r in rs},
                        "total_params": rs[0]["total_params"], "active_params": rs[0]["active_params"],
                        "table_params": rs[0]["table_params"],
                        "slots": rs[0]["table_params"] // max(1, cfg.n_embed_per_ngram //
@@ -97,12 +98,21 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
 
     pts = summary["points"]
     fig, ax = plt.subplots(figsize=(6, 4))
+    key = "x" if summary["kind"] == "allocation" else "slots"
+    xs = [p[key] for p in pts]
+    n_seeds = max(len(p.get("val_loss_per_seed", {})) for p in pts)
+    ax.plot(xs, [p["val_loss"] for p in pts], "o-", color="tab:red",
+            label=f"mean of {n_seeds} seeds" if n_seeds > 1 else None)
+    if n_seeds > 1:  # each seed's run, so the spread is visible next to the trend
+        for p, x in zip(pts, xs):
+            seeds = list(p["val_loss_per_seed"].values())
+            ax.scatter([x] * len(seeds), seeds, s=12, color="0.45", zorder=3)
+        ax.scatter([], [], s=12, color="0.45", label="single runs")
+        ax.legend(fontsize=8)
     if summary["kind"] == "allocation":
-        ax.plot([p["x"] for p in pts], [p["val_loss"] for p in pts], "o-", color="tab:red")
         ax.set_xlabel("rho: share of the sparse budget given to routed experts")
         ax.set_title("validation loss vs allocation (equal total and active params)")
     else:
-        ax.plot([p["slots"] for p in pts], [p["val_loss"] for p in pts], "o-", color="tab:red")
         ax.set_xscale("log")
         ax.set_xlabel("Engram table slots (rows)")
         ax.set_title("validation loss vs table slots (fixed backbone)")
