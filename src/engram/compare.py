@@ -119,8 +119,10 @@ def run_compare(cc: CompareConfig, base: TrainConfig | None = None) -> dict[str,
     t0 = time.perf_counter()
     corpus = build_corpus(base.data_config())  # built once here; workers hit the disk cache
     configs = variant_configs(base, corpus.vocab_size)
-    jobs = [(name, dataclasses.replace(cfg, seed=s, out_dir=str(out / "runs" / f"{name}-s{s}")))
-            for s in cc.seeds for name, cfg in configs.items()]
+    # Slowest first (MoE routes, Engram looks up): the workers then finish at about the same time.
+    jobs = [(name, dataclasses.replace(configs[name], seed=s,
+                                       out_dir=str(out / "runs" / f"{name}-s{s}")))
+            for name in ("moe", "engram", "dense") for s in cc.seeds]
     results = run_jobs(jobs, cc.workers, "compare runs")
     summary = summarise(results, configs, corpus, time.perf_counter() - t0)
     (out / "results.json").write_text(json.dumps(summary, indent=2))
