@@ -28,8 +28,7 @@ from tqdm import tqdm
 
 from engram.compare import CompareConfig, budget, variant_configs
 from engram.data import build_corpus
-from engram.optim import clip_grad_norm_
-from engram.train import TrainConfig, build_run
+from engram.train import TrainConfig, build_run, train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
 import optim as optim_bench  # noqa: E402  (benchmarks/optim.py)
@@ -54,13 +53,9 @@ def configs(batch: int, seq: int) -> dict[str, TrainConfig]:
     return {k: v for k, v in variant_configs(base, corpus.vocab_size).items() if k != "moe"}
 
 
-def train_step(run, i: int) -> None:
-    b = run.batches.batch(i)  # hashing included: it is part of the data pipeline's cost
-    loss = run.model.loss(run.model(b.inputs, b.hash_ids), b.targets)
-    loss.backward()
-    clip_grad_norm_([p for p in run.model.parameters() if p.grad is not None], 1.0)
-    run.optim.step()
-    run.optim.zero_grad(set_to_none=True)
+def step(run, i: int) -> None:
+    run.step = i  # hashing included: batch i and its hash ids are built inside the step
+    train_step(run)
 
 
 def throughput(cfgs: dict[str, TrainConfig], steps: int, warmup: int) -> dict:
@@ -69,7 +64,7 @@ def throughput(cfgs: dict[str, TrainConfig], steps: int, warmup: int) -> dict:
     for i in tqdm(range(warmup + steps), desc="train steps (interleaved)"):
         for name, run in runs.items():
             t0 = time.perf_counter()
-            train_step(run, i)
+            step(run, i)
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
     cfg = next(iter(cfgs.values()))
@@ -93,7 +88,7 @@ def _memory_child(args: tuple[TrainConfig, int]) -> dict:
     built = _status_mib("VmRSS")
     reset_peak_rss()
     for i in range(steps):
-        train_step(run, i)
+        step(run, i)
     return {"rss_corpus_mib": before, "rss_built_mib": built, "model_mib": built - before,
             "peak_rss_train_mib": _status_mib("VmHWM"),
             "train_over_built_mib": _status_mib("VmHWM") - built}

@@ -1,6 +1,7 @@
 """The reference decoder-only LM with Engram at chosen layers (paper section 2.1, figure 1).
 
-token embedding -> blocks -> final RMSNorm -> LM head. A block is, in order:
+token embedding -> blocks -> final RMSNorm -> LM head (a full softmax, or an adaptive softmax that
+costs a fraction on CPU and is still exact). A block is, in order:
     H <- H + Engram(H, hash ids)   (Engram layers only: the memory is added before attention & FFN)
     H <- H + Attention(RMSNorm(H))  (RoPE, causal)
     H <- H + FFN(RMSNorm(H))        (SwiGLU, or shared + routed top-k experts)
@@ -168,7 +169,8 @@ class EngramLM(nn.Module):
     # -- forward -----------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, hash_ids: dict[int, torch.Tensor] | None = None, *,
                 cache: DecodeCache | None = None, return_gates: bool = False) -> ModelOutput:
-        """tokens [b, t] (model-vocabulary ids) -> logits [b, t, V].
+        """tokens [b, t] (model-vocabulary ids) -> final hidden [b, t, d]; ``.logits`` [b, t, V]
+        are computed from it on first use, and ``loss``/``token_nll`` need only the hidden states.
 
         With ``cache`` only the new tokens are passed; they sit at positions cache.pos.. and the
         cache advances by t. ``hash_ids`` then hold the new tokens' ids only (``HashStream.step``).

@@ -283,6 +283,20 @@ def _log(run: Run, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def train_step(run: Run) -> float:
+    """One optimiser step at ``run.step`` (its micro-batches, clip, update); returns the loss."""
+    cfg, loss_sum = run.cfg, 0.0
+    for micro in range(cfg.grad_accum):
+        b = run.batches.batch(run.step * cfg.grad_accum + micro)
+        loss = run.model.loss(run.model(b.inputs, b.hash_ids), b.targets) / cfg.grad_accum
+        loss.backward()
+        loss_sum += float(loss.detach())
+    clip_grad_norm_([p for p in run.model.parameters() if p.grad is not None], cfg.grad_clip)
+    run.optim.step()
+    run.optim.zero_grad(set_to_none=True)
+    return loss_sum
+
+
 def train(cfg: TrainConfig, corpus: Corpus | None = None, progress: bool = True,
           resume: bool = True) -> Run:
     """Train to cfg.steps; resumes from out_dir's checkpoint when there is one (and resume=True)."""
@@ -308,16 +322,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, progress: bool = True,
     while run.step < cfg.steps:
         lr = lr_at(run.step, cfg)
         run.optim.set_lr(lr)
-        loss_sum = 0.0
-        for micro in range(cfg.grad_accum):
-            b = run.batches.batch(run.step * cfg.grad_accum + micro)
-            out_ = run.model(b.inputs, b.hash_ids)
-            loss = run.model.loss(out_, b.targets) / cfg.grad_accum
-            loss.backward()
-            loss_sum += float(loss.detach())
-        clip_grad_norm_([p for p in run.model.parameters() if p.grad is not None], cfg.grad_clip)
-        run.optim.step()
-        run.optim.zero_grad(set_to_none=True)
+        loss_sum = train_step(run)
         run.step += 1
         run.window = (run.window[0] + 1, run.window[1] + loss_sum)
         bar.update(1)
