@@ -29,10 +29,10 @@ VOCAB = np.sort(np.random.default_rng(0).choice(300, 120, replace=False))  # a r
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _model(profile, hc_mult=1):
+def _model(profile, hc_mult=1, head="full"):
     cfg = PROFILES[profile]
     mc = ModelConfig(vocab_size=len(VOCAB), n_layer=3, d_model=32, n_head=2, engram=cfg,
-                     max_seq_len=40, hc_mult=hc_mult)
+                     max_seq_len=40, hc_mult=hc_mult, head=head, head_cutoffs=(16, 64))
     torch.manual_seed(0)
     model = EngramLM(mc).eval()
     for e in model.engrams().values():  # a live conv: decode must carry its state
@@ -63,9 +63,10 @@ def _left_padded(lengths, seed=1):
     return torch.from_numpy(x), torch.from_numpy(mask)
 
 
-@pytest.mark.parametrize("profile,hc", [("demo-v1", 1), ("v4.1", 1), ("demo-v1", 2)])
-def test_greedy_equals_full_recompute_with_left_padded_prompts(profile, hc):
-    model, hasher = _model(profile, hc)
+@pytest.mark.parametrize("profile,hc,head", [("demo-v1", 1, "full"), ("v4.1", 1, "full"),
+                                             ("demo-v1", 2, "full"), ("demo-v1", 1, "adaptive")])
+def test_greedy_equals_full_recompute_with_left_padded_prompts(profile, hc, head):
+    model, hasher = _model(profile, hc, head)
     lengths = [6, 1, 9, 6, 3]
     x, mask = _left_padded(lengths)
     out = Generator(model, hasher, VOCAB, GenerationConfig(max_new_tokens=8)).generate(x, mask)

@@ -172,7 +172,8 @@ class Generator:
             ids = {k: v.to(dev) for k, v in ids.items()}
             if self.config.prefetch:
                 prefetch_batch(self.model, ids)
-        return self.model(self.to_local(raw).to(dev), ids, cache=group.cache).logits[:, -1]
+        hidden = self.model(self.to_local(raw).to(dev), ids, cache=group.cache).hidden
+        return self.model.logits(hidden[:, -1])  # [g, V]: only the last position is sampled
 
     def _step(self, group: _Group, out: GenerationOutput) -> _Group | None:
         t0 = time.perf_counter()
