@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .checkpoint import (CheckpointError)
+from .checkpoint import CheckpointError
 from .compress import build_compression
 from .data import Batch, Corpus, TokenBatches, build_corpus, val_batches
 from .hashing import NgramHasher

@@ -108,7 +108,7 @@ class TrainConfig:
         return ModelConfig(
             vocab_size=vocab_size, n_layer=self.n_layer, d_model=self.d_model, n_head=self.n_head,
             d_ff=self.d_ff, max_seq_len=self.seq_len, tie_embeddings=self.tie_embeddings,
-            head=head, head_cutoffs=cutoffs or (1,),
+            head=head, head_cutoffs=cutoffs,
             hc_mult=self.hc_mult, moe=self.moe, n_routed_experts=self.n_routed_experts,
             n_shared_experts=self.n_shared_experts, top_k=self.top_k, d_expert=self.d_expert,
             engram=self.engram_config(), engram_gate=self.engram_gate, sparse_tables=True,
