@@ -16,7 +16,7 @@ import time
 import torch
 
 from engram import EngramConfig, NgramHasher, build_compression, build_engram
-from engram.reference import NumpyReferenceHasher
+from engram.retrieval.reference import NumpyReferenceHasher
 
 
 def timeit(fn, repeat: int = 15, warmup: int = 2) -> float:

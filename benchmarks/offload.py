@@ -16,14 +16,15 @@ noisy; tiers are interleaved batch by batch):
   exact rows through windowed mappings.
 Threads: torch runs single-threaded by default (--threads); on a shared 2-core machine OpenMP's
 spinning threads stall whenever the other core is busy.
+
+The tiers and their prefill / decode loops live in offload_tiers.py; this script runs them,
+measures the rest and writes the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import mmap
 import os
 import resource
 import shutil
@@ -31,211 +32,37 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from engram import (EngramConfig, EngramLM, MemoryTable, ModelConfig, NgramHasher,
-                    build_compression, build_engram)
-from engram.cache import build_cache, count_rows, zipf_exponent
-from engram.data import DataConfig, build_corpus
-from engram.generate import load_dense_state
-from engram.prefetch import prefetch_batch, wrap_prefetch
-from engram.stores import FileTable, open_tables
-from engram.tablefile import export_tables, table_path, write_table
+from engram import (
+    EngramConfig,
+    EngramLM,
+    MemoryTable,
+    NgramHasher,
+    build_compression,
+    build_engram,
+)
+from engram.tables.cache import build_cache, count_rows, zipf_exponent
+from engram.tables.tablefile import table_path, write_table
+from engram.tables.tiers import FileTable
+from engram.training.corpus import DataConfig, build_corpus
+from engram.training.export import export_tables
+
+sys.path.insert(0, str(Path(__file__).parent))
+from offload_tiers import (  # noqa: E402  (benchmarks/offload_tiers.py)
+    Tiers,
+    bench_decode,
+    bench_prefill,
+    close,
+    reference_model,
+    resident_fraction,
+    stats_of,
+)
 
 FRACTIONS = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
-
-
-def reference_model(table_gb: float, vocab_size: int) -> ModelConfig:
-    """6 layers, d=256, Engram at layers 1 and 4 (N=3, 8 heads per order, head dim 64); the table
-    size per head is chosen so the two layers' fp32 tables total ``table_gb`` GiB."""
-    per_head = int(table_gb * 2**30 / (2 * 16 * 64 * 4))
-    ecfg = EngramConfig(engram_vocab_size=[per_head, per_head], max_ngram_size=3,
-                        n_embed_per_ngram=512, n_head_per_ngram=8, layer_ids=[1, 4], pad_id=1)
-    return ModelConfig(vocab_size=vocab_size, n_layer=6, d_model=256, n_head=4, max_seq_len=512,
-                       tie_embeddings=True, engram=ecfg, table_init_std=0.02)
-
-
-def resident_fraction(path: Path) -> float:
-    """Share of the file's pages in the page cache (mincore on a fresh mapping; faults nothing)."""
-    size = path.stat().st_size
-    libc = ctypes.CDLL(None, use_errno=True)
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
-    arr = np.frombuffer(mm, dtype=np.uint8)
-    n = -(-size // mmap.PAGESIZE)
-    vec = (ctypes.c_ubyte * n)()
-    rc = libc.mincore(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(size), vec)
-    del arr
-    mm.close()
-    return float("nan") if rc else float((np.frombuffer(vec, dtype=np.uint8) & 1).mean())
-
-
-@dataclass
-class Tier:
-    model: EngramLM
-    prefetch: bool = False  # announce rows before the forward
-    evict: list[FileTable] = field(default_factory=list)  # made cold before every timed call
-    lookahead: bool = False  # also announce the next batch's rows (prefill only)
-
-
-class Tiers:
-    """The ways of serving one model. Each cold tier reads its own copy of the table files, so its
-    pages can be evicted before every timed call while the other tiers keep theirs mapped."""
-
-    def __init__(self, memory: EngramLM, folders: dict[str, Path], hasher: NgramHasher,
-                 counts: dict[int, torch.Tensor], cache_fraction: float, io_threads: int):
-        self.memory, self.folders, self.hasher = memory, folders, hasher
-        self.counts, self.fraction, self.io_threads = counts, cache_fraction, io_threads
-        self.state = memory.state_dict()
-
-    def _model(self, tables) -> EngramLM:
-        m = EngramLM(self.memory.config, tables=tables)
-        load_dense_state(m, self.state)
-        return m.eval()
-
-    def _files(self, folder: str, **kw) -> dict[int, FileTable]:
-        return open_tables(self.folders[folder], self.memory.config.engram, self.hasher,
-                           verify=False, **kw)
-
-    def cached(self, folder: str) -> EngramLM:
-        files = self._files(folder, io_threads=self.io_threads)
-        return self._model(wrap_prefetch({lid: build_cache(t, self.counts[lid], self.fraction)
-                                          for lid, t in files.items()}))
-
-    def all(self, lookahead: bool) -> dict[str, Tier]:
-        out = {"memory": Tier(self.memory), "file": Tier(self._model(self._files("warm"))),
-               "file_cached": Tier(self.cached("warm"), prefetch=True)}
-        cold = self.cached("cold")
-        out["file_cold_cached"] = Tier(cold, True, file_tables(cold))
-        if lookahead:
-            ahead = self.cached("ahead")
-            out["file_cold_cached_lookahead"] = Tier(ahead, True, file_tables(ahead), True)
-        return out
-
-
-def file_tables(model: EngramLM) -> list[FileTable]:
-    out = []
-    for e in model.engrams().values():
-        t = e.table
-        while t is not None and not isinstance(t, FileTable):
-            t = getattr(t, "inner", None)
-        if t is not None:
-            out.append(t)
-    return out
-
-
-def close(tiers: dict[str, Tier]) -> None:
-    for name, tier in tiers.items():
-        if name != "memory":
-            for f in file_tables(tier.model):
-                f.close()
-
-
-def stats_of(model: EngramLM) -> dict:
-    out = {}
-    for lid, e in model.engrams().items():
-        t, s = e.table, {}
-        if hasattr(t, "stats") and hasattr(t.stats, "wait_s"):
-            s["prefetch_wait_s"] = round(t.stats.wait_s, 4)
-            t = t.inner
-        if hasattr(t, "stats") and hasattr(t.stats, "hit_rate"):
-            s["cache_hit_rate"] = round(t.stats.hit_rate, 4)
-        out[lid] = s
-    return out
-
-
-def _summary(times: dict[str, list[float]], tokens: int) -> tuple[dict, dict]:
-    """tok/s per tier from its median round, plus the fastest round and the paired ratios (rounds
-    ran all tiers back to back, so load from other jobs on a shared machine cancels in them)."""
-    med = {k: tokens / float(np.median(v)) for k, v in times.items()}
-    return med, {"best_tok_s": {k: tokens / min(v) for k, v in times.items()},
-                 "paired_ratios": _paired(times), "rounds": len(times["memory"])}
-
-
-def _paired(times: dict[str, list[float]]) -> dict[str, float]:
-    """Median over rounds of t_memory / t_tier: tiers of one round ran back to back, so load from
-    other jobs on the machine cancels out better than in a ratio of medians."""
-    mem = np.asarray(times["memory"])
-    return {k: float(np.median(mem / np.asarray(v))) for k, v in times.items() if k != "memory"}
-
-
-@torch.no_grad()
-def bench_prefill(tiers: dict[str, Tier], corpus, hasher, args) -> tuple[dict, dict]:
-    """Each batch through every tier (shuffled order per round); round 0 is an untimed warm-up."""
-    from tqdm.auto import tqdm
-
-    val = corpus.val.astype(np.int64)
-    b, t = args.prefill_batch, args.prefill_len
-    batches = []
-    for r in range(args.reps + 1):
-        raw = torch.from_numpy(val[r * b * t:(r + 1) * b * t].reshape(b, t))
-        batches.append((corpus.to_local(raw), hasher.hash(raw)))
-    times = {k: [] for k in tiers}
-    same, rng = True, np.random.default_rng(0)
-    for r in tqdm(range(args.reps + 1), desc="prefill", leave=False):
-        local, ids = batches[r]
-        ref = None
-        for name in rng.permutation(list(tiers)):  # no tier always runs after the same one
-            tier = tiers[name]
-            for f in tier.evict:
-                f.evict()
-            t0 = time.perf_counter()
-            if tier.prefetch and not (tier.lookahead and r):  # lookahead: announced last round
-                prefetch_batch(tier.model, ids)
-            if tier.lookahead and r + 1 < len(batches):
-                prefetch_batch(tier.model, batches[r + 1][1])  # read while this batch computes
-            logits = tier.model(local, ids).logits
-            if r:
-                times[name].append(time.perf_counter() - t0)
-            same &= ref is None or torch.equal(logits, ref)
-            ref = logits
-    best, extra = _summary(times, b * t)
-    return best, {"same": same, **extra}
-
-
-@torch.no_grad()
-def bench_decode(tiers: dict[str, Tier], corpus, hasher, args) -> tuple[dict, dict]:
-    """All tiers decode the same prompts in lockstep, one step each in shuffled order (greedy,
-    KV cache, n-gram stream, conv state); step 0 is an untimed warm-up."""
-    from tqdm.auto import tqdm
-
-    val = corpus.val.astype(np.int64)
-    n, plen, steps = args.decode_batch, args.decode_prompt, args.new_tokens
-    start = (args.reps + 1) * args.prefill_batch * args.prefill_len
-    times = {k: [] for k in tiers}
-    same, rng = True, np.random.default_rng(1)
-    for rep in range(args.decode_reps):
-        a = start + rep * n * plen
-        prompt = torch.from_numpy(val[a:a + n * plen].reshape(n, plen))
-        state = {}
-        for name, tier in tiers.items():
-            cache, stream = tier.model.new_cache(n, plen + steps), hasher.stream(n)
-            logits = tier.model(corpus.to_local(prompt), stream.step(prompt), cache=cache).logits
-            state[name] = [cache, stream, logits[:, -1].argmax(-1), []]
-        for s in tqdm(range(steps), desc=f"decode {rep}", leave=False):
-            for name in rng.permutation(list(tiers)):
-                tier = tiers[name]
-                cache, stream, tok, out = state[name]
-                for f in tier.evict:
-                    f.evict()
-                t0 = time.perf_counter()
-                raw = corpus.to_raw(tok)[:, None]  # [n, 1]
-                ids = stream.step(raw)
-                if tier.prefetch:
-                    prefetch_batch(tier.model, ids)
-                tok = tier.model(corpus.to_local(raw), ids, cache=cache).logits[:, -1].argmax(-1)
-                if s:
-                    times[name].append(time.perf_counter() - t0)
-                state[name][2] = tok
-                out.append(tok)
-        outs = [torch.stack(v[3]) for v in state.values()]
-        same &= all(torch.equal(o, outs[0]) for o in outs)
-    best, extra = _summary(times, n)
-    return best, {"same": same, **extra}
 
 
 def bench_gather(memory: EngramLM, folder: Path, hasher, corpus, io_threads: int) -> dict:

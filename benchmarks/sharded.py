@@ -28,8 +28,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engram.distributed import init_distributed, spawn_local
-from engram.sharded import ShardedTable
+from engram.tables.sharded import ShardedTable
+from engram.training.process_group import init_distributed, spawn_local
 
 
 def zipf_ids(rng: np.random.Generator, n: int, rows: int, a: float) -> torch.Tensor:

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engram.compare import CompareConfig, budget, variant_configs
-from engram.data import build_corpus
-from engram.train import TrainConfig, build_run, train_step
+from engram.studies.compare import CompareConfig, budget, variant_configs
+from engram.training.corpus import build_corpus
+from engram.training.train import TrainConfig, build_run, train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
 import optim as optim_bench  # noqa: E402  (benchmarks/optim.py)

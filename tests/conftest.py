@@ -59,7 +59,7 @@ def tok():
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from engram.data import load_documents
+    from engram.training.corpus import load_documents
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -1,20 +1,26 @@
 """engram: DeepSeek's Engram conditional memory for PyTorch language models.
 
-Layers (lower never import higher): retrieval (compress, hashing) -> storage (store) ->
-module -> models -> train / serve / study -> cli.
+The folders are layers, lowest first; a module imports its own layer or lower ones, never higher
+(tests/test_layers.py checks it): retrieval (token ids -> row ids) -> tables (where rows live) ->
+module (the Engram module, module.py) -> models (reference LM, HF injection) -> training ->
+serving -> studies -> cli. This file re-exports the names most code needs.
 """
 
-from .compress import DEAD, Compression, build_compression, default_tokenizer
-from .config import EngramConfig
-from .hashing import HashStream, NgramHasher
+from .models.model import DecodeCache, EngramLM, ModelConfig, ModelOutput
 from .module import Engram, EngramState, ShortConv, build_engram
-from .primes import prime_table_sizes, rows_per_layer
-from .store import MemoryTable, TableStore
-# Higher layers, re-exported for convenience (they import the ones above, never the reverse).
-from .model import DecodeCache, EngramLM, ModelConfig, ModelOutput  # noqa: E402
-from .optim import RowAdam, build_optimizers  # noqa: E402
+from .retrieval.compress import DEAD, Compression, build_compression, default_tokenizer
+from .retrieval.config import EngramConfig
+from .retrieval.hashing import HashStream, NgramHasher
+from .retrieval.primes import prime_table_sizes, rows_per_layer
+from .tables.store import MemoryTable, TableStore
+from .training.optim import RowAdam, build_optimizers
 
-__version__ = "0.1.0"
+try:
+    from importlib.metadata import version as _version
+
+    __version__ = _version("engram")
+except Exception:  # a source tree that was never installed
+    __version__ = "unknown"
 
 __all__ = [
     "DEAD", "Compression", "DecodeCache", "Engram", "EngramConfig", "EngramLM", "EngramState",

@@ -1,48 +1,89 @@
-"""The `engram` command line: one subcommand per job, each a thin wrapper over the library."""
+"""The `engram` command line: one subcommand per job, each a thin wrapper over the library.
+
+Only the chosen subcommand's modules are imported. Options come from the dataclass configs (:mod:`engram.options`): ``--help`` lists every
+field with its type, default and comment; ``--key value``, ``--key=value`` and ``--flag/--no-flag``
+all work; an unknown option names the closest known one.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
+from typing import Callable
+
+from .options import add_config, build, new_parser
+
+# name -> one-line help, shown by `engram --help` without importing anything heavy.
+COMMANDS = {
+    "demo": "compress the DeepSeek tokenizer, hash a sentence, run the module (2 s)",
+    "train": "train one LM (dense, MoE or Engram) on the package corpus; torchrun for several",
+    "compare": "the main job: dense vs Engram vs MoE at matched parameters, seeds, report",
+    "sweep-allocation": "fixed total/active parameters; the sparse budget moves experts <-> tables",
+    "sweep-slots": "fixed backbone, Engram tables of growing size",
+    "generate": "continue prompts with a trained run, tables on any tier",
+    "finetune": "memory-only training of Engram injected into SmolLM2 vs LoRA",
+}
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+def _demo(argv: list[str]) -> int:
+    from .studies.demo import DEFAULT_TEXT, run_demo
 
-    out = run_demo(text=args.text, table_size=args.table_size, hidden_size=args.hidden_size)
-    if args.json:
-        with open(args.json, "w") as f:
+    p = new_parser("engram demo", COMMANDS["demo"])
+    p.add_argument("--text", default=DEFAULT_TEXT, help="sentence to hash [default: a built-in one]")
+    p.add_argument("--table_size", "--table-size", type=int, default=50_000,
+                   help="table size per n-gram order; the official demo uses 646400 "
+                   "[default: %(default)s]")
+    p.add_argument("--hidden_size", "--hidden-size", type=int, default=256,
+                   help="model width the module runs at [default: %(default)s]")
+    p.add_argument("--json", default=None, help="also write ids, hashes and gates here "
+                   "[default: none]")
+    a = p.parse_args(argv)
+    out = run_demo(text=a.text, table_size=a.table_size, hidden_size=a.hidden_size)
+    if a.json:
+        with open(a.json, "w") as f:
             json.dump(out, f)
     return 0
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(argv: list[str]) -> int:
     import os
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by torchrun: sharded tables + DDP
-        from .distributed import cli_train_distributed
-        return cli_train_distributed(args.overrides + (["--no-resume"] if args.no_resume else []))
-    from .train import TrainConfig, parse_overrides, train
+    from .training.distributed import cli_train_distributed, train_parser
+    from .training.train import TrainConfig, train
 
-    cfg = parse_overrides(TrainConfig, args.overrides)
-    run = train(cfg, resume=not args.no_resume)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by torchrun: sharded tables + DDP
+        return cli_train_distributed(argv)
+    ns = train_parser().parse_args(argv)
+    cfg = build(TrainConfig, ns, 0)
+    run = train(cfg, resume=ns.resume)
     last = run.history[-1] if run.history else {}
     print(json.dumps({"out_dir": cfg.out_dir, "step": run.step, **last}))
     return 0
 
 
-def _compare(args: argparse.Namespace) -> int:
+def _study_parser(command: str, study_cls: type) -> argparse.ArgumentParser:
+    """A study's own options first; TrainConfig's for the fields the study does not set itself."""
     import dataclasses
 
-    from .compare import CompareConfig, run_compare
-    from .train import TrainConfig, parse_overrides
+    from .training.train import TrainConfig
 
-    own = {f.name for f in dataclasses.fields(CompareConfig)}
-    mine = [a for a in args.overrides if a[2:].split("=", 1)[0].replace("-", "_") in own]
-    rest = [a for a in args.overrides if a not in mine]
-    cc = parse_overrides(CompareConfig, mine)
-    summary = run_compare(cc, parse_overrides(TrainConfig, rest))
+    p = new_parser(f"engram {command}", COMMANDS[command] + ". The study's options set the token "
+                   "budget of every run; TrainConfig options set the rest of each run's config.")
+    add_config(p, study_cls, 0, f"{study_cls.__name__} options")
+    add_config(p, TrainConfig, 1, "TrainConfig options (the base of every run)",
+               skip=[f.name for f in dataclasses.fields(study_cls)])
+    return p
+
+
+def _compare(argv: list[str]) -> int:
+    from .studies.compare import CompareConfig, run_compare
+    from .training.train import TrainConfig
+
+    ns = _study_parser("compare", CompareConfig).parse_args(argv)
+    cc = build(CompareConfig, ns, 0)
+    summary = run_compare(cc, build(TrainConfig, ns, 1))
     runs = summary["runs"]
     print(" ".join(f"{k}: {v['val_loss']:.4f}" for k, v in runs.items())
           + f" | engram gain vs dense {summary['engram_gain_vs_dense']:.4f} nats; "
@@ -50,78 +91,74 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sweep(args: argparse.Namespace) -> int:
-    import dataclasses
+def _sweep(command: str) -> Callable[[list[str]], int]:
+    def run(argv: list[str]) -> int:
+        from .studies.sweep import SweepConfig, run_sweep
+        from .training.train import TrainConfig
 
-    from .sweep import SweepConfig, run_sweep
-    from .train import TrainConfig, parse_overrides
-
-    own = {f.name for f in dataclasses.fields(SweepConfig)}
-    mine = [a for a in args.overrides if a[2:].split("=", 1)[0].replace("-", "_") in own]
-    sc = parse_overrides(SweepConfig, mine)
-    base = parse_overrides(TrainConfig, [a for a in args.overrides if a not in mine])
-    summary = run_sweep(args.command.split("-", 1)[1], sc, base)
-    print(" ".join(f"{p['name']}: {p['val_loss']:.4f}" for p in summary["points"])
-          + f" | best {summary['best']['name']}; wrote {sc.out_dir}")
-    return 0
+        ns = _study_parser(command, SweepConfig).parse_args(argv)
+        sc = build(SweepConfig, ns, 0)
+        summary = run_sweep(command.split("-", 1)[1], sc, build(TrainConfig, ns, 1))
+        print(" ".join(f"{p['name']}: {p['val_loss']:.4f}" for p in summary["points"])
+              + f" | best {summary['best']['name']}; wrote {sc.out_dir}")
+        return 0
+    return run
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from .generate import cli_generate
+def _generate(argv: list[str]) -> int:
+    from .serving.generate import cli_generate
 
-    return cli_generate(args.overrides)
-
-
-def _finetune(args: argparse.Namespace) -> int:
-    from .finetune import cli_finetune
-
-    return cli_finetune(args.overrides)
+    return cli_generate(argv)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="engram", description="Engram conditional memory for LMs")
-    sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="compress the DeepSeek tokenizer, hash a sentence, run the module")
-    d.add_argument("--text", default=None, help="sentence to hash (default: a built-in one)")
-    d.add_argument("--table-size", type=int, default=50_000,
-                   help="table size per n-gram order (the official demo uses 646400)")
-    d.add_argument("--hidden-size", type=int, default=256)
-    d.add_argument("--json", default=None, help="also write ids, hashes and gates here")
-    d.set_defaults(func=_demo)
-    t = sub.add_parser("train", help="train an LM (--key=value overrides of TrainConfig)")
-    t.add_argument("--no-resume", action="store_true",
-                   help="refuse to continue from a checkpoint in out_dir")
-    t.set_defaults(func=_train)
-    c = sub.add_parser("compare", help="dense vs Engram vs MoE on the default corpus (the main job); "
-                       "--key=value overrides of CompareConfig and TrainConfig")
-    c.set_defaults(func=_compare)
-    g = sub.add_parser("generate", help="greedy/sampled decoding from a trained run, tables on any "
-                       "tier (see `engram generate --help`)", add_help=False)
-    g.set_defaults(func=_generate)
-    f = sub.add_parser("finetune", help="memory-only training of Engram injected into a pretrained "
-                       "HF model (SmolLM2) vs LoRA; --key=value overrides", add_help=False)
-    f.set_defaults(func=_finetune)
-    for kind, what in (("allocation", "split a fixed sparse budget between experts and Engram (rhos)"),
-                       ("slots", "fixed backbone, Engram tables of growing size")):
-        sw = sub.add_parser(f"sweep-{kind}", help=f"{what}; --key=value overrides")
-        sw.set_defaults(func=_sweep)
+def _finetune(argv: list[str]) -> int:
+    from .studies.finetune import cli_finetune
+
+    return cli_finetune(argv)
+
+
+RUNNERS: dict[str, Callable[[list[str]], int]] = {
+    "demo": _demo, "train": _train, "compare": _compare,
+    "sweep-allocation": _sweep("sweep-allocation"), "sweep-slots": _sweep("sweep-slots"),
+    "generate": _generate, "finetune": _finetune,
+}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("engram")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def top_parser() -> argparse.ArgumentParser:
+    p = new_parser("engram", "Engram conditional memory for language models. "
+                   "`engram COMMAND --help` lists a command's options.\n\ncommands:\n"
+                   + "\n".join(f"  {k:<17} {v}" for k, v in COMMANDS.items()))
+    p.add_argument("--version", action="version", version=f"engram {_version()}")
+    p.add_argument("command", nargs="?", choices=list(COMMANDS), metavar="COMMAND")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, rest = build_parser().parse_known_args(argv)
-    if args.command in ("train", "compare", "sweep-allocation", "sweep-slots", "generate",
-                        "finetune"):
-        args.overrides = rest
-    elif rest:
-        build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
-    if getattr(args, "text", "") is None:
-        from .demo import DEFAULT_TEXT
-        args.text = DEFAULT_TEXT
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        top_parser().parse_args(argv)  # --help / --version exit here
+        top_parser().print_help()
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command not in RUNNERS:
+        close = difflib.get_close_matches(command, list(RUNNERS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        print(f"engram: error: unknown command {command!r}{hint} (commands: "
+              f"{', '.join(RUNNERS)})", file=sys.stderr)
+        return 2
     try:
-        return args.func(args)
+        return RUNNERS[command](rest)
     except (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError) as e:
-        print(f"engram {args.command}: error: {e}", file=sys.stderr)
+        print(f"engram {command}: error: {e}", file=sys.stderr)
         return 2
 
 

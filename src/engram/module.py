@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import EngramConfig
-from .primes import head_offsets, prime_table_sizes
-from .store import MemoryTable, TableStore
+from .retrieval.config import EngramConfig
+from .retrieval.primes import head_offsets, prime_table_sizes
+from .tables.store import MemoryTable, TableStore
 
 GATES = ("paper", "demo")
 

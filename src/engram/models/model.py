@@ -1,0 +1,327 @@
+"""The reference decoder-only LM with Engram at chosen layers (paper section 2.1, figure 1).
+
+token embedding -> blocks -> final RMSNorm -> LM head (a full softmax, or an adaptive softmax that
+costs a fraction on CPU and is still exact). A block is, in order:
+    H <- H + Engram(H, hash ids)   (Engram layers only: the memory is added before attention & FFN)
+    H <- H + Attention(RMSNorm(H))  (RoPE, causal)
+    H <- H + FFN(RMSNorm(H))        (SwiGLU, or shared + routed top-k experts)
+With hyper-connections (hc_mult = m > 1) H is m branches and each "+" is a hyper-connection
+(``engram.models.layers.HyperConnection``); Engram then sees all branches and gates each one separately.
+
+Hash ids are computed outside (data loader, serving engine) from raw token ids; the model never
+hashes, so the tables' rows are known, and can be prefetched, before the forward pass.
+
+Shape legend:
+    b batch, t new positions, d model width, m residual branches, V model vocabulary,
+    H hash heads per Engram layer, h attention heads, e head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..module import Engram, EngramState, build_engram
+from ..tables.store import TableStore
+from .layers import AdaptiveHead, Block, MoE, SwiGLU, rope_tables
+from .model_config import ModelConfig
+
+__all__ = ["DecodeCache", "EngramLM", "ModelConfig", "ModelOutput", "build_block", "build_ffn"]
+
+
+@dataclass
+class ModelOutput:
+    hidden: torch.Tensor  # [b, t, d] after the final norm
+    aux_loss: torch.Tensor  # scalar: MoE load-balancing loss (already weighted), 0 without MoE
+    gates: dict[int, torch.Tensor] | None = None  # {layer: alpha [b, t, m]} when asked
+    head: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
+
+    @cached_property
+    def logits(self) -> torch.Tensor:
+        """[b, t, V], computed on first use (training losses never need them with the adaptive
+        head); with the adaptive head they are log-probabilities, which softmax/argmax take as is."""
+        return self.head(self.hidden)
+
+
+@dataclass
+class DecodeCache:
+    """Everything a cached forward needs to continue a batch of sequences at position ``pos``."""
+
+    keys: list[torch.Tensor]  # per layer [b, h, max_len, e]
+    values: list[torch.Tensor]  # per layer [b, h, max_len, e]
+    engram: dict[int, EngramState] = field(default_factory=dict)  # per Engram layer: conv context
+    pos: int = 0  # positions already processed (the next token's position)
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].shape[2]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` (beam search, batch compaction)."""
+        self.keys = [k.index_select(0, index.to(k.device)) for k in self.keys]
+        self.values = [v.index_select(0, index.to(v.device)) for v in self.values]
+        for state in self.engram.values():
+            state.reorder(index)
+
+
+def build_ffn(config: ModelConfig, layer: int) -> nn.Module:
+    if config.is_moe_layer(layer):
+        return MoE(config.d_model, config.n_routed_experts, config.n_shared_experts, config.top_k,
+                   config.d_expert, config.aux_loss_coef)
+    return SwiGLU(config.d_model, config.d_ff)
+
+
+def build_block(config: ModelConfig, layer: int,
+                table: TableStore | None | str = "memory") -> Block:
+    engram = None
+    if layer in config.engram_layers:
+        engram = build_engram(config.engram, layer, config.d_model, config.hc_mult,
+                              gate=config.engram_gate, conv=config.engram_conv, table=table,
+                              sparse=config.sparse_tables, init_std=config.table_init_std)
+    return Block(config.d_model, config.n_head, build_ffn(config, layer), norm_eps=config.norm_eps,
+                 engram=engram, hc_mult=config.hc_mult, index=layer)
+
+
+class EngramLM(nn.Module):
+    """Decoder-only LM; ``tables`` puts given layers' rows in another store (kept as it is)."""
+
+    def __init__(self, config: ModelConfig, tables: dict[int, TableStore | None] | None = None):
+        super().__init__()
+        tables = dict(tables or {})
+        extra = sorted(set(tables) - set(config.engram_layers))
+        if extra:
+            raise ValueError(f"tables given for layers {extra} without Engram "
+                             f"(Engram layers: {config.engram_layers})")
+        self.config = config
+        self._own_tables = [i for i in config.engram_layers if i not in tables]
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList([build_block(config, i, tables.get(i, "memory"))
+                                     for i in range(config.n_layer)])
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        if config.head == "adaptive":
+            self.head = AdaptiveHead(config.d_model, config.vocab_size, config.head_cutoffs,
+                                     config.head_div)
+        else:
+            self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, e/2]
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    # -- initialisation (all of it) ----------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        c = self.config
+        std, out_std = c.init_std, c.init_std / math.sqrt(2 * c.n_layer)  # GPT-2 residual scaling
+        nn.init.normal_(self.embed.weight, std=std)
+        if not c.tie_embeddings:
+            for module in self.head.modules():
+                if isinstance(module, nn.Linear):
+                    nn.init.normal_(module.weight, std=std)
+        for module in self.modules():
+            if isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+        for i, block in enumerate(self.blocks):
+            nn.init.normal_(block.attn.qkv.weight, std=std)
+            nn.init.normal_(block.attn.proj.weight, std=out_std)
+            ffn = block.ffn
+            swiglu = ffn if isinstance(ffn, SwiGLU) else ffn.shared  # MoE: its shared experts
+            if swiglu is not None:
+                nn.init.normal_(swiglu.w1.weight, std=std)
+                nn.init.normal_(swiglu.w3.weight, std=std)
+                nn.init.normal_(swiglu.w2.weight, std=out_std)
+            if isinstance(ffn, MoE):
+                nn.init.normal_(ffn.router.weight, std=std)
+                nn.init.normal_(ffn.w1, std=std)
+                nn.init.normal_(ffn.w3, std=std)
+                nn.init.normal_(ffn.w2, std=out_std)
+            for hc in (block.attn_hc, block.ffn_hc):
+                if hc is not None:  # identity at the start: every branch is the plain residual
+                    hc.mix.copy_(F.one_hot(torch.tensor(hc.index % hc.hc_mult), hc.hc_mult))
+                    hc.res.copy_(torch.eye(hc.hc_mult))
+                    hc.out.fill_(1.0)
+            if block.engram is not None:
+                self._init_engram(block.engram, own_table=i in self._own_tables)
+
+    def _init_engram(self, engram: Engram, own_table: bool) -> None:
+        for module in engram.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=self.config.init_std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        if own_table:  # a table passed in by the caller brings its own (trained) rows
+            nn.init.normal_(engram.table.weight, std=self.config.table_init_std)
+        # Zero conv (paper 2.3): Y = alpha * v at the start, a pure gated lookup.
+        engram.init_weights()
+
+    # -- forward -----------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, hash_ids: dict[int, torch.Tensor] | None = None, *,
+                cache: DecodeCache | None = None, return_gates: bool = False) -> ModelOutput:
+        """tokens [b, t] (model-vocabulary ids) -> final hidden [b, t, d]; ``.logits`` [b, t, V]
+        are computed from it on first use, and ``loss``/``token_nll`` need only the hidden states.
+
+        With ``cache`` only the new tokens are passed; they sit at positions cache.pos.. and the
+        cache advances by t. ``hash_ids`` then hold the new tokens' ids only (``HashStream.step``).
+        """
+        self._check_inputs(tokens, hash_ids, cache)
+        b, t = tokens.shape
+        m = self.config.hc_mult
+        pos = 0 if cache is None else cache.pos
+        cos, sin = self.rope_cos[pos:pos + t], self.rope_sin[pos:pos + t]  # [t, e/2]
+        h = self.embed(tokens)  # [b, t, d]
+        if m > 1:
+            h = h.unsqueeze(2).expand(b, t, m, h.shape[-1]).contiguous()  # [b, t, m, d] copies
+        aux = h.new_zeros(())
+        gates = {}
+        for i, block in enumerate(self.blocks):
+            kv = None if cache is None else (cache.keys[i], cache.values[i])
+            state = None if cache is None else cache.engram.get(i)
+            ids = None if block.engram is None else hash_ids[i]
+            h, a, g = block(h, cos, sin, ids, kv=kv, pos=pos, state=state, return_gate=return_gates)
+            if a is not None:
+                aux = aux + a
+            if g is not None:
+                gates[i] = g
+        if m > 1:
+            # Branches are summed in the HC paper; the mean is the same after RMSNorm (up to eps)
+            # and makes an m-branch model at init exactly the plain-residual one.
+            h = h.mean(dim=2)  # [b, t, d]
+        if cache is not None:
+            cache.pos += t
+        return ModelOutput(self.norm(h), aux, gates if return_gates else None, self.logits)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., d] -> logits [..., V] (log-probabilities with the adaptive head)."""
+        if isinstance(self.head, AdaptiveHead):
+            return self.head.log_probs(hidden)
+        return self.head(hidden)
+
+    def _check_inputs(self, tokens, hash_ids, cache) -> None:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
+            raise ValueError(f"tokens must be an integer tensor [batch, seq], got "
+                             f"{getattr(tokens, 'shape', type(tokens))}")
+        b, t = tokens.shape
+        v = self.config.vocab_size
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= v):
+            raise ValueError(f"token ids must be in [0, vocab_size={v}), got "
+                             f"[{int(tokens.min())}, {int(tokens.max())}]")
+        pos = 0 if cache is None else cache.pos
+        if pos + t > self.config.max_seq_len:
+            raise ValueError(f"positions up to {pos + t} exceed "
+                             f"max_seq_len={self.config.max_seq_len}")
+        if cache is not None:
+            if b != cache.batch_size:
+                raise ValueError(f"batch of {b} rows but the cache holds {cache.batch_size}")
+            if pos + t > cache.max_len:
+                raise ValueError(f"cache full: {pos} + {t} new positions > max_len={cache.max_len}")
+        layers = self.config.engram_layers
+        given = sorted(hash_ids or {})
+        if layers and hash_ids is None:
+            raise ValueError(f"this model has Engram at layers {layers}: pass hash_ids={{layer: "
+                             "LongTensor[b, t, H]} computed by engram.NgramHasher from raw ids")
+        missing = sorted(set(layers) - set(given))
+        extra = sorted(set(given) - set(layers))
+        if missing or extra:
+            raise ValueError(f"hash_ids layers {given} do not match the model's Engram layers "
+                             f"{layers} (missing {missing}, unexpected {extra})")
+        for lid in layers:
+            if tuple(hash_ids[lid].shape[:2]) != (b, t):
+                raise ValueError(f"hash_ids[{lid}] has shape {tuple(hash_ids[lid].shape)}, "
+                                 f"expected [{b}, {t}, H] to match tokens")
+
+    def loss(self, output: ModelOutput, targets: torch.Tensor, *,
+             ignore_index: int = -100) -> torch.Tensor:
+        """Mean next-token cross entropy over targets [b, t] (already shifted) + MoE aux loss."""
+        nll = self.token_nll(output, targets, ignore_index=ignore_index)
+        keep = targets != ignore_index
+        return nll.sum() / keep.sum().clamp(min=1) + output.aux_loss
+
+    def token_nll(self, output: ModelOutput, targets: torch.Tensor, *,
+                  ignore_index: int = -100) -> torch.Tensor:
+        """Next-token negative log-likelihood [b, t] in nats; 0 where targets == ignore_index."""
+        if not isinstance(self.head, AdaptiveHead):
+            return F.cross_entropy(output.logits.flatten(0, 1).float(), targets.flatten(),
+                                   ignore_index=ignore_index, reduction="none").view_as(targets)
+        keep = (targets != ignore_index).flatten()  # [n]
+        if keep.all():
+            return self.head.token_nll(output.hidden.flatten(0, 1), targets.flatten()).view_as(targets)
+        nll = output.hidden.new_zeros(targets.numel())  # [n]
+        if keep.any():
+            idx = keep.nonzero().squeeze(1)
+            nll = nll.index_copy(0, idx, self.head.token_nll(output.hidden.flatten(0, 1)[idx],
+                                                             targets.flatten()[idx]))
+        return nll.view_as(targets)
+
+    # -- decoding ----------------------------------------------------------------------------------
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> DecodeCache:
+        """An empty cache for ``batch_size`` sequences of up to ``max_len`` (or max_seq_len)."""
+        c = self.config
+        max_len = c.max_seq_len if max_len is None else max_len
+        if not 0 < max_len <= c.max_seq_len:
+            raise ValueError(f"max_len must be in [1, max_seq_len={c.max_seq_len}], got {max_len}")
+        w = self.embed.weight
+        shape = (batch_size, c.n_head, max_len, c.head_dim)
+        return DecodeCache(
+            keys=[torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in range(c.n_layer)],
+            values=[torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in range(c.n_layer)],
+            engram={i: EngramState() for i in c.engram_layers})
+
+    # -- parameters --------------------------------------------------------------------------------
+    def engrams(self) -> dict[int, Engram]:
+        return {i: b.engram for i, b in enumerate(self.blocks) if b.engram is not None}
+
+    def table_parameters(self) -> Iterator[nn.Parameter]:
+        """The Engram tables' parameters (sparse, row-wise optimiser, no weight decay)."""
+        for engram in self.engrams().values():
+            if isinstance(engram.table, nn.Module):
+                yield from engram.table.parameters()
+
+    def dense_parameters(self) -> Iterator[nn.Parameter]:
+        """Every other parameter (each shared one once)."""
+        tables = {id(p) for p in self.table_parameters()}
+        return (p for p in self.parameters() if id(p) not in tables)
+
+    def param_counts(self) -> dict[str, int]:
+        """Parameter accounting; the convention is applied identically to every variant.
+
+        - ``total``: all parameters: embeddings, head, every expert, the tables (also when they live
+          in an outside store, counted as rows x width).
+        - ``table``: Engram table entries (the memory; the "sparse" parameters of the Engram side).
+        - ``embedding`` / ``head``: input embedding / LM head (head 0 when tied).
+        - ``routed_inactive``: routed experts a token does not use, (E - k) per MoE layer.
+        - ``active``: parameters used per token, ~ FLOPs/2: total - table - routed_inactive - the
+          input embedding when untied (a lookup, no FLOPs, like the tables). The LM head is a matmul
+          and counts; tied, the shared matrix counts once, as the head.
+        - ``total_non_embedding`` / ``active_non_embedding``: the same without embedding and head,
+          the paper's P_tot and P_act (section 3); ``sparse`` = P_tot - P_act = table +
+          routed_inactive, so the paper's allocation ratio is rho = routed_inactive / sparse.
+        """
+        c = self.config
+        dense = sum(p.numel() for p in self.dense_parameters())
+        table = sum(e.table.num_rows * e.table.dim for e in self.engrams().values()
+                    if e.table is not None)
+        total = dense + table
+        embedding = self.embed.weight.numel()
+        head = 0 if c.tie_embeddings else sum(p.numel() for p in self.head.parameters())
+        routed_inactive = sum((b.ffn.n_routed - b.ffn.top_k) * b.ffn.params_per_expert
+                              for b in self.blocks if isinstance(b.ffn, MoE))
+        active = total - table - routed_inactive - (0 if c.tie_embeddings else embedding)
+        return {
+            "total": total, "table": table, "embedding": embedding, "head": head,
+            "routed_inactive": routed_inactive, "active": active,
+            "total_non_embedding": total - embedding - head,
+            "active_non_embedding": active - c.vocab_size * c.d_model,
+            "sparse": table + routed_inactive,
+        }

@@ -1,0 +1,333 @@
+"""Generation: batched incremental decoding with the KV cache, n-gram history and Engram conv state.
+
+Each step feeds only the new token: attention reads the KV cache (``DecodeCache``), the hasher's
+stream keeps the last N-1 tokens so the new position's n-grams match the full sequence's, and each
+Engram layer's short conv continues from its saved context (``EngramState``). Greedy output equals
+recomputing the whole sequence every step (tested). Tables may sit on any tier; rows are announced
+to the tables (``prefetch``) before each forward.
+
+Prompts of different lengths: the reference model has no padding mask, so rather than left-pad
+(padding keys would leak into attention and into the Engram conv), rows are grouped by length.
+The shortest group starts first; when its position reaches the next group's prompt length, that
+group is prefilled and the two caches are concatenated into one batch, and so on. From then on all
+rows decode together. Finished rows (length budget or a stop id) are dropped from the batch.
+
+Shape legend: b rows, g rows of one group, L a prompt length, V model vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..models.model import DecodeCache, EngramLM
+from ..module import EngramState
+from ..options import new_parser
+from ..retrieval.hashing import HashStream, NgramHasher
+from ..tables.prefetch import prefetch_batch
+from .loader import TIERS, load_run
+
+
+@dataclass
+class GenerationConfig:
+    # New tokens per row (a row stops earlier at a stop id).
+    max_new_tokens: int = 32
+    # 0: greedy (argmax); > 0: sample from softmax(logits / temperature).
+    temperature: float = 0.0
+    # Sample only among the k most likely tokens (None: all).
+    top_k: int | None = None
+    # Raw token ids that end a row (kept in its output), e.g. the EOS id.
+    stop_ids: tuple[int, ...] = ()
+    # Seed of the sampler (greedy ignores it).
+    seed: int = 0
+    # Announce each batch's rows to the tables before the forward (lets a PrefetchTable overlap).
+    prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        self.stop_ids = tuple(int(i) for i in self.stop_ids)
+
+
+@dataclass
+class GenerationOutput:
+    tokens: list[list[int]]  # per row: the new raw token ids
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+
+@dataclass
+class _Group:
+    rows: list[int]  # indices into the prompts
+    cache: DecodeCache
+    stream: HashStream | None
+    pending: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # [g]
+
+
+class Generator:
+    """Decode a batch of prompts with ``model``; prompts and outputs are raw tokenizer ids.
+
+    ``vocab`` maps the model's (restricted) ids to raw ids (``Corpus.vocab``); None means the model
+    reads raw ids directly. ``hasher`` is None for a model without Engram.
+    """
+
+    def __init__(self, model: EngramLM, hasher: NgramHasher | None, vocab: Any = None,
+                 config: GenerationConfig | None = None):
+        if model.config.engram is not None and hasher is None:
+            raise ValueError("this model has Engram layers: pass the NgramHasher it was trained "
+                             "with")
+        self.model, self.hasher = model, hasher
+        self.config = config or GenerationConfig()
+        if vocab is None:
+            self.vocab = None
+        else:
+            self.vocab = torch.as_tensor(np.asarray(vocab), dtype=torch.long)  # [V] local -> raw
+            if self.vocab.numel() != model.config.vocab_size:
+                raise ValueError(f"vocab maps {self.vocab.numel()} ids, the model has "
+                                 f"{model.config.vocab_size}")
+            self._local = torch.full((int(self.vocab.max()) + 1,), -1, dtype=torch.long)
+            self._local[self.vocab] = torch.arange(self.vocab.numel())
+
+    # -- id maps -----------------------------------------------------------------------------------
+    def to_local(self, raw: torch.Tensor) -> torch.Tensor:
+        if self.vocab is None:
+            return raw
+        ok = (raw >= 0) & (raw < self._local.numel())
+        loc = torch.where(ok, self._local[raw.clamp(0, self._local.numel() - 1)], -1)
+        if bool((loc < 0).any()):
+            bad = sorted(set(raw[loc < 0].tolist()))
+            raise ValueError(f"token ids {bad[:10]} are not in the model's vocabulary")
+        return loc
+
+    def to_raw(self, local: torch.Tensor) -> torch.Tensor:
+        return local if self.vocab is None else self.vocab[local]
+
+    # -- decoding ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Any, attention_mask: Any = None) -> GenerationOutput:
+        """``prompts``: a list of raw-id lists, or a left-padded tensor [b, t] with its mask."""
+        seqs = _prompt_lists(prompts, attention_mask)
+        cfg = self.config
+        out = GenerationOutput([[] for _ in seqs])
+        if cfg.max_new_tokens == 0 or not seqs:
+            return out
+        if any(len(s) == 0 for s in seqs):
+            raise ValueError("every prompt needs at least one token")
+        max_len = max(map(len, seqs)) + cfg.max_new_tokens - 1
+        if max_len > self.model.config.max_seq_len:
+            raise ValueError(f"prompt + new tokens need {max_len + 1} positions, the model has "
+                             f"max_seq_len={self.model.config.max_seq_len}")
+        self._rng = torch.Generator().manual_seed(cfg.seed)
+        self.model.eval()
+        by_len: dict[int, list[int]] = {}
+        for i, s in enumerate(seqs):
+            by_len.setdefault(len(s), []).append(i)
+        active: _Group | None = None
+        for length in sorted(by_len):
+            while active is not None and active.cache.pos < length:
+                active = self._step(active, out)
+            rows = by_len[length]
+            raw = torch.tensor([seqs[i] for i in rows], dtype=torch.long)  # [g, L]
+            t0 = time.perf_counter()
+            group = _Group(rows, self.model.new_cache(len(rows), max_len),
+                           None if self.hasher is None else self.hasher.stream(len(rows)))
+            group.pending = self._choose(self._forward(group, raw))
+            out.prefill_s += time.perf_counter() - t0
+            out.prefill_tokens += raw.numel()
+            group = self._record(group, out)
+            active = _merge(active, group)
+        while active is not None:
+            active = self._step(active, out)
+        return out
+
+    def _forward(self, group: _Group, raw: torch.Tensor) -> torch.Tensor:
+        """Feed raw ids [g, s] (CPU) at the group's position; logits of the last one [g, V].
+
+        Token bookkeeping and hashing stay on the CPU (the engine's side); only the model's
+        inputs move to its device.
+        """
+        dev = self.model.embed.weight.device
+        ids = None if group.stream is None else group.stream.step(raw)  # {layer: [g, s, H]}
+        if ids is not None:
+            ids = {k: v.to(dev) for k, v in ids.items()}
+            if self.config.prefetch:
+                prefetch_batch(self.model, ids)
+        hidden = self.model(self.to_local(raw).to(dev), ids, cache=group.cache).hidden
+        return self.model.logits(hidden[:, -1])  # [g, V]: only the last position is sampled
+
+    def _step(self, group: _Group, out: GenerationOutput) -> _Group | None:
+        t0 = time.perf_counter()
+        logits = self._forward(group, self.to_raw(group.pending)[:, None])
+        group.pending = self._choose(logits)
+        out.decode_s += time.perf_counter() - t0
+        out.decode_tokens += len(group.rows)
+        return self._record(group, out)
+
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """Next model ids [g] (CPU) from logits [g, V]."""
+        cfg = self.config
+        if cfg.temperature == 0:
+            return logits.argmax(-1).cpu()
+        logits = logits.float() / cfg.temperature
+        if cfg.top_k is not None and cfg.top_k < logits.shape[-1]:
+            kth = logits.topk(cfg.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.multinomial(logits.softmax(-1).cpu(), 1, generator=self._rng)[:, 0]
+
+    def _record(self, group: _Group, out: GenerationOutput) -> _Group | None:
+        """Append the pending tokens; drop rows that are done. None when no row is left."""
+        raw = self.to_raw(group.pending).tolist()
+        keep = []
+        for j, (i, tok) in enumerate(zip(group.rows, raw)):
+            out.tokens[i].append(tok)
+            if len(out.tokens[i]) < self.config.max_new_tokens and tok not in self.config.stop_ids:
+                keep.append(j)
+        if not keep:
+            return None
+        if len(keep) < len(group.rows):
+            index = torch.tensor(keep)
+            group.cache.reorder(index)
+            if group.stream is not None:
+                group.stream.reorder(index)
+            group.rows = [group.rows[j] for j in keep]
+            group.pending = group.pending[index]
+        return group
+
+
+def _merge(a: _Group | None, b: _Group | None) -> _Group | None:
+    """One group of both (same position): caches, n-gram histories and pending tokens stacked."""
+    if a is None or b is None:
+        return a or b
+    assert a.cache.pos == b.cache.pos, "groups merge only at the same position"
+    cache = DecodeCache(
+        keys=[torch.cat([x, y]) for x, y in zip(a.cache.keys, b.cache.keys)],
+        values=[torch.cat([x, y]) for x, y in zip(a.cache.values, b.cache.values)],
+        engram={i: EngramState(None if s.conv is None
+                               else torch.cat([s.conv, b.cache.engram[i].conv]))
+                for i, s in a.cache.engram.items()},
+        pos=a.cache.pos)
+    stream = None
+    if a.stream is not None:
+        stream = a.stream.hasher.stream(len(a.rows) + len(b.rows))
+        stream.history = torch.cat([a.stream.history, b.stream.history])  # [g, N-1]
+    return _Group(a.rows + b.rows, cache, stream, torch.cat([a.pending, b.pending]))
+
+
+def _prompt_lists(prompts: Any, attention_mask: Any) -> list[list[int]]:
+    if isinstance(prompts, torch.Tensor) or isinstance(prompts, np.ndarray):
+        x = torch.as_tensor(prompts)
+        if x.dim() != 2:
+            raise ValueError(f"prompts must be [batch, seq], got {tuple(x.shape)}")
+        mask = torch.ones_like(x, dtype=torch.bool) if attention_mask is None else \
+            torch.as_tensor(attention_mask).bool()
+        if mask.shape != x.shape:
+            raise ValueError(f"attention_mask {tuple(mask.shape)} != prompts {tuple(x.shape)}")
+        seqs = []
+        for row, m in zip(x, mask):
+            if m.any() and not bool(m[int(m.long().argmax()):].all()):
+                raise ValueError("prompts must be left-padded: mask 0s, then only 1s")
+            seqs.append(row[m].tolist())
+        return seqs
+    if attention_mask is not None:
+        raise ValueError("attention_mask goes with a padded tensor of prompts, not lists")
+    return [list(map(int, p)) for p in prompts]
+
+
+class _DefaultsFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def cli_generate(argv: list[str]) -> int:
+    """``engram generate --run DIR --prompt TEXT ...``: print each prompt's continuation."""
+    from ..tables.tablefile import DTYPES
+
+    p = new_parser("engram generate", "Continue prompts with a trained run's model; the tables "
+                   "live on the tier you choose. [default: ...] after each option.")
+    p.formatter_class = _DefaultsFormatter
+    p.add_argument("--run", required=True, help="folder written by `engram train --out_dir`")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="text to continue; repeat for a batch")
+    p.add_argument("--max_new_tokens", "--max-new-tokens", type=int, default=32,
+                   help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top_k", "--top-k", type=int, default=None,
+                   help="sample among the k most likely (None: all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--tier", choices=TIERS, default="memory", help="where the tables live")
+    p.add_argument("--table_dir", "--table-dir", default=None, help="table files (None: RUN/tables)")
+    p.add_argument("--table_dtype", "--table-dtype", choices=sorted(DTYPES), default="fp32",
+                   help="row type of exported table files")
+    p.add_argument("--cache_fraction", "--cache-fraction", type=float, default=0.0,
+                   help="hot cache size as a fraction of each table (file tiers)")
+    p.add_argument("--prefetch", action="store_true", help="gather rows in background threads")
+    p.add_argument("--no_stop", "--no-stop", action="store_true",
+                   help="do not stop at the end-of-text token")
+    p.add_argument("--json", default=None, help="also write tokens and speeds here")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (None: torch's)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        served = load_run(args.run, tier=args.tier, table_dir=args.table_dir,
+                          table_dtype=args.table_dtype, cache_fraction=args.cache_fraction,
+                          prefetch=args.prefetch)
+        tok = served.tokenizer
+        eos = tok.token_to_id("<｜end▁of▁sentence｜>")
+        cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               top_k=args.top_k, seed=args.seed,
+                               stop_ids=() if args.no_stop or eos is None else (eos,))
+        gen = Generator(served.model, served.hasher, served.vocab, cfg)
+        room = served.model.config.max_seq_len - max(0, args.max_new_tokens - 1)
+        prompts, known = [], set(served.vocab.tolist())
+        for text in args.prompt:
+            ids = tok.encode(text, add_special_tokens=False).ids
+            unknown = sorted({tok.decode([i]) for i in ids if i not in known})
+            if unknown:
+                raise ValueError(f"prompt {text!r} has tokens the model never saw in training: "
+                                 f"{unknown[:10]}")
+            if len(ids) > room:
+                print(f"engram generate: keeping the last {room} of {len(ids)} prompt tokens "
+                      f"(max_seq_len={served.model.config.max_seq_len})", file=sys.stderr)
+                ids = ids[-room:]
+            prompts.append(ids)
+        out = gen.generate(prompts)
+    except (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError) as e:
+        print(f"engram generate: error: {e}", file=sys.stderr)
+        return 2
+    texts = [tok.decode(t, skip_special_tokens=True) for t in out.tokens]
+    for i, text in enumerate(texts):
+        print(text if len(texts) == 1 else f"[{i}] {text}")
+    print(f"engram generate: {args.tier} tables; prefill {out.prefill_tok_s:.0f} tok/s, decode "
+          f"{out.decode_tok_s:.0f} tok/s ({served.checkpoint.name})", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "prompts": args.prompt, "continuations": texts, "tokens": out.tokens,
+            "prefill_tok_s": out.prefill_tok_s, "decode_tok_s": out.decode_tok_s,
+            "checkpoint": str(served.checkpoint), "tier": args.tier}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli_generate(sys.argv[1:]))

@@ -1,0 +1,174 @@
+"""`engram compare`: dense vs Engram vs MoE on the package corpus at the same token budget.
+
+The paper's claim (section 4): at equal activated parameters and FLOPs, adding Engram tables (sparse
+parameters only) lowers validation loss, and an MoE with the same total parameters is the fair
+sparse baseline. Here:
+
+- ``dense``: the backbone.
+- ``engram``: the same backbone plus Engram at ``engram_layers``; its FFN width is trimmed so the
+  activated parameters equal dense's (the Engram projections are dense compute), the tables are the
+  only extra and they are sparse.
+- ``moe``: the backbone with an MoE FFN (1 shared + top-1 routed, expert width d_ff/2, so activated
+  FFN equals dense), with as many routed experts as it takes to match the Engram model's total.
+
+Each variant runs for every seed; seeds give the run-to-run noise. Runs go to worker processes with
+one thread each (on 2 cores that beats one process with 2 threads for these small matmuls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..models.model import EngramLM
+from ..training.corpus import build_corpus
+from ..training.train import TrainConfig, build_run, train, try_resume
+
+VARIANTS = ("dense", "engram", "moe")
+
+
+@dataclass
+class CompareConfig:
+    out_dir: str = "out"  # results.json, loss.png, report.md, gates.html land here
+    seeds: tuple[int, ...] = (0, 1)  # two seeds give the noise estimate
+    workers: int = 2  # parallel training processes (one torch thread each)
+    steps: int = 480
+    batch_size: int = 16
+    seq_len: int = 128
+    eval_every: int = 80
+    eval_batches: int = 16
+
+
+def budget(base: TrainConfig, cc: CompareConfig) -> TrainConfig:
+    """The shared token budget and bookkeeping of every run of a study."""
+    return dataclasses.replace(base, steps=cc.steps, batch_size=cc.batch_size, seq_len=cc.seq_len,
+                               eval_every=cc.eval_every, eval_batches=cc.eval_batches,
+                               ckpt_every=cc.steps, log_every=10, warmup=max(1, cc.steps // 10),
+                               final_eval_full=True)
+
+
+def counts(cfg: TrainConfig, vocab: int) -> dict[str, int]:
+    with torch.device("meta"):
+        return EngramLM(cfg.model_config(vocab)).param_counts()
+
+
+def solve_linear(f, x0: int, x1: int, target: float) -> int:
+    """Integer x with f(x) closest to target, for f linear in x (a parameter count)."""
+    y0, y1 = f(x0), f(x1)
+    x = x0 + (target - y0) * (x1 - x0) / (y1 - y0)
+    best = min((max(1, int(x) + d) for d in (-1, 0, 1, 2)), key=lambda v: abs(f(v) - target))
+    return best
+
+
+def variant_configs(base: TrainConfig, vocab: int) -> dict[str, TrainConfig]:
+    """The three matched configs (see the module docstring)."""
+    dense = dataclasses.replace(base, engram=False, moe=False)
+    d_ff0 = dense.model_config(vocab).d_ff
+    target_active = counts(dense, vocab)["active"]
+    eng0 = dataclasses.replace(base, engram=True, moe=False)
+    d_ff = solve_linear(lambda x: counts(dataclasses.replace(eng0, d_ff=x), vocab)["active"],
+                         d_ff0, d_ff0 - 32, target_active)
+    engram = dataclasses.replace(eng0, d_ff=d_ff)
+    target_total = counts(engram, vocab)["total"]
+    moe0 = dataclasses.replace(base, engram=False, moe=True, n_shared_experts=1, top_k=1,
+                               d_expert=d_ff0 // 2)
+    n = solve_linear(lambda x: counts(dataclasses.replace(moe0, n_routed_experts=x), vocab)["total"],
+                      4, 8, target_total)
+    return {"dense": dense, "engram": engram, "moe": dataclasses.replace(moe0, n_routed_experts=n)}
+
+
+def _job(args: tuple[str, TrainConfig]) -> dict[str, Any]:
+    name, cfg = args
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    run = train(cfg, progress=False)
+    wall = time.perf_counter() - t0
+    tokens = cfg.steps * cfg.batch_size * cfg.seq_len * cfg.grad_accum
+    pc = run.model.param_counts()
+    return {"name": name, "seed": cfg.seed, "val_loss": run.history[-1]["val_loss"],
+            "total_params": pc["total"], "active_params": pc["active"],
+            "table_params": pc["table"], "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": sum(r["tok_s"] for r in run.history) / len(run.history),
+            "history": run.history, "out_dir": cfg.out_dir}
+
+
+def run_jobs(jobs: list[tuple[str, TrainConfig]], workers: int, desc: str) -> list[dict[str, Any]]:
+    """Train every (name, config) in ``workers`` spawned processes; results in completion order."""
+    from tqdm.auto import tqdm
+
+    results = []
+    with mp.get_context("spawn").Pool(workers) as pool:
+        for r in tqdm(pool.imap_unordered(_job, jobs), total=len(jobs), desc=desc):
+            results.append(r)
+            tqdm.write(f"  {r['name']} seed {r['seed']}: val loss {r['val_loss']:.4f} "
+                       f"({r['wall_s']:.0f}s)")
+    return results
+
+
+def run_compare(cc: CompareConfig, base: TrainConfig | None = None) -> dict[str, Any]:
+    out = Path(cc.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base = budget(base or TrainConfig(), cc)
+    t0 = time.perf_counter()
+    corpus = build_corpus(base.data_config())  # built once here; workers hit the disk cache
+    configs = variant_configs(base, corpus.vocab_size)
+    # Slowest first (MoE routes, Engram looks up): the workers then finish at about the same time.
+    jobs = [(name, dataclasses.replace(configs[name], seed=s,
+                                       out_dir=str(out / "runs" / f"{name}-s{s}")))
+            for name in ("moe", "engram", "dense") for s in cc.seeds]
+    results = run_jobs(jobs, cc.workers, "compare runs")
+    summary = summarise(results, configs, corpus, time.perf_counter() - t0)
+    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    from .report import plot_losses, render_gates, write_report
+
+    plot_losses(results, out / "loss.png")
+    eng = next(r for r in results if r["name"] == "engram" and r["seed"] == cc.seeds[0])
+    gate_stats = render_gates(_load(configs["engram"], eng["out_dir"], corpus), corpus,
+                              out / "gates.html", out / "gates.png")
+    summary["gates"] = gate_stats
+    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    write_report(summary, out / "report.md")
+    return summary
+
+
+def _load(cfg: TrainConfig, out_dir: str, corpus):
+    run = build_run(dataclasses.replace(cfg, out_dir=out_dir, seed=int(out_dir.rsplit("-s", 1)[1])),
+                    corpus)
+    try_resume(run)
+    return run
+
+
+def summarise(results: list[dict], configs: dict[str, TrainConfig], corpus, wall: float) -> dict:
+    runs, noise = {}, {}
+    for name in VARIANTS:
+        rs = sorted((r for r in results if r["name"] == name), key=lambda r: r["seed"])
+        losses = [r["val_loss"] for r in rs]
+        runs[name] = {"val_loss": sum(losses) / len(losses), "val_loss_per_seed": losses,
+                      "total_params": rs[0]["total_params"], "active_params": rs[0]["active_params"],
+                      "table_params": rs[0]["table_params"], "tokens": rs[0]["tokens"],
+                      "tokens_per_s": sum(r["tokens_per_s"] for r in rs) / len(rs),
+                      "config": {k: v for k, v in configs[name].to_dict().items()
+                                 if k in ("d_ff", "moe", "n_routed_experts", "engram", "table_size",
+                                          "engram_layers", "d_model", "n_layer")}}
+        noise[name] = max(losses) - min(losses) if len(losses) > 1 else None
+    gap = runs["dense"]["val_loss"] - runs["engram"]["val_loss"]
+    spread = [n for n in noise.values() if n is not None]
+    # Same seed = same batch order for every variant, so per-seed differences are paired.
+    paired = [d - e for d, e in zip(runs["dense"]["val_loss_per_seed"],
+                                    runs["engram"]["val_loss_per_seed"])]
+    return {"runs": runs, "noise_seed_spread": noise, "engram_gain_per_seed": paired,
+            "engram_gain_vs_dense": gap, "engram_gain_vs_moe": runs["moe"]["val_loss"] -
+            runs["engram"]["val_loss"], "gain_over_max_noise": gap / max(spread) if spread and
+            max(spread) > 0 else None, "corpus": {"vocab": corpus.vocab_size,
+                                                  "train_tokens": int(len(corpus.train)),
+                                                  "val_tokens": int(len(corpus.val)),
+                                                  "sources": list(configs["dense"].sources),
+                                                  "max_chars": configs["dense"].max_chars},
+            "wall_s": wall}

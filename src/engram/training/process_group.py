@@ -1,0 +1,73 @@
+"""A training job's processes: joining the job torchrun describes, and spawning one on loopback.
+
+Kept apart from the training loop (``distributed.py``) and its checkpoints (``dist_checkpoint.py``)
+so both can name the job without importing each other.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class DistributedError(RuntimeError):
+    pass
+
+
+@dataclass
+class Dist:
+    """This process's place in the job and the groups it talks on."""
+    rank: int
+    world: int
+    device: torch.device
+    tables: Any  # group of the tables' all-to-alls; not DDP's, so the two never interleave
+    control: Any  # gloo, also beside NCCL: barriers, bookkeeping (monitored_barrier is gloo-only)
+    timeout_s: float
+    owns_group: bool  # we initialised the default group, so we destroy it
+
+
+def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> Dist:
+    """Join the job torchrun (or :func:`spawn_local`) described in the environment (env://)."""
+    owns = not dist.is_initialized()
+    if owns:
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                   if k not in os.environ]
+        if missing:
+            raise DistributedError(f"{', '.join(missing)} not set: launch with torchrun "
+                                   "(torchrun --nproc-per-node N -m engram.training.distributed ...)")
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        # The timeout bounds the rendezvous and every collective: a dead or hung peer is an error.
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    to = timedelta(seconds=timeout_s)
+    cuda = dist.get_backend() == "nccl"
+    return Dist(dist.get_rank(), dist.get_world_size(),
+                torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+                dist.new_group(backend=dist.get_backend(), timeout=to),
+                dist.new_group(backend="gloo", timeout=to), timeout_s, owns)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(rank: int, fn: Callable, world: int, port: int, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    fn(*args)
+
+
+def spawn_local(fn: Callable, world: int, *args: Any) -> None:
+    """Run ``fn(*args)`` in ``world`` fresh processes on loopback, with torchrun's environment."""
+    mp.start_processes(_spawned, args=(fn, world, free_port(), args), nprocs=world,
+                       start_method="spawn")

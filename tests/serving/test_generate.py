@@ -1,0 +1,141 @@
+"""Generation: batched incremental decoding == recomputing the full sequence every step (left-padded
+prompts of different lengths, both profiles, tables in memory or behind file + cache + prefetch);
+stop ids, sampling, errors; the CLI on a real (tiny) trained run."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from engram import EngramConfig, EngramLM, ModelConfig, NgramHasher
+from engram.serving.generate import GenerationConfig, Generator, cli_generate
+from engram.serving.loader import load_dense_state
+from engram.tables.cache import CachedTable
+from engram.tables.prefetch import wrap_prefetch
+from engram.tables.tiers import open_tables
+from engram.training.export import export_tables
+from engram.training.train import TrainConfig, train
+
+LOOKUP = np.arange(300) % 250
+PROFILES = {
+    "demo-v1": EngramConfig(engram_vocab_size=[101, 211], max_ngram_size=3, n_embed_per_ngram=16,
+                            n_head_per_ngram=4, layer_ids=[0, 2], pad_id=0),
+    "v4.1": EngramConfig(engram_vocab_size=157, max_ngram_size=3, n_embed_per_ngram=16,
+                         n_head_per_ngram=4, layer_ids=[1], pad_id=0, profile="v4.1"),
+}
+VOCAB = np.sort(np.random.default_rng(0).choice(300, 120, replace=False))  # a restricted vocabulary
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model(profile, hc_mult=1, head="full"):
+    cfg = PROFILES[profile]
+    mc = ModelConfig(vocab_size=len(VOCAB), n_layer=3, d_model=32, n_head=2, engram=cfg,
+                     max_seq_len=40, hc_mult=hc_mult, head=head, head_cutoffs=(16, 64))
+    torch.manual_seed(0)
+    model = EngramLM(mc).eval()
+    for e in model.engrams().values():  # a live conv: decode must carry its state
+        if e.short_conv is not None:
+            torch.nn.init.normal_(e.short_conv.conv.weight, std=0.3)
+    return model, NgramHasher(cfg, LOOKUP)
+
+
+@torch.no_grad()
+def _recompute(model, hasher, prompt, n):
+    """The reference: the whole sequence through the model, no cache, at every step."""
+    raw = list(prompt)
+    for _ in range(n):
+        x = torch.tensor([raw])
+        local = torch.from_numpy(np.searchsorted(VOCAB, x.numpy()))
+        raw.append(int(VOCAB[int(model(local, hasher.hash(x)).logits[0, -1].argmax())]))
+    return raw[len(prompt):]
+
+
+def _left_padded(lengths, seed=1):
+    g = np.random.default_rng(seed)
+    t = max(lengths)
+    x = np.zeros((len(lengths), t), dtype=np.int64)
+    mask = np.zeros_like(x)
+    for i, n in enumerate(lengths):
+        x[i, t - n:] = g.choice(VOCAB, n)
+        mask[i, t - n:] = 1
+    return torch.from_numpy(x), torch.from_numpy(mask)
+
+
+@pytest.mark.parametrize("profile,hc,head", [("demo-v1", 1, "full"), ("v4.1", 1, "full"),
+                                             ("demo-v1", 2, "full"), ("demo-v1", 1, "adaptive")])
+def test_greedy_equals_full_recompute_with_left_padded_prompts(profile, hc, head):
+    model, hasher = _model(profile, hc, head)
+    lengths = [6, 1, 9, 6, 3]
+    x, mask = _left_padded(lengths)
+    out = Generator(model, hasher, VOCAB, GenerationConfig(max_new_tokens=8)).generate(x, mask)
+    for row, m, got in zip(x, mask, out.tokens):
+        assert got == _recompute(model, hasher, row[m.bool()].tolist(), 8)
+    assert out.prefill_tokens == sum(lengths) and out.decode_tokens == 7 * len(lengths)
+
+
+def test_tables_on_file_cache_prefetch_generate_the_same(tmp_path):
+    model, hasher = _model("demo-v1")
+    export_tables(model, tmp_path, hasher=hasher, dtype="fp32")
+    files = open_tables(tmp_path, model.config.engram, hasher)
+    tables = wrap_prefetch({lid: CachedTable(t, 50, hot_rows=torch.arange(20))
+                            for lid, t in files.items()})
+    offloaded = EngramLM(model.config, tables=tables).eval()
+    load_dense_state(offloaded, model.state_dict())
+    x, mask = _left_padded([4, 7, 2], seed=3)
+    cfg = GenerationConfig(max_new_tokens=10)
+    want = Generator(model, hasher, VOCAB, cfg).generate(x, mask).tokens
+    assert Generator(offloaded, hasher, VOCAB, cfg).generate(x, mask).tokens == want
+    assert all(t.stats.used > 0 and t.stats.sync == 0 for t in tables.values())
+
+
+def test_stop_ids_sampling_and_errors():
+    model, hasher = _model("demo-v1")
+    prompts = [[int(VOCAB[5]), int(VOCAB[9])], [int(VOCAB[1])]]
+    greedy = Generator(model, hasher, VOCAB, GenerationConfig(max_new_tokens=6)).generate(prompts)
+    stop = greedy.tokens[0][2]
+    out = Generator(model, hasher, VOCAB, GenerationConfig(max_new_tokens=6, stop_ids=(stop,))
+                    ).generate(prompts).tokens
+    assert out[0] == greedy.tokens[0][:3]  # stops at (and keeps) the stop id
+    assert len(out[1]) == 6 or out[1][-1] == stop
+    sample = GenerationConfig(max_new_tokens=6, temperature=1.0, top_k=5, seed=3)
+    a = Generator(model, hasher, VOCAB, sample).generate(prompts).tokens
+    assert a == Generator(model, hasher, VOCAB, sample).generate(prompts).tokens
+    assert all(t in set(VOCAB.tolist()) for row in a for t in row)
+    gen = Generator(model, hasher, VOCAB, GenerationConfig(max_new_tokens=40))
+    with pytest.raises(ValueError, match="max_seq_len=40"):
+        gen.generate(prompts)
+    with pytest.raises(ValueError, match="left-padded"):
+        gen.generate(torch.tensor([[int(VOCAB[1]), 0]]), torch.tensor([[1, 0]]))
+    with pytest.raises(ValueError, match="not in the model's vocabulary"):
+        gen.generate([[int(np.setdiff1d(np.arange(300), VOCAB)[0])]])
+    with pytest.raises(ValueError, match="NgramHasher"):
+        Generator(model, None, VOCAB)
+
+
+TINY = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, seq_len=48, batch_size=4,
+            table_size=997, n_embed_per_ngram=32, n_head_per_ngram=2, engram_layers=(0,),
+            warmup=1, eval_batches=1, log_every=1, eval_every=3, ckpt_every=3)
+
+
+def test_cli_generates_from_a_trained_run_on_every_tier(tmp_path, capsys):
+    run = tmp_path / "run"
+    train(TrainConfig(out_dir=str(run), steps=1, **TINY), progress=False)
+    base = ["--run", str(run), "--prompt", "In the beginning God created", "--prompt", "And God",
+            "--max-new-tokens", "6", "--no-stop"]
+    outputs = {}
+    for tier, extra in (("memory", []), ("file", ["--cache-fraction", "0.05", "--prefetch"]),
+                        ("pinned", [])):
+        js = tmp_path / f"{tier}.json"
+        assert cli_generate(base + ["--tier", tier, "--json", str(js), *extra]) == 0
+        result = json.loads(js.read_text())
+        assert [len(t) for t in result["tokens"]] == [6, 6]
+        outputs[tier] = result["tokens"]
+        printed = capsys.readouterr().out
+        assert all(c in printed for c in result["continuations"])
+    assert all(o == outputs["memory"] for o in outputs.values())
+    assert (run / "tables" / "layer0.table").exists()
+    assert cli_generate(["--run", str(tmp_path / "nope"), "--prompt", "x"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err

@@ -1,0 +1,60 @@
+import json
+
+from engram.studies.compare import CompareConfig, run_compare, variant_configs
+from engram.studies.compare import counts as _counts
+from engram.training.train import TrainConfig
+
+TINY = TrainConfig(max_chars=30_000, n_layer=2, d_model=32, n_head=2, table_size=997,
+                   n_embed_per_ngram=32, n_head_per_ngram=2, engram_layers=(0,))
+
+
+def test_variants_match_active_and_total_params():
+    cfgs = variant_configs(TrainConfig(), 38_304)
+    c = {k: _counts(v, 38_304) for k, v in cfgs.items()}
+    assert abs(c["engram"]["active"] - c["dense"]["active"]) / c["dense"]["active"] < 0.005
+    # MoE adds its router (d x E per layer) to the activated parameters: under 1% here.
+    assert abs(c["moe"]["active"] - c["dense"]["active"]) / c["dense"]["active"] < 0.01
+    assert abs(c["moe"]["total"] - c["engram"]["total"]) / c["engram"]["total"] < 0.01
+    assert c["engram"]["table"] > 0 and c["dense"]["table"] == 0
+    assert c["engram"]["total"] - c["engram"]["table"] < c["dense"]["total"] + 1000
+
+
+def test_compare_end_to_end_writes_results(tmp_path):
+    cc = CompareConfig(out_dir=str(tmp_path), steps=4, batch_size=2, seq_len=16, eval_every=2,
+                       eval_batches=1, seeds=(0, 1), workers=2)
+    summary = run_compare(cc, TINY)
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert set(res["runs"]) == {"dense", "engram", "moe"}
+    for r in res["runs"].values():
+        assert set(r) >= {"val_loss", "total_params", "active_params", "tokens", "tokens_per_s"}
+        assert r["tokens"] == 4 * 2 * 16 and r["val_loss"] > 0
+        assert len(r["val_loss_per_seed"]) == 2
+    for f in ("loss.png", "report.md", "gates.html", "gates.png"):
+        assert (tmp_path / f).stat().st_size > 100
+    assert "dense" in (tmp_path / "report.md").read_text()
+    assert 0 < summary["gates"]["mean"] < 1
+
+
+def test_allocation_sweep_keeps_total_and_active_params():
+    from engram.studies.sweep import SweepConfig, allocation_configs, slots_configs
+    sc = SweepConfig()
+    cfgs = allocation_configs(TrainConfig(), 38_304, sc)
+    c = {k: _counts(v, 38_304) for k, v in cfgs.items()}
+    act = [v["active"] for v in c.values()]
+    tot = [v["total"] for v in c.values()]
+    assert (max(act) - min(act)) / min(act) < 0.005
+    assert (max(tot) - min(tot)) / min(tot) < 0.01
+    assert not cfgs["rho=1"].engram and cfgs["rho=0"].n_routed_experts == 1
+    tables = [v["table"] for v in c.values()]
+    assert tables == sorted(tables, reverse=True)  # more rho, less table
+    assert [s.table_size for s in slots_configs(TrainConfig(), sc).values()] == list(sc.table_sizes)
+
+
+def test_slots_sweep_end_to_end(tmp_path):
+    from engram.studies.sweep import SweepConfig, run_sweep
+    sc = SweepConfig(out_dir=str(tmp_path), steps=2, batch_size=2, seq_len=16, eval_every=2,
+                     eval_batches=1, table_sizes=(50, 400), workers=2)
+    s = run_sweep("slots", sc, TINY)
+    assert [p["name"] for p in s["points"]] == ["slots=50", "slots=400"]
+    assert all(list(p["val_loss_per_seed"]) == [0] for p in s["points"])
+    assert (tmp_path / "slots.json").exists() and (tmp_path / "slots.png").stat().st_size > 100

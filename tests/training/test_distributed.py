@@ -1,0 +1,171 @@
+"""Data-parallel training with sharded tables, on real gloo process groups over loopback.
+
+The oracle is train.py's single-process run on the same global batch: world size 2 and 3 (and a
+sharded checkpoint consolidated back to one process) must reach its losses, up to float summation
+order. Faults are real: a rank is SIGKILLed or SIGSTOPped mid-run.
+"""
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from engram.training.checkpoint import CheckpointError
+from engram.training.corpus import DataConfig, build_corpus
+from engram.training.dist_checkpoint import consolidate, latest_distributed
+from engram.training.distributed import train_distributed
+from engram.training.process_group import _spawned, free_port, spawn_local
+from engram.training.train import TrainConfig, train
+
+# batch_size 6 splits over 2 and 3 ranks; min_lr_ratio=1 makes the schedule independent of
+# ``steps``, so a run launched for many steps and killed resumes on the reference's schedule.
+TINY = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, seq_len=32, batch_size=6,
+            table_size=997, n_embed_per_ngram=32, n_head_per_ngram=2, engram_layers=(0,),
+            warmup=2, min_lr_ratio=1.0, eval_batches=2, log_every=1, eval_every=2, ckpt_every=3,
+            lr=3e-3)
+STEPS = 6
+
+
+def _cfg(path, **kw) -> TrainConfig:
+    return TrainConfig(out_dir=str(path), **{**TINY, **kw})
+
+
+def _metrics(path) -> list[dict]:
+    return [json.loads(line) for line in (Path(path) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_same_run(got: list[dict], want: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=2e-5, abs=2e-5), g["step"]
+        assert g.get("last_loss") == pytest.approx(w.get("last_loss"), rel=2e-5, abs=2e-5)
+        assert ("val_loss" in g) == ("val_loss" in w)
+        if "val_loss" in w:
+            assert g["val_loss"] == pytest.approx(w["val_loss"], rel=2e-5, abs=2e-5), g["step"]
+
+
+def _train_worker(cfg: TrainConfig, corpus, timeout_s: float = 30, result: str | None = None,
+                  table_init: str = "replicated"):
+    # Ranks share the cores. Not via cfg.threads: the in-process runs (reference, consolidate)
+    # would apply it to the test process itself, and change the numerics of later tests there.
+    torch.set_num_threads(1)
+    try:
+        train_distributed(cfg, corpus, progress=False, timeout_s=timeout_s, table_init=table_init)
+    except Exception as e:  # the fault tests read what the survivor reported
+        if result is None:
+            raise
+        Path(f"{result}.{os.environ['RANK']}").write_text(f"{type(e).__name__}: {e}")
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return build_corpus(DataConfig(max_chars=TINY["max_chars"]))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus):
+    """train.py, one process, STEPS steps: the losses every other run must reproduce."""
+    run = train(_cfg(tmp_path_factory.mktemp("ref") / "run", steps=STEPS), corpus, progress=False)
+    return run.history
+
+
+def _start(world: int, *args) -> list:
+    """Like spawn_local, but returns the processes, so a test can kill one and watch the others."""
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_spawned, args=(r, _train_worker, world, port, args))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _fail_one_rank(out: Path, fault: str, timeout: float = 8.0) -> tuple[str, float]:
+    """Run world size 2 until its step-3 checkpoint, then SIGKILL or SIGSTOP rank 1.
+
+    Returns what rank 0 raised and how long it took to give up.
+    """
+    result = str(out.parent / "error")
+    procs = _start(2, _cfg(out, steps=1000, ckpt_every=1), None, timeout, result)
+    try:
+        end = time.time() + 120
+        while time.time() < end:
+            ptr = out / "checkpoints" / "latest.json"
+            if ptr.exists() and json.loads(ptr.read_text())["step"] >= 3:
+                break
+            time.sleep(0.05)
+        t0 = time.time()
+        os.kill(procs[1].pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        procs[0].join(timeout + 30)
+        elapsed = time.time() - t0
+        assert procs[0].exitcode is not None, "rank 0 hung on a failed peer"
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    return Path(f"{result}.0").read_text(), elapsed
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """A world-size-2 run whose rank 1 was SIGKILLed after the step-3 checkpoint."""
+    out = tmp_path_factory.mktemp("killed") / "run"
+    msg, elapsed = _fail_one_rank(out, "kill")
+    return out, msg, elapsed
+
+
+def test_killed_rank_is_reported_and_world_2_equals_world_1(killed, reference):
+    out, msg, elapsed = killed
+    assert elapsed < 15, f"rank 0 took {elapsed:.1f}s to notice a dead peer"
+    assert msg.startswith("DistributedError: rank 0/2") and "relaunch" in msg, msg
+    assert "Last complete checkpoint: step" in msg
+    got = _metrics(out)[:STEPS]
+    assert len(got) >= 3
+    _assert_same_run(got, reference[:len(got)])  # world size 2 == train.py on the same batches
+    step_dir, info = latest_distributed(out)
+    assert info["world"] == 2 and info["step"] >= 3
+    assert sorted(p.name for p in step_dir.glob("shard-*")) == [
+        "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+
+
+def test_world_2_checkpoint_resumes_at_world_3(killed, reference, tmp_path, corpus):
+    out = tmp_path / "w3"
+    shutil.copytree(killed[0], out)
+    spawn_local(_train_worker, 3, _cfg(out, steps=STEPS), corpus)
+    _assert_same_run(_metrics(out)[:STEPS], reference)
+    assert latest_distributed(out)[1]["world"] == 3
+
+
+def test_world_2_checkpoint_loads_in_one_process(killed, reference, tmp_path, corpus):
+    consolidate(killed[0], tmp_path / "w1")
+    run = train(_cfg(tmp_path / "w1", steps=STEPS), corpus, progress=False)  # train.py resumes
+    _assert_same_run(run.history[:STEPS], reference)
+    # A damaged shard is refused, not loaded.
+    shutil.copytree(killed[0], tmp_path / "bad")
+    shard = next(latest_distributed(tmp_path / "bad")[0].glob("shard-00001-*"))
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupted"):
+        consolidate(tmp_path / "bad", tmp_path / "bad1")
+
+
+@pytest.mark.slow
+def test_hung_rank_times_out_with_a_clear_error(tmp_path):
+    msg, elapsed = _fail_one_rank(tmp_path / "run", "hang", timeout=5.0)
+    assert 4 < elapsed < 20
+    assert msg.startswith("DistributedError: rank 0/2") and "5s timeout" in msg, msg
+
+
+@pytest.mark.slow
+def test_sharded_init_is_the_same_at_every_world_size(tmp_path, corpus):
+    """table_init="sharded" (no rank ever holds a whole table): world 1 == world 2 -> 3."""
+    spawn_local(_train_worker, 1, _cfg(tmp_path / "w1", steps=4), corpus, 30, None, "sharded")
+    spawn_local(_train_worker, 2, _cfg(tmp_path / "w2", steps=2), corpus, 30, None, "sharded")
+    spawn_local(_train_worker, 3, _cfg(tmp_path / "w2", steps=4), corpus, 30, None, "sharded")
+    _assert_same_run(_metrics(tmp_path / "w2"), _metrics(tmp_path / "w1"))

@@ -1,0 +1,118 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from engram.models.layers import AdaptiveHead
+from engram.options import parse_overrides
+from engram.training.checkpoint import CheckpointError, latest_checkpoint
+from engram.training.corpus import DataConfig, build_corpus
+from engram.training.train import TrainConfig, build_run, lr_at, train
+
+TINY = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, seq_len=32, batch_size=4,
+            table_size=997, n_embed_per_ngram=32, n_head_per_ngram=2, engram_layers=(0,),
+            warmup=2, eval_batches=2, log_every=1, eval_every=3, ckpt_every=3, lr=3e-3)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return build_corpus(DataConfig(max_chars=TINY["max_chars"]))
+
+
+def _cfg(tmp_path, name, **kw):
+    return TrainConfig(out_dir=str(tmp_path / name), **{**TINY, **kw})
+
+
+def test_few_steps_reduce_loss_on_real_text(tmp_path, corpus):
+    run = train(_cfg(tmp_path, "a", steps=20, lr=1e-2), corpus, progress=False)
+    losses = [r["loss"] for r in run.history]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.4
+    assert "val_loss" in run.history[-1]
+    assert (tmp_path / "a" / "metrics.jsonl").read_text().count("\n") == 20
+
+
+def test_resume_equals_uninterrupted(tmp_path, corpus):
+    full = train(_cfg(tmp_path, "full", steps=6), corpus, progress=False)
+    train(_cfg(tmp_path, "part", steps=3), corpus, progress=False)  # stops after its step-3 ckpt
+    resumed = train(_cfg(tmp_path, "part", steps=6), corpus, progress=False)
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in full.history]
+    for (k, a), (_, b) in zip(full.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_sigkill_and_resume_equals_uninterrupted(tmp_path, corpus):
+    """A real SIGKILL mid-run; the resumed run's losses equal an uninterrupted run's."""
+    args = [f"--{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in TINY.items()]
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "engram", "train", f"--out_dir={killed}", "--steps=9",
+           "--ckpt_every=1", *args[:-1], "--ckpt_every=1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        ptr = killed / "checkpoints" / "latest.json"
+        if ptr.exists() and json.loads(ptr.read_text())["step"] >= 4:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = train(_cfg(tmp_path, "killed", steps=9, ckpt_every=1), corpus, progress=False)
+    full = train(_cfg(tmp_path, "whole", steps=9, ckpt_every=1), corpus, progress=False)
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in full.history]
+
+
+def test_checkpoint_from_other_config_or_corrupted_is_refused(tmp_path, corpus):
+    train(_cfg(tmp_path, "c", steps=3), corpus, progress=False)
+    ckpt_dir = tmp_path / "c" / "checkpoints"
+    before = {p.name: p.read_bytes() for p in ckpt_dir.iterdir()}
+    with pytest.raises(CheckpointError, match="another config"):
+        train(_cfg(tmp_path, "c", steps=6, d_model=64), corpus, progress=False)
+    with pytest.raises(CheckpointError, match="already holds"):
+        train(_cfg(tmp_path, "c", steps=6), corpus, progress=False, resume=False)
+    assert {p.name: p.read_bytes() for p in ckpt_dir.iterdir()} == before  # nothing overwritten
+    path = latest_checkpoint(ckpt_dir)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupted"):
+        train(_cfg(tmp_path, "c", steps=6), corpus, progress=False)
+
+
+def test_bad_configs_raise(tmp_path, corpus):
+    with pytest.raises(ValueError, match="layer"):
+        train(_cfg(tmp_path, "x", steps=1, engram_layers=(5,)), corpus, progress=False)
+    with pytest.raises(ValueError):
+        train(_cfg(tmp_path, "y", steps=1, n_head_per_ngram=0), corpus, progress=False)
+    with pytest.raises(ValueError, match="steps"):
+        TrainConfig(steps=0)
+
+
+def test_adaptive_head_follows_the_corpus(corpus):
+    """Cutoffs past the vocabulary are dropped (none left: full softmax); ranks come from the
+    training counts, so the most frequent training id sits at rank 0."""
+    assert TrainConfig().model_config(5000).head_cutoffs == (2048,)
+    assert TrainConfig().model_config(1000).head == "full"
+    run = build_run(TrainConfig(**TINY), corpus)
+    assert isinstance(run.model.head, AdaptiveHead)
+    counts = np.bincount(corpus.to_local(corpus.train), minlength=corpus.vocab_size)
+    assert int(run.model.head.rank[int(counts.argmax())]) == 0
+
+
+def test_overrides_and_schedule():
+    cfg = parse_overrides(TrainConfig, ["--steps=7", "--engram=false", "--engram_layers=1,3",
+                                        "--max_chars=none", "--lr=0.5", "--sources=kjv"])
+    assert (cfg.steps, cfg.engram, cfg.engram_layers, cfg.max_chars, cfg.lr, cfg.sources) == \
+        (7, False, (1, 3), None, 0.5, ("kjv",))
+    with pytest.raises(ValueError, match="unknown option"):
+        parse_overrides(TrainConfig, ["--stepz=3"])
+    with pytest.raises(ValueError, match="bad value"):
+        parse_overrides(TrainConfig, ["--steps=three"])
+    c = TrainConfig(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1)
+    assert lr_at(0, c) == pytest.approx(0.1) and lr_at(9, c) == pytest.approx(1.0)
+    assert lr_at(99, c) == pytest.approx(0.1, abs=1e-3)
