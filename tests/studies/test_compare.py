@@ -31,7 +31,11 @@ def test_compare_end_to_end_writes_results(tmp_path):
         assert len(r["val_loss_per_seed"]) == 2
     for f in ("loss.png", "report.md", "gates.html", "gates.png"):
         assert (tmp_path / f).stat().st_size > 100
-    assert "dense" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "dense" in report
+    # The report names the text that ran (TINY's sources), nothing else.
+    assert ("King James Bible" in report) == ("kjv" in TINY.sources)
+    assert ("People's Daily" in report) == ("peoples-daily" in TINY.sources)
     assert 0 < summary["gates"]["mean"] < 1
 
 
@@ -58,3 +62,10 @@ def test_slots_sweep_end_to_end(tmp_path):
     assert [p["name"] for p in s["points"]] == ["slots=50", "slots=400"]
     assert all(list(p["val_loss_per_seed"]) == [0] for p in s["points"])
     assert (tmp_path / "slots.json").exists() and (tmp_path / "slots.png").stat().st_size > 100
+
+
+def test_report_names_the_corpus_that_ran():
+    from engram.studies.report import corpus_name
+    assert corpus_name({"sources": ["kjv"]}) == "King James Bible"
+    assert corpus_name({"sources": ["python-doc", "peoples-daily"], "max_chars": 1000}) == \
+        "Python docs + People's Daily 1998, first 1,000 characters of each"
