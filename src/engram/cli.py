@@ -24,6 +24,7 @@ COMMANDS = {
     "sweep-slots": "fixed backbone, Engram tables of growing size",
     "generate": "continue prompts with a trained run, tables on any tier",
     "finetune": "memory-only training of Engram injected into SmolLM2 vs LoRA",
+    "export-hf": "a trained run as a directory vLLM serves (`vllm serve OUT` with the plugin)",
 }
 
 
@@ -117,10 +118,35 @@ def _finetune(argv: list[str]) -> int:
     return cli_finetune(argv)
 
 
+def _export_hf(argv: list[str]) -> int:
+    from .serving.hf_export import SERVING_DEFAULTS, export_hf
+    from .serving.loader import TIERS
+
+    p = new_parser("engram export-hf", COMMANDS["export-hf"] + ". The tier is a default: "
+                   "vLLM's --hf-overrides '{\"engram_serving\": {\"tier\": \"file\"}}' changes it.")
+    p.add_argument("run_dir", help="folder written by `engram train --out_dir`")
+    p.add_argument("out_dir", help="where to write config.json, weights, tables and tokenizer")
+    p.add_argument("--tier", choices=TIERS, default=SERVING_DEFAULTS["tier"],
+                   help="where the server reads table rows from [default: %(default)s]")
+    p.add_argument("--table_dtype", "--table-dtype", default="fp32",
+                   choices=("fp32", "bf16", "fp16", "fp8"),
+                   help="row type of the table files [default: %(default)s]")
+    p.add_argument("--cache_fraction", "--cache-fraction", type=float, default=0.0,
+                   help="hot cache of this fraction of each table's rows, file tiers "
+                   "[default: %(default)s]")
+    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=False,
+                   help="gather each step's rows in background threads [default: %(default)s]")
+    a = p.parse_args(argv)
+    out = export_hf(a.run_dir, a.out_dir, tier=a.tier, table_dtype=a.table_dtype,
+                    cache_fraction=a.cache_fraction, prefetch=a.prefetch)
+    print(f"wrote {out}; serve with: vllm serve {out} --dtype float32")
+    return 0
+
+
 RUNNERS: dict[str, Callable[[list[str]], int]] = {
     "demo": _demo, "train": _train, "compare": _compare,
     "sweep-allocation": _sweep("sweep-allocation"), "sweep-slots": _sweep("sweep-slots"),
-    "generate": _generate, "finetune": _finetune,
+    "generate": _generate, "finetune": _finetune, "export-hf": _export_hf,
 }
 
 

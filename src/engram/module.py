@@ -38,6 +38,10 @@ class EngramState:
     """Per-sequence decode state: the conv's last (kernel-1)*dilation normalised inputs."""
 
     conv: torch.Tensor | None = None  # [b, (kernel-1)*dilation, m*d]
+    # A serving engine that pages its own history (serving/slots.py) asks for the normalised
+    # inputs of every new position, not only the last context: [b, t, m*d] after a forward.
+    keep_inputs: bool = False
+    inputs: torch.Tensor | None = None
 
     def reorder(self, index: torch.Tensor) -> None:
         if self.conv is not None:
@@ -68,6 +72,8 @@ class ShortConv(nn.Module):
         else:
             past = state.conv
         full = torch.cat([past, xn], dim=1)  # [b, context + t, m*d]
+        if state is not None and state.keep_inputs:
+            state.inputs = xn.detach()
         if state is not None:
             state.conv = full[:, full.shape[1] - self.context:].detach()
         y = F.conv1d(full.transpose(1, 2), self.conv.weight, dilation=self.dilation,

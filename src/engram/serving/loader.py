@@ -42,10 +42,8 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
     static top-k by the training text's n-gram frequencies, the rest LRU) and background prefetch.
     """
     from ..retrieval.compress import build_compression, default_tokenizer
-    from ..tables.cache import build_cache, count_rows
-    from ..tables.prefetch import wrap_prefetch
+    from ..tables.cache import count_rows
     from ..tables.tablefile import read_header, table_path
-    from ..tables.tiers import PinnedTable, SharedPool, open_tables
     from ..training.checkpoint import latest_checkpoint, load_checkpoint
     from ..training.corpus import build_corpus
     from ..training.export import export_tables
@@ -73,21 +71,40 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
         if stale:
             print(f"engram: exporting tables of {ckpt.name} to {table_dir}", file=sys.stderr)
             export_tables(ckpt, table_dir, dtype=table_dtype, hasher=hasher, tag=ckpt.name)
-        if tier == "shared":
-            tables = dict(SharedPool(table_dir, ecfg, hasher, verify=verify).tables)
-        else:
-            tables = dict(open_tables(table_dir, ecfg, hasher, verify=verify))
-            if tier == "pinned":
-                tables = {lid: PinnedTable(t) for lid, t in tables.items()}
-        if cache_fraction > 0:
-            counts = count_rows(hasher, corpus.train)
-            tables = {lid: build_cache(t, counts[lid], cache_fraction) for lid, t in tables.items()}
-        if prefetch:
-            tables = dict(wrap_prefetch(tables))
+        counts = count_rows(hasher, corpus.train) if cache_fraction > 0 else None
+        tables = open_tier(table_dir, ecfg, hasher, tier, counts=counts,
+                           cache_fraction=cache_fraction, prefetch=prefetch, verify=verify)
     model = build_model(cfg, corpus, tables or None)
     load_dense_state(model, state["model"])
     model.eval()
     return Served(model, hasher, corpus.vocab, ckpt, tok, tables)
+
+
+def open_tier(table_dir: str | Path, config: Any, hasher: NgramHasher, tier: str, *,
+              counts: dict[int, torch.Tensor] | None = None, cache_fraction: float = 0.0,
+              prefetch: bool = False, verify: bool = True) -> dict[int, Any]:
+    """``{layer: store}`` for the table files in ``table_dir`` on ``tier`` (not "memory"),
+    optionally behind a hot cache (``counts``: each layer's row frequencies on training text) and
+    background prefetch. Files of another config, layer or hash profile are refused here."""
+    from ..tables.cache import build_cache
+    from ..tables.prefetch import wrap_prefetch
+    from ..tables.tiers import PinnedTable, SharedPool, open_tables
+
+    if tier not in TIERS or tier == "memory":
+        raise ValueError(f"tier must be one of {TIERS[1:]} for table files, got {tier!r}")
+    if tier == "shared":
+        tables = dict(SharedPool(table_dir, config, hasher, verify=verify).tables)
+    else:
+        tables = dict(open_tables(table_dir, config, hasher, verify=verify))
+        if tier == "pinned":
+            tables = {lid: PinnedTable(t) for lid, t in tables.items()}
+    if cache_fraction > 0:
+        if counts is None:
+            raise ValueError("a hot cache needs the training text's row counts")
+        tables = {lid: build_cache(t, counts[lid], cache_fraction) for lid, t in tables.items()}
+    if prefetch:
+        tables = dict(wrap_prefetch(tables))
+    return tables
 
 
 def load_dense_state(model: EngramLM, state: dict[str, torch.Tensor]) -> None:

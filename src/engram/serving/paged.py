@@ -1,0 +1,189 @@
+"""The reference LM on a paged engine's flat token batch: requests mixed in one step, history in
+slots (serving/slots.py), attention supplied by the engine.
+
+``PagedLM`` runs one engine step: raw token ids of all scheduled tokens -> final hidden states. It
+hashes every token's suffix n-grams from the slot history before the first layer (so a tier with
+prefetch starts gathering all layers' rows at once), runs each block on the flat batch, and runs
+each Engram layer per request group, continuing its short conv from the slots. Attention is a
+callable: vLLM's paged ``Attention`` in the plugin, :class:`TorchPagedAttention` (a plain torch
+paged KV) in tests, so everything here is tested without an engine.
+
+Vocabulary: the engine samples tokenizer ids, the model was trained on a restricted vocabulary;
+inputs are mapped raw -> model ids and the logits are scattered back to the tokenizer's ids (-inf
+for ids the model cannot produce).
+
+Shape legend: n tokens of the step, R requests, d width, m branches, h heads, e head dim,
+H hash heads per layer, N max n-gram order, V model vocabulary, W tokenizer vocabulary.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.layers import MoE, apply_rope
+from ..models.model import EngramLM
+from ..module import Engram, EngramState
+from ..retrieval.hashing import NgramHasher
+from ..tables.prefetch import prefetch_batch
+from .slots import SlotHistory, StepLayout
+
+# attend(layer, q, k, v, layout) with q, k, v [n, h, e] -> [n, h, e]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "StepLayout | None"], torch.Tensor]
+
+
+class PagedLM(nn.Module):
+    def __init__(self, lm: EngramLM, hasher: NgramHasher | None, vocab: torch.Tensor,
+                 raw_vocab_size: int, unknown_id: int):
+        super().__init__()
+        if lm.config.engram is not None and hasher is None:
+            raise ValueError("this model has Engram layers: it needs the hasher it was trained with")
+        self.lm, self.hasher = lm, hasher
+        vocab = torch.as_tensor(vocab, dtype=torch.long)  # [V] model id -> raw id
+        if vocab.numel() != lm.config.vocab_size or int(vocab.max()) >= raw_vocab_size:
+            raise ValueError(f"vocab maps {vocab.numel()} ids (max {int(vocab.max())}); the model "
+                             f"has {lm.config.vocab_size}, the tokenizer {raw_vocab_size}")
+        local = torch.full((raw_vocab_size,), -1, dtype=torch.long)  # [W] raw -> model id
+        local[vocab] = torch.arange(vocab.numel())
+        self.register_buffer("vocab", vocab, persistent=False)
+        self.register_buffer("local", local, persistent=False)
+        self.raw_vocab_size, self.unknown_id = raw_vocab_size, unknown_id
+        self.tokens = SlotHistory(None, torch.long, fill=-1)  # raw id per slot (DEAD if unset)
+        self.conv = {i: SlotHistory(e.hc_mult * e.hidden_size, torch.float32)
+                     for i, e in lm.engrams().items() if e.short_conv is not None}
+        self._warned = False
+
+    def ensure_slots(self, num_slots: int) -> None:
+        """Size the history to the engine's KV cache (once it exists)."""
+        self.tokens.ensure(num_slots)
+        for hist in self.conv.values():
+            hist.ensure(num_slots)
+
+    # -- one engine step ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, raw: torch.Tensor, positions: torch.Tensor, layout: StepLayout | None,
+                attend: Attend) -> torch.Tensor:
+        """raw ids [n], positions [n] -> final hidden [n, d]. ``layout`` None (an engine's dummy
+        or profiling run): every token is its own one-token request and no history is kept."""
+        lm, m = self.lm, self.lm.config.hc_mult
+        ids = self.hash(raw, layout)  # {layer: [n, H]}
+        if ids:
+            prefetch_batch(lm, {k: v[None] for k, v in ids.items()})  # [1, n, H]: all layers now
+        h = lm.embed(self.to_local(raw))[None]  # [1, n, d]
+        if m > 1:
+            h = h.unsqueeze(2).expand(*h.shape[:2], m, h.shape[-1]).contiguous()  # [1, n, m, d]
+        cos, sin = lm.rope_cos[positions], lm.rope_sin[positions]  # [n, e/2]
+        for i, block in enumerate(lm.blocks):
+            if block.engram is not None:  # paper 2.1: H <- H + Y before attention
+                h = h + self._engram(i, block.engram, h[0], ids[i], layout)[None]
+            x = h if block.attn_hc is None else block.attn_hc.read(h)  # [1, n, d]
+            y = self._attention(i, block.attn, block.attn_norm(x), cos, sin, layout, attend)
+            h = h + y if block.attn_hc is None else block.attn_hc.write(h, y)
+            x = h if block.ffn_hc is None else block.ffn_hc.read(h)
+            y = block.ffn(block.ffn_norm(x))
+            y = y[0] if isinstance(block.ffn, MoE) else y  # (y, aux): no aux loss when serving
+            h = h + y if block.ffn_hc is None else block.ffn_hc.write(h, y)
+        if m > 1:
+            h = h.mean(dim=2)  # [1, n, d], as EngramLM.forward
+        return lm.norm(h)[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [k, d] -> logits over the tokenizer's ids [k, W]."""
+        local = self.lm.logits(hidden).float()  # [k, V] (log-probs with the adaptive head)
+        out = local.new_full((hidden.shape[0], self.raw_vocab_size), float("-inf"))
+        out[:, self.vocab] = local
+        return out
+
+    # -- pieces ------------------------------------------------------------------------------------
+    def to_local(self, raw: torch.Tensor) -> torch.Tensor:
+        loc = self.local[raw.long().clamp(0, self.raw_vocab_size - 1)]
+        unknown = loc < 0
+        if bool(unknown.any()):
+            if not self._warned:
+                warnings.warn(f"token ids {sorted(set(raw[unknown].tolist()))[:10]} never occurred "
+                              "in training; the model reads them as its unknown id", stacklevel=2)
+                self._warned = True
+            loc = torch.where(unknown, self.unknown_id, loc)
+        return loc
+
+    def hash(self, raw: torch.Tensor, layout: StepLayout | None) -> dict[int, torch.Tensor]:
+        """Each token's row ids from its own request's last N tokens: {layer: [n, H]}."""
+        if self.hasher is None:
+            return {}
+        depth = self.hasher.config.max_ngram_size - 1
+        raw = raw.long()
+        if layout is None:
+            past = raw.new_full((raw.numel(), depth), -1)  # DEAD: a sequence start
+        else:
+            self.tokens.write(layout.slot_mapping, raw)  # this step's ids first: chunks look back
+            past = self.tokens.read(layout.slots_before_tokens(depth))  # [n, N-1]
+        windows = torch.cat([past, raw[:, None]], dim=1)  # [n, N]
+        return {k: v[:, -1] for k, v in self.hasher.hash(windows).items()}  # last position
+
+    def _attention(self, i: int, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, layout: StepLayout | None, attend: Attend) -> torch.Tensor:
+        n = x.shape[1]
+        q, k, v = attn.qkv(x).view(1, n, 3, attn.n_head, attn.head_dim).unbind(2)  # [1, n, h, e]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = attend(i, q[0], k[0], v[0], layout)  # [n, h, e]
+        return attn.proj(y.reshape(1, n, attn.dim))
+
+    def _engram(self, i: int, engram: Engram, h: torch.Tensor, ids: torch.Tensor,
+                layout: StepLayout | None) -> torch.Tensor:
+        """h [n, (m,) d] -> Y [n, (m,) d]; the conv runs per request, from its slots."""
+        memory = engram.read(ids[None])[0]  # [n, c]
+        conv = engram.short_conv
+        if layout is None:  # one-token requests, no past
+            return engram(h[:, None], memory=memory[:, None])[:, 0]
+        out = torch.empty_like(h)
+        context = None if conv is None else layout.slots_before_requests(conv.context)  # [R, ctx]
+        for idx, rows, t in layout.groups():
+            b = idx.numel() // t
+            state = None
+            if conv is not None:
+                state = EngramState(conv=self.conv[i].read(context[rows]).to(h.dtype),
+                                    keep_inputs=True)  # [b, ctx, m*d]
+            y = engram(h[idx].reshape(b, t, *h.shape[1:]), memory=memory[idx].reshape(b, t, -1),
+                       state=state)
+            out[idx] = y.reshape(idx.numel(), *h.shape[1:])
+            if state is not None:
+                self.conv[i].write(layout.slot_mapping[idx], state.inputs.reshape(idx.numel(), -1))
+        return out
+
+
+class TorchPagedAttention:
+    """Paged causal attention in plain torch: K and V per slot, each request attends to its own
+    positions 0..p through the block table. The engine-free stand-in for vLLM's Attention."""
+
+    def __init__(self, n_layer: int, n_head: int, head_dim: int):
+        self.keys = [SlotHistory(n_head * head_dim, torch.float32) for _ in range(n_layer)]
+        self.values = [SlotHistory(n_head * head_dim, torch.float32) for _ in range(n_layer)]
+        self.n_head, self.head_dim = n_head, head_dim
+
+    def ensure_slots(self, num_slots: int) -> None:
+        for hist in self.keys + self.values:
+            hist.ensure(num_slots)
+
+    def __call__(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 layout: StepLayout | None) -> torch.Tensor:
+        n, h, e = q.shape
+        if layout is None:  # every token alone: attends to itself
+            return v
+        self.keys[i].write(layout.slot_mapping, k.reshape(n, h * e))
+        self.values[i].write(layout.slot_mapping, v.reshape(n, h * e))
+        out = torch.empty_like(q)
+        for r in range(layout.lengths.numel()):
+            a, b = int(layout.query_start[r]), int(layout.query_start[r + 1])
+            last = int(layout.positions[b - 1])
+            slots = layout.slot_of(torch.full((last + 1,), r), torch.arange(last + 1))  # [L]
+            keys = self.keys[i].read(slots).view(-1, h, e).transpose(0, 1)  # [h, L, e]
+            vals = self.values[i].read(slots).view(-1, h, e).transpose(0, 1)
+            qr = q[a:b].transpose(0, 1)  # [h, t, e]
+            mask = torch.arange(last + 1)[None, :] <= layout.positions[a:b, None]  # [t, L]
+            out[a:b] = F.scaled_dot_product_attention(qr, keys.to(q.dtype), vals.to(q.dtype),
+                                                      attn_mask=mask).transpose(0, 1)
+        return out
