@@ -25,6 +25,7 @@ COMMANDS = {
     "generate": "continue prompts with a trained run, tables on any tier",
     "finetune": "memory-only training of Engram injected into SmolLM2 vs LoRA",
     "export-hf": "a trained run as a directory vLLM serves (`vllm serve OUT` with the plugin)",
+    "study-nine": "Engram-Nine: collision-free hot tier vs hashed tables at equal parameters",
 }
 
 
@@ -143,10 +144,23 @@ def _export_hf(argv: list[str]) -> int:
     return 0
 
 
+def _study_nine(argv: list[str]) -> int:
+    from .studies.nine import NineStudyConfig, run_nine_study
+    from .training.train import TrainConfig
+
+    ns = _study_parser("study-nine", NineStudyConfig).parse_args(argv)
+    sc = build(NineStudyConfig, ns, 0)
+    summary = run_nine_study(sc, build(TrainConfig, ns, 1))
+    print(" ".join(f"{k}: {v['val_loss_mean_sd'][0]:.4f}" for k, v in summary["configs"].items())
+          + f"; wrote {sc.out_dir}/nine.json, report.md and plots")
+    return 0
+
+
 RUNNERS: dict[str, Callable[[list[str]], int]] = {
     "demo": _demo, "train": _train, "compare": _compare,
     "sweep-allocation": _sweep("sweep-allocation"), "sweep-slots": _sweep("sweep-slots"),
     "generate": _generate, "finetune": _finetune, "export-hf": _export_hf,
+    "study-nine": _study_nine,
 }
 
 

@@ -116,3 +116,37 @@ def test_overrides_and_schedule():
     c = TrainConfig(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1)
     assert lr_at(0, c) == pytest.approx(0.1) and lr_at(9, c) == pytest.approx(1.0)
     assert lr_at(99, c) == pytest.approx(0.1, abs=1e-3)
+
+
+def test_nine_run_resumes_exactly_and_exports_its_hot_tier(tmp_path, corpus):
+    """Engram-Nine: the checkpoint carries keys, MPHF and fingerprints; resume equals
+    uninterrupted; the table files hold the cold tables and the hot tier beside them."""
+    from engram.tables.hotcold import hot_path, read_hot_tier
+    from engram.tables.tablefile import read_header
+    from engram.training.export import export_tables
+
+    nine = dict(hot_rows=40, shared_tables=True, engram_layers=(0, 1))
+    full = train(_cfg(tmp_path, "full", steps=6, **nine), corpus, progress=False)
+    assert full.model.blocks[0].engram.table is full.model.blocks[1].engram.table
+    train(_cfg(tmp_path, "part", steps=3, **nine), corpus, progress=False)
+    resumed = train(_cfg(tmp_path, "part", steps=6, **nine), corpus, progress=False)
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in full.history]
+    assert resumed.hasher.index.equals(full.hasher.index)
+    with pytest.raises(CheckpointError, match="hot_rows"):
+        train(_cfg(tmp_path, "part", steps=9, **{**nine, "hot_rows": 30}), corpus, progress=False)
+    paths = export_tables(tmp_path / "part", tmp_path / "tables")
+    index, rows = read_hot_tier(hot_path(tmp_path / "tables", 1), full.model.config.engram)
+    assert index.equals(full.hasher.index)
+    store = full.model.blocks[1].engram.table
+    assert torch.equal(rows, store.hot.weight.detach())
+    assert read_header(paths[1]).num_rows == store.cold.num_rows
+    from engram.retrieval.hot import NineHasher
+    from engram.serving.loader import load_run
+
+    served = load_run(tmp_path / "part")  # memory tier: the checkpoint's hot index and rows
+    assert isinstance(served.hasher, NineHasher) and served.hasher.index.equals(full.hasher.index)
+    b = full.batches.batch(0)
+    assert torch.equal(served.model(b.inputs, served.hasher.hash(b.raw)).hidden,
+                       full.model.eval()(b.inputs, b.hash_ids).hidden)
+    with pytest.raises(ValueError, match="memory"):
+        load_run(tmp_path / "part", tier="file")

@@ -62,6 +62,14 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
     corpus = build_corpus(cfg.data_config(), tok)
     ecfg = cfg.engram_config()
     hasher = NgramHasher(ecfg, build_compression(tok)) if ecfg is not None else None
+    if "hot_index" in state:  # Engram-Nine: hot slots ride behind the cold row ids
+        from ..retrieval.hot import HotIndex, NineHasher
+
+        if tier != "memory":
+            raise ValueError("an Engram-Nine run serves from tier='memory' only for now (its table "
+                             "files, with the hot tier, come from export_tables)")
+        hasher = NineHasher(hasher, HotIndex.from_state_dict(state["hot_index"]),
+                            shared=cfg.shared_tables)
     tables: dict[int, Any] = {}
     if tier != "memory" and ecfg is not None:
         table_dir = Path(table_dir) if table_dir is not None else run_dir / "tables"

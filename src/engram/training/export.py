@@ -26,7 +26,7 @@ def export_tables(source: Any, directory: str | Path, *, dtype: str = "fp32",
     run folder (``engram train --out_dir``) holding one. ``hasher`` fixes the hash profile; by
     default it is the one training uses (the DeepSeek tokenizer's compression).
     """
-    config, weights = _tables_of(source)
+    config, weights, hot, shared = _tables_of(source)
     if hasher is None:
         from ..retrieval.compress import (
             build_compression,  # loads the tokenizer: only when needed
@@ -39,24 +39,50 @@ def export_tables(source: Any, directory: str | Path, *, dtype: str = "fp32",
     for lid, w in weights.items():
         out[lid] = table_path(directory, lid)
         write_table(out[lid], w, num_rows=getattr(w, "num_rows", None), dim=getattr(w, "dim", None),
-                    layer_id=lid, config=config, profile=hash_profile(hasher, lid),
+                    layer_id=lid, config=config,
+                    # A shared table set is hashed with the first layer's multipliers.
+                    profile=hash_profile(hasher, config.layer_ids[0] if shared else lid),
                     dtype=dtype, scale_block=scale_block, tag=tag, progress=progress)
+    if hot is not None:  # Engram-Nine: keys, MPHF, fingerprints and hot rows beside the cold tables
+        from ..tables.hotcold import hot_path, write_hot_tier
+
+        for lid, (index, rows) in hot.items():
+            write_hot_tier(hot_path(directory, lid), index, rows, config, tag=tag)
     return out
 
 
-def _tables_of(source: Any) -> tuple[EngramConfig, dict[int, Any]]:
-    """(Engram config, {layer: weight tensor or a (start, stop) row function})."""
+def export_nine(model: Any, index: Any, directory: str | Path, **kw: Any) -> dict[int, Path]:
+    """export_tables for an in-memory Nine model, whose hot index lives in its NineHasher."""
+    return export_tables(_WithIndex(model, index), directory, **kw)
+
+
+class _WithIndex:
+    def __init__(self, model, index):
+        self.model, self.index = model, index
+        self.config, self.engrams = model.config, model.engrams
+
+
+def _tables_of(source: Any) -> tuple[EngramConfig, dict[int, Any], dict | None, bool]:
+    """(Engram config, {layer: weight tensor or a (start, stop) row function},
+    {layer: (hot index, hot rows)} or None, whether the layers share one table set)."""
     if hasattr(source, "engrams"):  # an EngramLM
         if source.config.engram is None:
             raise ValueError("this model has no Engram layers to export")
-        weights = {}
+        weights, hot = {}, {}
         for lid, eng in source.engrams().items():
             table = eng.table
             if table is None:
                 raise ValueError(f"layer {lid} has no table to export")
+            if hasattr(table, "cold"):  # a hot+cold store: cold rows here, hot rows beside
+                if getattr(source, "index", None) is None:
+                    raise ValueError("a Nine model's tables need its hot index: export_nine(model, "
+                                     "hasher.index, directory)")
+                hot[lid] = (source.index, None if table.hot is None else table.hot.weight.detach())
+                table = table.cold
             w = getattr(table, "weight", None)
             weights[lid] = w.detach().cpu() if isinstance(w, torch.Tensor) else _StoreRows(table)
-        return source.config.engram, weights
+        shared = len({id(e.table) for e in source.engrams().values()}) == 1 < len(weights)
+        return source.config.engram, weights, hot or None, shared
     path = Path(source)
     if path.is_dir():
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
@@ -68,11 +94,21 @@ def _tables_of(source: Any) -> tuple[EngramConfig, dict[int, Any]]:
         raise FileNotFoundError(f"no checkpoint at {path}")
     state, meta, _ = load_checkpoint(path)
     # The run's TrainConfig says which Engram config built the tables.
-    config = TrainConfig(**meta["config"]).engram_config()
+    tc = TrainConfig(**meta["config"])
+    config = tc.engram_config()
     if config is None:
         raise ValueError(f"checkpoint {path} is of a model without Engram")
     model = state["model"]
-    return config, {lid: model[f"blocks.{lid}.engram.table.weight"] for lid in config.layer_ids}
+    if "hot_index" in state:  # Engram-Nine
+        from ..retrieval.hot import HotIndex
+
+        index = HotIndex.from_state_dict(state["hot_index"])
+        hot = {lid: (index, model.get(f"blocks.{lid}.engram.table.hot.weight"))
+               for lid in config.layer_ids}
+        return config, {lid: model[f"blocks.{lid}.engram.table.cold.weight"]
+                        for lid in config.layer_ids}, hot, tc.shared_tables
+    return config, {lid: model[f"blocks.{lid}.engram.table.weight"]
+                    for lid in config.layer_ids}, None, False
 
 
 class _StoreRows:

@@ -71,6 +71,13 @@ class TrainConfig:
     # the token embeddings and costs the first steps; at 0.02 it starts near identity (a quick
     # A/B at step 40 of 160: val 6.248 at 0.02, 6.264 at 0.1, 6.421 at 1.0, dense 6.295).
     table_init_std: float = 0.02
+    # -- Engram-Nine hot tier (arXiv 2601.16531; studies/nine.py) --
+    # N_hot per n-gram order: that many most frequent training n-grams get a collision-free row.
+    hot_rows: int = 0
+    hot_index: str = "mphf"  # "mphf" (MPHF + fingerprint) or "exact" (sorted keys, no false hits)
+    fingerprint_bits: int = 16  # mphf: bits per hot slot; non-members pass at ~2^-bits
+    mphf_engine: str = "torch"  # "torch" (vectorised BBHash) or "bbhash" (the wheel; extra nine)
+    shared_tables: bool = False  # one table set read by every Engram layer (the Nine paper)
     # -- optimisation --
     steps: int = 300
     batch_size: int = 16
@@ -97,6 +104,15 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup < 0:
             raise ValueError("need lr > 0, 0 <= min_lr_ratio <= 1 and warmup >= 0")
+        if self.hot_rows < 0:
+            raise ValueError(f"hot_rows must be >= 0, got {self.hot_rows}")
+        if self.nine and not self.engram:
+            raise ValueError("hot_rows / shared_tables need engram=true")
+
+    @property
+    def nine(self) -> bool:
+        """Whether the Engram layers read hot+cold stores (Engram-Nine) rather than plain tables."""
+        return self.hot_rows > 0 or self.shared_tables
 
     def engram_config(self) -> EngramConfig | None:
         if not self.engram:
@@ -154,7 +170,13 @@ class Run:
 def build_model(cfg: TrainConfig, corpus: Corpus,
                 tables: dict[int, Any] | None = None) -> EngramLM:
     """The model of ``cfg`` for ``corpus``; an adaptive head gets the training set's id counts."""
-    model = EngramLM(cfg.model_config(corpus.vocab_size), tables=tables)
+    if cfg.nine:
+        from ..models.nine_model import build_nine_lm
+
+        model = build_nine_lm(cfg.model_config(corpus.vocab_size),
+                              (cfg.max_ngram_size - 1) * cfg.hot_rows, shared=cfg.shared_tables)
+    else:
+        model = EngramLM(cfg.model_config(corpus.vocab_size), tables=tables)
     if isinstance(model.head, AdaptiveHead):
         counts = np.bincount(corpus.to_local(corpus.train), minlength=corpus.vocab_size)
         model.head.set_frequencies(torch.from_numpy(counts))
@@ -168,6 +190,12 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None) -> Run:
     ecfg = cfg.engram_config()
     # Compression always uses the full tokenizer, whatever the model's restricted vocabulary.
     hasher = NgramHasher(ecfg, build_compression()) if ecfg is not None else None
+    if cfg.nine:  # hot slots, like hash ids, come from token ids in the data pipeline
+        from ..retrieval.hot import NineHasher, build_hot_index
+
+        index = build_hot_index(hasher, corpus.train, cfg.hot_rows, cfg.hot_index,
+                                cfg.fingerprint_bits, cfg.mphf_engine, seed=cfg.seed)
+        hasher = NineHasher(hasher, index, shared=cfg.shared_tables)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, corpus)
     batches = TokenBatches(corpus.train, cfg.batch_size, cfg.seq_len, corpus, hasher, seed=cfg.seed)
@@ -190,8 +218,11 @@ def evaluate(run: Run, full: bool = False) -> float:
 
 
 def _state(run: Run) -> dict[str, Any]:
-    return {"model": run.model.state_dict(), "optim": run.optim.state_dict(),
-            "rng": torch.get_rng_state()}
+    state = {"model": run.model.state_dict(), "optim": run.optim.state_dict(),
+             "rng": torch.get_rng_state()}
+    if hasattr(run.hasher, "index"):  # Engram-Nine: the hot tier's keys, MPHF and fingerprints
+        state["hot_index"] = run.hasher.index.state_dict()
+    return state
 
 
 def save(run: Run) -> Path:
@@ -208,7 +239,8 @@ def _comparable(d: dict[str, Any]) -> dict[str, Any]:
 
 def check_same_config(cfg: TrainConfig, saved: dict[str, Any], where: Any) -> None:
     """Refuse to resume from a checkpoint written with another config (bookkeeping aside)."""
-    ours, theirs = _comparable(cfg.to_dict()), _comparable(saved)
+    # A field added after the checkpoint was written reads as its default there.
+    ours, theirs = _comparable(cfg.to_dict()), _comparable({**TrainConfig().to_dict(), **saved})
     if ours != theirs:
         diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         raise CheckpointError(f"checkpoint {where} was written with another config (differs in "
@@ -242,6 +274,10 @@ def try_resume(run: Run) -> bool:
         run.optim.load_state_dict(state["optim"])
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path} does not fit this model: {e}") from e
+    if "hot_index" in state:  # the saved hot tier is the one the hot rows were trained for
+        from ..retrieval.hot import HotIndex
+
+        run.hasher.index = HotIndex.from_state_dict(state["hot_index"])
     torch.set_rng_state(state["rng"])
     run.step, run.history = step, meta["history"]
     run.window = tuple(meta.get("window", (0, 0.0)))

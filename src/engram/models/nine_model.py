@@ -1,0 +1,73 @@
+"""The reference LM with Engram-Nine memory: hot+cold tables, optionally one set shared by layers.
+
+arXiv 2601.16531 (section 4): one table set read by several layers (2, 4 and 6 of 12 there), each
+layer with its own gate, projections and conv. The Engram modules are the ordinary ones, swapped in
+with a :class:`HotColdStore` and global ids (the ids carry the hot slots after the cold rows, see
+``engram.retrieval.hot.NineHasher``); the backbone is :class:`EngramLM` unchanged.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..module import Engram
+from ..retrieval.primes import prime_table_sizes
+from ..tables.hotcold import HotColdStore
+from .model import EngramLM
+from .model_config import ModelConfig
+
+
+def build_nine_lm(config: ModelConfig, hot_slots: int, shared: bool = True) -> EngramLM:
+    """EngramLM whose Engram layers read a :class:`HotColdStore` (one per layer, or one shared).
+
+    ``hot_slots`` = G * N_hot rows of width K * d_head; 0 gives the plain hashed tables.
+    """
+    ec = config.engram
+    if ec is None:
+        raise ValueError("a Nine model needs an Engram config (config.engram)")
+    sizes = prime_table_sizes(ec)
+    layers = list(ec.layer_ids)
+    if shared:
+        first = sum(p for order in sizes[layers[0]] for p in order)
+        one = _store(config, first, hot_slots)
+        stores = {lid: one for lid in layers}
+    else:
+        stores = {lid: _store(config, sum(p for o in sizes[lid] for p in o), hot_slots)
+                  for lid in layers}
+    lm = EngramLM(config, tables={lid: None for lid in layers})
+    v41 = ec.profile == "v4.1"
+    use_conv = (not v41) if config.engram_conv is None else config.engram_conv
+    for lid in layers:
+        # Same module build_engram makes, but fed global ids (the hot slots ride behind them).
+        lm.blocks[lid].engram = Engram(
+            stores[lid], None, ec.d_mem, config.d_model, config.hc_mult,
+            gate=config.engram_gate or ("paper" if v41 else "demo"),
+            kernel_size=ec.kernel_size if use_conv else 0, dilation=ec.max_ngram_size,
+            fused=v41, conv_init="zero")
+    lm.init_weights()  # the swapped modules get the model's init; stores keep their own
+    return lm
+
+
+def _store(config: ModelConfig, cold_rows: int, hot_slots: int) -> HotColdStore:
+    ec = config.engram
+    return HotColdStore(cold_rows, ec.head_dim, ec.max_ngram_size - 1, ec.n_head_per_ngram,
+                        hot_slots, sparse=config.sparse_tables, init_std=config.table_init_std)
+
+
+def stores_of(lm: nn.Module) -> list[HotColdStore]:
+    """Distinct hot+cold stores of a model (a shared one once)."""
+    seen: dict[int, HotColdStore] = {}
+    for m in lm.modules():
+        if isinstance(m, HotColdStore):
+            seen.setdefault(id(m), m)
+    return list(seen.values())
+
+
+def nine_param_counts(lm: EngramLM) -> dict[str, int]:
+    """Parameters counted once each (a shared table set once): total, table, hot, cold, dense."""
+    stores = stores_of(lm)
+    total = sum(p.numel() for p in lm.parameters())  # parameters() yields shared ones once
+    hot = sum(s.hot.weight.numel() for s in stores if s.hot is not None)
+    cold = sum(s.cold.weight.numel() for s in stores)
+    return {"total": total, "table": hot + cold, "hot": hot, "cold": cold,
+            "dense": total - hot - cold}

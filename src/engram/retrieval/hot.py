@@ -1,0 +1,224 @@
+"""Engram-Nine's hot tier index: the most frequent compressed n-grams get collision-free slots.
+
+arXiv 2601.16531 (section 3): count the compressed n-grams (orders 2..N) of the training stream,
+give the top N_hot of each order a slot through a minimal perfect hash function plus a per-slot
+fingerprint, and serve them from one hot row of width K * d_head instead of the K hashed heads;
+misses and fingerprint mismatches go to the ordinary hashed (cold) tier. Everything here reads
+token ids only, so hot slots are known in the data pipeline, before the model runs.
+
+N_hot is per order: the paper's Nine-100K/400K and Hash-500K are equal in parameters only if each
+order gets 100K hot rows of width K * d_head beside 400K cold rows per head.
+
+A key is the n-gram packed exactly into an int64: ``(n - 2) << (bits * N) | sum_j x'[t-j] << (bits * j)``
+(bits = width of the largest compressed id), so two n-grams share a key only if they are equal.
+
+Shape legend: b batch, t positions, N max order, G = N-1 orders, K heads per order,
+H = G * K hash heads, n keys, q queries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .compress import DEAD
+from .hashing import HashStream, NgramHasher, _as_tensor
+from .mphf import (
+    build_mphf,
+    check_keys,
+    fingerprint,
+    fingerprint_dtype,
+    mphf_from_state_dict,
+)
+
+KINDS = ("mphf", "exact")
+
+
+def key_bits(hasher: NgramHasher) -> int:
+    """Bits per token in a packed key; refuses a (V', N) whose keys would not fit in 63 bits."""
+    bits = max(1, (len(hasher.compression) - 1).bit_length())
+    n = hasher.config.max_ngram_size
+    if bits * n + max(1, (n - 2).bit_length()) > 63:
+        raise ValueError(f"n-grams of order {n} over V'={len(hasher.compression)} do not pack into "
+                         f"an int64 key ({bits} bits per token); use a smaller max_ngram_size")
+    return bits
+
+
+def ngram_keys(hasher: NgramHasher, xc: torch.Tensor) -> torch.Tensor:
+    """Compressed ids [b, t] (DEAD marks dead positions) -> exact n-gram keys [b, t, G]."""
+    bits, n_max = key_bits(hasher), hasher.config.max_ngram_size
+    # The hasher's own suffix view, so a key sees exactly the tokens (and pads) its hash saw.
+    shifts = hasher._suffix_tokens(xc)  # [N, b, t]
+    acc = shifts[0].clone()
+    out = []
+    for j in range(1, n_max):
+        acc = acc | (shifts[j] << (bits * j))
+        out.append(acc | ((j - 1) << (bits * n_max)))  # order n = j + 1
+    return torch.stack(out, dim=-1)  # [b, t, G]
+
+
+def count_keys(hasher: NgramHasher, tokens: Any, chunk: int = 1 << 20
+               ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Distinct keys and their counts per order (2..N) over a raw token stream read as one sequence."""
+    raw = torch.as_tensor(np.asarray(tokens)).long().view(1, -1)
+    if raw.numel() == 0:
+        raise ValueError("cannot count n-grams of an empty token stream")
+    xc = hasher.compression(raw)  # [1, n]
+    keep = hasher.config.max_ngram_size - 1
+    per_order: list[list[np.ndarray]] = [[] for _ in range(keep)]
+    for a in range(0, xc.shape[1], chunk):
+        # Each chunk carries the previous N-1 tokens, whose own keys were counted already.
+        lo = max(0, a - keep)
+        keys = ngram_keys(hasher, xc[:, lo:a + chunk])[0, a - lo:]  # [chunk, G]
+        for g in range(keep):
+            per_order[g].append(keys[:, g].numpy())
+    return [np.unique(np.concatenate(k), return_counts=True) for k in per_order]
+
+
+def top_keys(counted: list[tuple[np.ndarray, np.ndarray]], n_hot: int) -> torch.Tensor:
+    """The n_hot most frequent keys of each order (ties: smaller key first), orders back to back."""
+    if n_hot < 0:
+        raise ValueError(f"N_hot must be >= 0, got {n_hot}")
+    out = []
+    for g, (keys, counts) in enumerate(counted):
+        if n_hot > len(keys):
+            raise ValueError(f"N_hot={n_hot} but the training stream has only {len(keys)} distinct "
+                             f"n-grams of order {g + 2}; choose N_hot <= {len(keys)}")
+        order = np.lexsort((keys, -counts))[:n_hot]
+        out.append(keys[order])
+    return torch.from_numpy(np.concatenate(out).astype(np.int64)) if out else torch.zeros(0).long()
+
+
+class HotIndex:
+    """Hot keys -> slots. ``kind="mphf"``: MPHF + ``bits``-bit fingerprint per slot (false positive
+    rate ~2^-bits); ``kind="exact"``: sorted keys + searchsorted (no false positives, 64 bits/key)."""
+
+    def __init__(self, keys: torch.Tensor, kind: str, bits: int = 16, mphf: Any = None,
+                 fingerprints: torch.Tensor | None = None, seed: int = 0):
+        if kind not in KINDS:
+            raise ValueError(f"hot index kind must be one of {KINDS}, got {kind!r}")
+        self.keys = keys  # [n] key of each slot (sorted for "exact")
+        self.kind, self.bits, self.mphf, self.seed = kind, int(bits), mphf, int(seed)
+        self.fingerprints = fingerprints  # [n] per slot, mphf only
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.keys.numel())
+
+    @classmethod
+    def build(cls, keys: torch.Tensor, kind: str = "mphf", bits: int = 16, engine: str = "torch",
+              seed: int = 0, gamma: float = 2.0) -> HotIndex:
+        keys = check_keys(keys)
+        if kind == "exact" or keys.numel() == 0:
+            return cls(torch.sort(keys).values, kind, bits, seed=seed)
+        if kind != "mphf":
+            raise ValueError(f"hot index kind must be one of {KINDS}, got {kind!r}")
+        mphf = build_mphf(keys, engine, gamma=gamma, seed=seed)
+        slots = mphf.lookup(keys)
+        if bool((slots < 0).any()) or torch.unique(slots).numel() != keys.numel():
+            raise RuntimeError("MPHF build did not give every key its own slot")
+        by_slot = torch.empty_like(keys)
+        by_slot[slots] = keys
+        fps = fingerprint(by_slot, bits, seed).to(fingerprint_dtype(bits))
+        return cls(by_slot, kind, bits, mphf, fps, seed)
+
+    def lookup(self, q: torch.Tensor) -> torch.Tensor:
+        """Keys [...] -> hot slot [...], -1 for the cold tier (a miss or a fingerprint mismatch)."""
+        shape, q = q.shape, q.reshape(-1)
+        if self.num_slots == 0:
+            return torch.full(shape, -1, dtype=torch.long, device=q.device)
+        if self.kind == "exact":
+            at = torch.searchsorted(self.keys, q).clamp(max=self.num_slots - 1)
+            return torch.where(self.keys[at] == q, at, -1).view(shape)
+        s = self.mphf.lookup(q)  # members: their slot; others: any slot or -1
+        fp = fingerprint(q, self.bits, self.seed).to(self.fingerprints.dtype)
+        ok = (s >= 0) & (self.fingerprints[s.clamp(min=0)] == fp)
+        return torch.where(ok, s, -1).view(shape)
+
+    def nbytes(self) -> dict[str, float]:
+        """Bytes of what a lookup needs, and bits per hot key (the stored keys are extra)."""
+        n = max(1, self.num_slots)
+        if self.kind == "exact" or self.mphf is None:  # (an empty mphf index holds nothing)
+            idx = self.keys.numel() * 8
+            return {"index_bytes": idx, "bits_per_key": 8 * idx / n, "mphf_bits_per_key": 0.0,
+                    "fingerprint_bits_per_key": 0.0}
+        mb = self.mphf.nbytes()
+        fb = self.fingerprints.numel() * self.fingerprints.element_size()
+        return {"index_bytes": mb + fb, "bits_per_key": 8 * (mb + fb) / n,
+                "mphf_bits_per_key": 8 * mb / n, "fingerprint_bits_per_key": 8 * fb / n,
+                "fingerprint_bits_packed": self.bits}
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = {"kind": self.kind, "bits": self.bits, "seed": self.seed, "keys": self.keys}
+        if self.kind == "mphf" and self.mphf is not None:
+            sd["mphf"], sd["fingerprints"] = self.mphf.state_dict(), self.fingerprints
+        return sd
+
+    @classmethod
+    def from_state_dict(cls, sd: dict[str, Any]) -> HotIndex:
+        try:
+            mphf = mphf_from_state_dict(sd["mphf"]) if "mphf" in sd else None
+            return cls(sd["keys"], sd["kind"], sd["bits"], mphf, sd.get("fingerprints"), sd["seed"])
+        except KeyError as e:
+            raise ValueError(f"not a hot index state: missing {e}") from e
+
+    def equals(self, other: HotIndex) -> bool:
+        return (self.kind == other.kind and self.bits == other.bits
+                and torch.equal(self.keys, other.keys))
+
+
+def build_hot_index(hasher: NgramHasher, tokens: Any, n_hot: int, kind: str = "mphf",
+                    bits: int = 16, engine: str = "torch", seed: int = 0) -> HotIndex:
+    """Count the stream's n-grams and index the top ``n_hot`` of each order."""
+    return HotIndex.build(top_keys(count_keys(hasher, tokens), n_hot), kind, bits, engine, seed)
+
+
+class NineHasher:
+    """Token ids -> ``{layer: [b, t, H + G]}``: H global cold row ids, then G hot slots (-1 = cold).
+
+    ``shared=True`` gives every Engram layer the first layer's ids: one table set read by several
+    layers, the Nine paper's setup. A drop-in for :class:`NgramHasher` in the data pipeline.
+    """
+
+    def __init__(self, hasher: NgramHasher, index: HotIndex, shared: bool = True):
+        self.hasher, self.index, self.shared = hasher, index, shared
+        self.config, self.layer_ids = hasher.config, list(hasher.layer_ids)
+        self.compression = hasher.compression
+        key_bits(hasher)  # fail now, not on the first batch
+        self._offsets = {lid: torch.tensor(hasher.offsets(lid)) for lid in self.layer_ids}
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    def hash(self, input_ids: Any, attention_mask: Any = None) -> dict[int, torch.Tensor]:
+        ids = _as_tensor(input_ids)
+        if ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape [batch, seq], got {tuple(ids.shape)}")
+        xc = self.compression(ids)  # [b, t]
+        if attention_mask is not None:
+            xc = torch.where(_as_tensor(attention_mask).to(ids.device).bool(), xc, DEAD)
+        return self.hash_compressed(xc)
+
+    def hash_compressed(self, xc: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Compressed ids [b, t] (DEAD = dead) -> ``{layer: [b, t, H + G]}``."""
+        layers = self.layer_ids[:1] if self.shared else self.layer_ids
+        rows = self.hasher.hash_compressed(xc, layers)  # {lid: [b, t, H]}
+        slots = self.index.lookup(ngram_keys(self.hasher, xc))  # [b, t, G]
+        out = {}
+        for lid, r in rows.items():
+            if not self.config.global_row_ids:
+                r = r + self._offsets[lid].to(r.device)
+            out[lid] = torch.cat([r, slots], dim=-1)  # [b, t, H + G]
+        return {lid: out[layers[0] if self.shared else lid] for lid in self.layer_ids}
+
+    def stream(self, batch_size: int, device: torch.device | str = "cpu") -> HashStream:
+        """Decode step by step with the full sequence's ids (the same history as NgramHasher's)."""
+        return HashStream(self, batch_size, device)
+
+    def split(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[..., H + G] -> cold rows [..., H], hot slots [..., G]."""
+        h = self.num_heads
+        return ids[..., :h], ids[..., h:]

@@ -1,0 +1,256 @@
+"""`engram study-nine`: what a collision-free hot tier does to training (arXiv 2601.16531, scaled down).
+
+Five configurations on the package corpus, the same tokens and seeds for each, one table set shared
+by all Engram layers, n = 2, 3 and K = 2 heads as in the paper:
+
+- ``hash-R``: the hashed baseline, R rows per head (the paper's Hash-500K);
+- ``nine-H/C`` for each N_hot = H: H hot rows per order (width K * d_head) + C cold rows per head,
+  C chosen so the tables hold as many parameters as ``hash-R`` (the paper's Nine-100K/400K);
+- ``hash-S`` and ``hash-L``: a smaller and a larger hashed table (the paper's 300K and 800K).
+
+At every evaluation each run logs the validation loss on hot and on cold positions, their difference
+``hot_cold_delta = loss_cold - loss_hot``, and each layer's mean gate alpha on hot and on cold
+positions. A position is *hot* when one of its n-grams is among the ``ref_hot_rows`` most frequent of
+its order in the training stream: the same positions in every configuration, hashed ones included,
+so curves compare. At the end, the alpha-bucket table (loss and hot share per alpha bucket).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..retrieval.hot import build_hot_index, ngram_keys
+from ..retrieval.primes import prime_table_sizes
+from ..training.batches import val_batches
+from ..training.corpus import build_corpus
+from ..training.train import TrainConfig, build_run, lr_at, train_step
+from .compare import budget
+
+
+@dataclass
+class NineStudyConfig:
+    out_dir: str = "out/nine"  # nine.json, plots, report.md land here
+    seeds: tuple[int, ...] = (0, 1, 2)  # every configuration runs every seed (same batches)
+    workers: int = 2  # parallel training processes (one torch thread each)
+    steps: int = 300  # ~23 min for 15 runs on 2 cores (extrapolated from 200 steps in 15.4 min)
+    batch_size: int = 16
+    seq_len: int = 128
+    eval_every: int = 25  # hot/cold losses and gates are logged this often
+    eval_batches: int = 12  # validation batches per evaluation, spread over the val stream
+    # Rows per head of the hashed baseline (the paper's Hash-500K, scaled to a 2M-token corpus).
+    total_rows: int = 10_000
+    # N_hot per order of each Nine split (the paper's 100K of 500K = 1/5, and a smaller N_hot).
+    hot_rows: tuple[int, ...] = (2_000, 1_000)
+    small_rows: int = 6_000  # the smaller hashed table (the paper's Hash-300K)
+    large_rows: int = 16_000  # the larger hashed table (the paper's Hash-800K)
+    ref_hot_rows: int = 2_000  # per order: n-grams this frequent make a position "hot"
+    engram_layers: tuple[int, ...] = (1, 2, 3)  # all read one shared table set
+    n_head_per_ngram: int = 2  # K
+    n_embed_per_ngram: int = 128  # K * d_head (the paper's 64 dims per head)
+    alpha_bins: int = 5  # alpha buckets of the final table (0-0.2, ..., 0.8-1.0)
+    only: tuple[str, ...] = ()  # run just these configurations (names as in the report); () = all
+
+
+def table_rows(cfg: TrainConfig) -> int:
+    """Cold rows (all heads) of the shared table set."""
+    sizes = prime_table_sizes(cfg.engram_config())
+    return sum(p for order in sizes[cfg.engram_layers[0]] for p in order)
+
+
+def table_params(cfg: TrainConfig) -> int:
+    head_dim = cfg.n_embed_per_ngram // cfg.n_head_per_ngram
+    hot = (cfg.max_ngram_size - 1) * cfg.hot_rows * cfg.n_embed_per_ngram
+    return table_rows(cfg) * head_dim + hot
+
+
+def study_configs(base: TrainConfig, sc: NineStudyConfig) -> dict[str, TrainConfig]:
+    """The configurations, named as in the paper; ``nine-*`` match ``hash-<total>``'s table size."""
+    base = dataclasses.replace(base, engram=True, shared_tables=True, hot_rows=0,
+                               engram_layers=tuple(sc.engram_layers),
+                               n_head_per_ngram=sc.n_head_per_ngram,
+                               n_embed_per_ngram=sc.n_embed_per_ngram)
+
+    def hashed(rows: int) -> TrainConfig:
+        return dataclasses.replace(base, table_size=rows)
+
+    out = {f"hash-{_k(sc.total_rows)}": hashed(sc.total_rows)}
+    target = table_params(out[f"hash-{_k(sc.total_rows)}"])
+    for h in sc.hot_rows:
+        if not 0 < h < sc.total_rows:
+            raise ValueError(f"hot_rows entries must be in (0, total_rows={sc.total_rows}), got {h}")
+        nine = dataclasses.replace(base, hot_rows=h, table_size=sc.total_rows - h)
+        # Primes round each head up: walk the cold size until the tables match hash-R's best.
+        best = min(range(sc.total_rows - h - 64, sc.total_rows - h + 65),
+                   key=lambda s: abs(table_params(dataclasses.replace(nine, table_size=s)) - target))
+        out[f"nine-{_k(h)}/{_k(sc.total_rows - h)}"] = dataclasses.replace(nine, table_size=best)
+    for rows in (sc.small_rows, sc.large_rows):
+        out[f"hash-{_k(rows)}"] = hashed(rows)
+    return out
+
+
+def _k(n: int) -> str:
+    return f"{n // 1000}k" if n % 1000 == 0 else str(n)
+
+
+# -- one run -----------------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate_tiers(run, batches: list, hot: list[torch.Tensor], bins: int = 0) -> dict[str, Any]:
+    """Loss on hot and cold positions, mean alpha per tier and layer (and alpha buckets)."""
+    model = run.model
+    model.eval()
+    s = {"hot": [0.0, 0], "cold": [0.0, 0]}
+    alpha: dict[int, dict[str, float]] = {}
+    buckets: dict[int, torch.Tensor] = {}  # layer -> [bins, 3]: count, summed loss, hot count
+    served = [0, 0]
+    for b, h in zip(batches, hot):
+        out = model(b.inputs, b.hash_ids, return_gates=True)
+        nll = model.token_nll(out, b.targets)  # [b, t]
+        for tier, m in (("hot", h), ("cold", ~h)):
+            s[tier][0] += float(nll[m].sum())
+            s[tier][1] += int(m.sum())
+        slots = next(iter(b.hash_ids.values()))[..., run.hasher.num_heads:]  # [b, t, G]
+        served[0] += int((slots >= 0).any(-1).sum())
+        served[1] += slots.shape[0] * slots.shape[1]
+        for lid, g in out.gates.items():
+            a = g[..., 0].float()  # [b, t] (one residual branch)
+            d = alpha.setdefault(lid, {"hot": 0.0, "cold": 0.0})
+            d["hot"] += float(a[h].sum())
+            d["cold"] += float(a[~h].sum())
+            if bins:
+                idx = (a * bins).long().clamp(0, bins - 1).flatten()
+                acc = buckets.setdefault(lid, torch.zeros(bins, 3, dtype=torch.float64))
+                acc[:, 0] += torch.bincount(idx, minlength=bins)
+                acc[:, 1] += torch.bincount(idx, weights=nll.flatten().double(), minlength=bins)
+                acc[:, 2] += torch.bincount(idx, weights=h.flatten().double(), minlength=bins)
+    model.train()
+    lh, lc = s["hot"][0] / max(1, s["hot"][1]), s["cold"][0] / max(1, s["cold"][1])
+    n_hot, n_cold = max(1, s["hot"][1]), max(1, s["cold"][1])
+    rec = {"val_loss": (s["hot"][0] + s["cold"][0]) / (n_hot + n_cold), "loss_hot": lh,
+           "loss_cold": lc, "hot_cold_delta": lc - lh, "hot_share": n_hot / (n_hot + n_cold),
+           "served_hot_share": served[0] / max(1, served[1]),
+           "alpha_hot": {str(k): v["hot"] / n_hot for k, v in alpha.items()},
+           "alpha_cold": {str(k): v["cold"] / n_cold for k, v in alpha.items()}}
+    if bins:
+        rec["alpha_buckets"] = {str(k): [{"lo": i / bins, "hi": (i + 1) / bins,
+                                          "count": int(v[i, 0]),
+                                          "loss": float(v[i, 1] / v[i, 0]) if v[i, 0] else None,
+                                          "hot_share": float(v[i, 2] / v[i, 0]) if v[i, 0] else None}
+                                         for i in range(bins)] for k, v in buckets.items()}
+    return rec
+
+
+def _eval_set(run, cfg: TrainConfig, ref_rows: int, max_batches: int | None):
+    """Fixed validation batches and their reference hot masks [b, t]."""
+    plain = run.hasher.hasher
+    ref = build_hot_index(plain, run.corpus.train, ref_rows, kind="exact")
+    batches = list(val_batches(run.corpus.val, cfg.batch_size, cfg.seq_len, run.corpus,
+                               run.hasher, max_batches=max_batches))
+    hot = [(ref.lookup(ngram_keys(plain, plain.compression(b.raw))) >= 0).any(-1) for b in batches]
+    return batches, hot
+
+
+def train_and_watch(cfg: TrainConfig, ref_rows: int, bins: int, corpus=None) -> dict[str, Any]:
+    """Train one configuration; evaluate tiers every ``cfg.eval_every`` steps and at the end."""
+    run = build_run(cfg, corpus if corpus is not None else build_corpus(cfg.data_config()))
+    batches, hot = _eval_set(run, cfg, ref_rows, cfg.eval_batches)
+    history = [{"step": 0, **evaluate_tiers(run, batches, hot)}]
+    t0, losses = time.perf_counter(), []
+    while run.step < cfg.steps:
+        run.optim.set_lr(lr_at(run.step, cfg))
+        losses.append(train_step(run))
+        run.step += 1
+        if run.step % cfg.eval_every == 0 or run.step == cfg.steps:
+            history.append({"step": run.step, "train_loss": sum(losses) / len(losses),
+                            **evaluate_tiers(run, batches, hot)})
+            losses = []
+    train_s = time.perf_counter() - t0
+    full_b, full_h = _eval_set(run, cfg, ref_rows, None if cfg.final_eval_full else cfg.eval_batches)
+    final = evaluate_tiers(run, full_b, full_h, bins)
+    from ..models.nine_model import nine_param_counts
+
+    return {"history": history, "final": final, "params": nine_param_counts(run.model),
+            "train_s": train_s, "tokens": cfg.steps * cfg.batch_size * cfg.seq_len,
+            "hot_index_bytes": run.hasher.index.nbytes()}
+
+
+def _job(args: tuple[str, TrainConfig, int, int]) -> dict[str, Any]:
+    name, cfg, ref_rows, bins = args
+    torch.set_num_threads(1)
+    return {"name": name, "seed": cfg.seed, "config": json.loads(json.dumps(cfg.to_dict())),
+            "ref_hot_rows": ref_rows, **train_and_watch(cfg, ref_rows, bins)}
+
+
+def _same(want: dict | None, got: dict | None) -> bool:
+    skip = {"out_dir"}
+    return (want is not None and got is not None
+            and {k: v for k, v in json.loads(json.dumps(want)).items() if k not in skip}
+            == {k: v for k, v in got.items() if k not in skip})
+
+
+def run_jobs(jobs: list, workers: int, done: list[dict] | None = None,
+             save: Path | None = None) -> list[dict[str, Any]]:
+    """Run the jobs; each finished run is appended to ``save`` (JSON) at once, so an interrupted
+    study keeps what it finished and a rerun with the same configs skips those runs."""
+    from tqdm.auto import tqdm
+
+    results = list(done or [])
+    key = {(r["name"], r["seed"]) for r in results}
+    todo = [j for j in jobs if (j[0], j[1].seed) not in key]
+
+    def keep(r: dict) -> None:
+        results.append(r)
+        if save is not None:
+            save.write_text(json.dumps(results))
+        tqdm.write(f"  {r['name']} seed {r['seed']}: val {r['final']['val_loss']:.4f}, "
+                   f"delta {r['final']['hot_cold_delta']:+.3f} ({r['train_s']:.0f}s)")
+
+    if workers <= 1:  # in-process (tests, one core)
+        for j in tqdm(todo, desc="study-nine runs"):
+            keep(_job(j))
+        return results
+    with mp.get_context("spawn").Pool(workers) as pool:
+        for r in tqdm(pool.imap_unordered(_job, todo), total=len(todo), desc="study-nine runs"):
+            keep(r)
+    return results
+
+
+def run_nine_study(sc: NineStudyConfig, base: TrainConfig | None = None) -> dict[str, Any]:
+    if len(sc.seeds) < 1 or sc.ref_hot_rows < 1:
+        raise ValueError("need at least one seed and ref_hot_rows >= 1")
+    out = Path(sc.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base = budget(base or TrainConfig(), sc)
+    t0 = time.perf_counter()
+    corpus = build_corpus(base.data_config())  # once here; workers read the disk cache
+    configs = study_configs(base, sc)
+    if sc.only:
+        unknown = sorted(set(sc.only) - set(configs))
+        if unknown:
+            raise ValueError(f"unknown configurations {unknown}; these exist: {list(configs)}")
+        configs = {k: v for k, v in configs.items() if k in sc.only}
+    # Seed-major: an interrupted study still has every configuration at its first seeds.
+    jobs = [(name, dataclasses.replace(cfg, seed=s, out_dir=str(out / "runs" / f"{name}-s{s}")),
+             sc.ref_hot_rows, sc.alpha_bins)
+            for s in sc.seeds for name, cfg in configs.items()]
+    raw = out / "runs.json"
+    done = []
+    if raw.exists():  # finished runs of the same configurations are kept, not rerun
+        want = {(j[0], j[1].seed): j[1].to_dict() for j in jobs}
+        done = [r for r in json.loads(raw.read_text())
+                if _same(want.get((r["name"], r["seed"])), r.get("config"))
+                and r.get("ref_hot_rows") == sc.ref_hot_rows]
+    results = run_jobs(jobs, sc.workers, done, raw)
+    from .nine_report import summarise, write_outputs
+
+    summary = summarise(results, configs, sc, corpus, time.perf_counter() - t0)
+    summary["reused_runs"] = len(done)
+    write_outputs(summary, out)
+    return summary
