@@ -26,6 +26,7 @@ COMMANDS = {
     "finetune": "memory-only training of Engram injected into SmolLM2 vs LoRA",
     "export-hf": "a trained run as a directory vLLM serves (`vllm serve OUT` with the plugin)",
     "study-nine": "Engram-Nine: collision-free hot tier vs hashed tables at equal parameters",
+    "study-vision": "trigger tables vs LoRA binding a word to a digit in a small text-to-image model",
 }
 
 
@@ -156,11 +157,17 @@ def _study_nine(argv: list[str]) -> int:
     return 0
 
 
+def _study_vision(argv: list[str]) -> int:
+    from .studies.vision import cli_vision
+
+    return cli_vision(argv)
+
+
 RUNNERS: dict[str, Callable[[list[str]], int]] = {
     "demo": _demo, "train": _train, "compare": _compare,
     "sweep-allocation": _sweep("sweep-allocation"), "sweep-slots": _sweep("sweep-slots"),
     "generate": _generate, "finetune": _finetune, "export-hf": _export_hf,
-    "study-nine": _study_nine,
+    "study-nine": _study_nine, "study-vision": _study_vision,
 }
 
 
