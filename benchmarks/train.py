@@ -11,6 +11,16 @@
    training steps (gradients and optimiser state included).
 3. Optimiser. RowAdam step time with a table of 1M vs 50M rows at the same batch (see
    benchmarks/optim.py, run here with the same defaults): goal ~1, cost follows touched rows.
+4. Where a step goes (``breakdown``): batch + hash ids, forward, backward, clip, optimisers, per
+   variant (MoE too), in CPU time (robust to other processes on the machine), and minor page faults.
+5. ``engram compare`` wall time estimate (``compare_estimate``): per variant, CPU seconds of start-up
+   (corpus + model), a training step, a 16-batch evaluation and the full final validation, put
+   together as compare runs them (480 steps, 5 evaluations + the full one, 2 seeds, slowest-first
+   on --workers processes). Each worker has a core of its own on a quiet machine, so CPU time is
+   the estimate of its wall time there; two processes sharing memory bandwidth run somewhat slower.
+
+The measuring process runs with the allocator settings compare gives its workers
+(engram.training.train.ALLOCATOR_ENV); --no_allocator_env measures without them (as before).
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
+import resource
 import statistics
 import sys
 import time
@@ -28,7 +40,13 @@ from tqdm import tqdm
 
 from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.training.corpus import build_corpus
-from engram.training.train import TrainConfig, build_run, train_step
+from engram.training.optim import clip_grad_norm_
+from engram.training.train import TrainConfig, build_run, evaluate, train_step
+
+try:
+    from engram.training.train import ALLOCATOR_ENV
+except ImportError:  # measuring an older checkout, which had none
+    ALLOCATOR_ENV = {}
 
 sys.path.insert(0, str(Path(__file__).parent))
 import optim as optim_bench  # noqa: E402  (benchmarks/optim.py)
@@ -46,11 +64,11 @@ def reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def configs(batch: int, seq: int) -> dict[str, TrainConfig]:
+def configs(batch: int, seq: int, moe: bool = False) -> dict[str, TrainConfig]:
     base = budget(TrainConfig(out_dir="/tmp/engram-bench-train", threads=1),
                   CompareConfig(batch_size=batch, seq_len=seq))
     corpus = build_corpus(base.data_config())
-    return {k: v for k, v in variant_configs(base, corpus.vocab_size).items() if k != "moe"}
+    return {k: v for k, v in variant_configs(base, corpus.vocab_size).items() if moe or k != "moe"}
 
 
 def step(run, i: int) -> None:
@@ -102,6 +120,73 @@ def memory(cfgs: dict[str, TrainConfig], steps: int) -> dict:
     return out
 
 
+def _cpu() -> float:
+    return time.process_time()
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def breakdown(cfgs: dict[str, TrainConfig], steps: int, warmup: int) -> dict:
+    """CPU ms per step phase and minor page faults per step, variants interleaved."""
+    corpus = build_corpus(next(iter(cfgs.values())).data_config())
+    runs = {name: build_run(cfg, corpus) for name, cfg in cfgs.items()}
+    phases = ("batch", "forward", "backward", "clip", "optim")
+    rec = {n: {p: [] for p in (*phases, "step", "faults")} for n in runs}
+    for i in tqdm(range(warmup + steps), desc="step breakdown (CPU time)"):
+        for name, run in runs.items():
+            f0, t = _faults(), [_cpu()]
+            b = run.batches.batch(i)
+            t.append(_cpu())
+            loss = run.model.loss(run.model(b.inputs, b.hash_ids), b.targets)
+            t.append(_cpu())
+            loss.backward()
+            t.append(_cpu())
+            clip_grad_norm_([p for p in run.model.parameters() if p.grad is not None], 1.0)
+            t.append(_cpu())
+            run.optim.step()
+            run.optim.zero_grad(set_to_none=True)
+            t.append(_cpu())
+            if i >= warmup:
+                for p, a, z in zip(phases, t, t[1:]):
+                    rec[name][p].append(z - a)
+                rec[name]["step"].append(t[-1] - t[0])
+                rec[name]["faults"].append(_faults() - f0)
+    return {n: {k: statistics.median(v) * (1 if k == "faults" else 1e3) for k, v in r.items()}
+            for n, r in rec.items()}
+
+
+def compare_estimate(cfgs: dict[str, TrainConfig], step_ms: dict[str, float], workers: int,
+                     seeds: int) -> dict:
+    """Compare's wall time from per-run CPU seconds (see the module docstring, part 5)."""
+    cc = CompareConfig()
+    n_evals = len(range(cc.eval_every, cc.steps, cc.eval_every))  # the last one is the full sweep
+    per = {}
+    for name, cfg in tqdm(cfgs.items(), desc="compare estimate (start-up, evaluations)"):
+        t0 = _cpu()
+        corpus = build_corpus(cfg.data_config())
+        run = build_run(cfg, corpus)
+        startup = _cpu() - t0
+        t0 = _cpu()
+        evaluate(run)
+        ev = _cpu() - t0
+        t0 = _cpu()
+        evaluate(run, full=True)
+        full = _cpu() - t0
+        train_s = cc.steps * step_ms[name] / 1e3
+        per[name] = {"startup_s": startup, "train_s": train_s, "eval_s": ev, "n_evals": n_evals,
+                     "full_val_s": full, "run_s": startup + train_s + n_evals * ev + full}
+    # Slowest runs first on the next free worker, as compare schedules them.
+    loads = [0.0] * workers
+    for name in sorted(per, key=lambda n: -per[n]["run_s"]):
+        for _ in range(seeds):
+            i = loads.index(min(loads))
+            loads[i] += per[name]["run_s"]
+    return {"per_run": per, "workers": workers, "seeds": seeds, "steps": cc.steps,
+            "wall_s_estimate": max(loads), "wall_min_estimate": max(loads) / 60}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the figures here")
@@ -112,22 +197,51 @@ def main() -> None:
     ap.add_argument("--memory_steps", type=int, default=5)
     ap.add_argument("--optim_steps", type=int, default=30)
     ap.add_argument("--skip_optim", action="store_true", help="skip the 1M vs 50M rows part")
+    ap.add_argument("--skip_memory", action="store_true", help="skip the peak memory part")
+    ap.add_argument("--breakdown_steps", type=int, default=12, help="0 skips parts 4 and 5")
+    ap.add_argument("--workers", type=int, default=2, help="compare's workers, for the estimate")
+    ap.add_argument("--no_allocator_env", action="store_true",
+                    help="measure without compare's allocator settings (ALLOCATOR_ENV)")
     args = ap.parse_args()
+    if not args.no_allocator_env and any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):
+        # glibc reads them at start-up only: start again with them set.
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
     torch.set_num_threads(1)  # as in `engram compare`: one thread per training process
 
     cfgs = configs(args.batch, args.seq)
     speed = throughput(cfgs, args.steps, args.warmup)
-    mem = memory(cfgs, args.memory_steps)
-    res = {"config": vars(args), "throughput": speed, "memory": mem,
-           "engram_over_dense_tokens_per_s":
+    res = {"config": vars(args), "allocator_env": {k: os.environ.get(k) for k in ALLOCATOR_ENV},
+           "throughput": speed, "engram_over_dense_tokens_per_s":
                speed["engram"]["tokens_per_s"] / speed["dense"]["tokens_per_s"]}
+    if args.breakdown_steps:
+        all_cfgs = configs(args.batch, args.seq, moe=True)
+        res["breakdown_cpu_ms"] = bd = breakdown(all_cfgs, args.breakdown_steps, 2)
+        res["engram_over_dense_cpu"] = bd["dense"]["step"] / bd["engram"]["step"]
+        res["compare_estimate"] = est = compare_estimate(
+            all_cfgs, {n: r["step"] for n, r in bd.items()}, args.workers, 2)
+        for name, r in bd.items():
+            print(f"{name:>7}: step {r['step']:6.1f} ms CPU = " + ", ".join(
+                f"{p} {r[p]:.1f}" for p in ("batch", "forward", "backward", "clip", "optim"))
+                + f"; {r['faults']:,.0f} minor faults a step")
+        print(f"Engram / dense tokens per CPU second: {res['engram_over_dense_cpu']:.3f}")
+        for name, r in est["per_run"].items():
+            print(f"{name:>7} run: start-up {r['startup_s']:.1f} s + training {r['train_s']:.0f} s"
+                  f" + {r['n_evals']} x eval {r['eval_s']:.1f} s + full validation "
+                  f"{r['full_val_s']:.1f} s = {r['run_s']:.0f} s CPU")
+        print(f"engram compare estimate on {args.workers} quiet cores: "
+              f"{est['wall_min_estimate']:.1f} min")
+    if not args.skip_memory:
+        res["memory"] = mem = memory(cfgs, args.memory_steps)
     for name in cfgs:
-        s, m = speed[name], mem[name]
+        s = speed[name]
         print(f"{name:>7}: {s['tokens_per_s']:8,.0f} tok/s  ({s['median_step_s'] * 1e3:6.0f} ms a "
               f"step of {args.batch}x{args.seq}); active {s['active_params']:,}, tables "
-              f"{s['table_params']:,}; model + optimisers {m['model_mib']:,.0f} MiB, peak RSS "
-              f"while training {m['peak_rss_train_mib']:,.0f} MiB "
-              f"(+{m['train_over_built_mib']:,.0f} MiB over the built model)")
+              f"{s['table_params']:,}")
+        if not args.skip_memory:
+            m = mem[name]
+            print(f"{'':>9}model + optimisers {m['model_mib']:,.0f} MiB, peak RSS while training "
+                  f"{m['peak_rss_train_mib']:,.0f} MiB (+{m['train_over_built_mib']:,.0f} MiB over "
+                  f"the built model)")
     print(f"Engram / dense tokens/s at equal activated parameters: "
           f"{res['engram_over_dense_tokens_per_s']:.3f}")
     if not args.skip_optim:

@@ -158,3 +158,64 @@ def test_bad_inputs_raise(tiny_config, tiny_lookup):
         Engram(None, None, 8, 8, gate="tanh")
     with pytest.raises(ValueError, match="positive"):
         MemoryTable(0, 4)
+
+
+# -- the fused forward/backward against the plain per-branch composition ------------------------
+
+def _reference_forward(m, h, e):
+    """The module written plainly (per-branch loops, nn.RMSNorm, F.conv1d), as before issue 16."""
+    d, hc = m.hidden_size, m.hc_mult
+    v = m.value_proj(e)
+    ks = [proj(e) for proj in m.key_projs]
+    s = torch.stack([(m.norm1[i](ks[i]) * m.norm2[i](h[:, :, i])).sum(-1) for i in range(hc)], 2)
+    vt = gate_fn(s / math.sqrt(d), m.gate).unsqueeze(-1) * v.unsqueeze(2)
+    sc = m.short_conv
+    xn = torch.cat([sc.norms[i](vt[:, :, i]) for i in range(hc)], -1).transpose(1, 2)
+    y = torch.nn.functional.conv1d(torch.nn.functional.pad(xn, (sc.context, 0)), sc.conv.weight,
+                                   dilation=sc.dilation, groups=hc * d)
+    return vt + torch.nn.functional.silu(y).transpose(1, 2).reshape(vt.shape)
+
+
+@pytest.mark.parametrize("gate", ["paper", "demo"])
+def test_fused_gradients_equal_plain_autograd(tiny_config, gate):
+    torch.manual_seed(3)
+    m = build_engram(tiny_config, 0, 12, hc_mult=3, gate=gate, conv_init="default",
+                     table=None).double()
+    for p in m.parameters():  # non-trivial norm weights, so their gradients are tested too
+        p.data.add_(0.1 * torch.randn_like(p))
+    h = torch.randn(2, 11, 3, 12, dtype=torch.double, requires_grad=True)
+    e = torch.randn(2, 11, m.d_mem, dtype=torch.double, requires_grad=True)
+    gy = torch.randn(2, 11, 3, 12, dtype=torch.double)
+    params = [h, e, *m.parameters()]
+    ours = torch.autograd.grad(m(h, memory=e), params, gy)
+    ref = torch.autograd.grad(_reference_forward(m, h, e), params, gy)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b)
+
+
+def test_inference_weight_cache_follows_weight_updates(tiny_config, tiny_lookup):
+    torch.manual_seed(0)
+    m = build_engram(tiny_config, 0, 24, hc_mult=2, conv_init="default")
+    ids = _ids(tiny_config, tiny_lookup)[0]
+    h = torch.randn(2, 17, 2, 24)
+    with torch.no_grad():
+        before = m(h, ids)
+        m.key_projs[1].weight.mul_(2.0)  # an optimiser step or load_state_dict works in place
+        after = m(h, ids)
+    fresh = build_engram(tiny_config, 0, 24, hc_mult=2, conv_init="default")
+    fresh.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(after, fresh(h, ids))
+    assert not torch.allclose(before, after)
+
+
+def test_state_keeps_the_normalised_inputs_when_asked(tiny_config, tiny_lookup):
+    torch.manual_seed(0)
+    m = build_engram(tiny_config, 0, 24, hc_mult=2, conv_init="default")
+    x = torch.randn(2, 5, 2, 24)
+    state = EngramState(keep_inputs=True)
+    with torch.no_grad():
+        m.short_conv(x, state)
+        want = torch.cat([m.short_conv.norms[i](x[:, :, i]) for i in range(2)], -1)  # [b, t, m*d]
+    torch.testing.assert_close(state.inputs, want)
+    assert EngramState().inputs is None

@@ -66,19 +66,133 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, state: EngramState | None = None) -> torch.Tensor:
         b, t, m, d = x.shape
-        xn = torch.cat([self.norms[i](x[:, :, i]) for i in range(m)], dim=-1)  # [b, t, m*d]
         if state is None or state.conv is None:
-            past = xn.new_zeros(b, self.context, m * d)  # zeros == causal padding at the start
+            past = x.new_zeros(b, self.context, m * d)  # zeros == causal padding at the start
         else:
             past = state.conv
-        full = torch.cat([past, xn], dim=1)  # [b, context + t, m*d]
+        w = torch.stack([n.weight for n in self.norms])  # [m, d]: per-branch norm weights
+        y, full = ConvFn.apply(x, past.to(x.dtype), w, self.conv.weight, self.norms[0].eps,
+                               self.dilation)
         if state is not None and state.keep_inputs:
-            state.inputs = xn.detach()
+            state.inputs = full[:, self.context:]  # [b, t, m*d]
         if state is not None:
-            state.conv = full[:, full.shape[1] - self.context:].detach()
-        y = F.conv1d(full.transpose(1, 2), self.conv.weight, dilation=self.dilation,
-                     groups=m * d)  # [b, m*d, t]
-        return F.silu(y).transpose(1, 2).reshape(b, t, m, d)
+            state.conv = full[:, full.shape[1] - self.context:]
+        return y
+
+
+class ConvFn(torch.autograd.Function):
+    """SiLU(depthwise causal conv(RMSNorm(x) * w)) with a hand-written backward.
+
+    The same numbers as nn.RMSNorm per branch + F.conv1d(groups=C) on the left-padded input, but:
+    one norm over all branches at once; the conv as kernel-size shifted multiply-adds on the
+    channels-last [b, t, m*d] view (the depthwise conv's backward is slow on CPU); the normalised
+    input written straight behind the saved context (no cat); and a backward that reuses buffers,
+    where autograd would allocate (and on CPU page-fault) a fresh full-size tensor per op.
+    Inputs: x [b, t, m, d], past [b, ctx, m*d] (no grad), norm weight [m, d], conv weight
+    [m*d, 1, kernel]. Outputs: y [b, t, m, d] and full [b, ctx + t, m*d] (no grad; the caller keeps
+    its last ctx positions as the decode state).
+    """
+
+    @staticmethod
+    def forward(ctx, x, past, norm_w, conv_w, eps, dilation):
+        b, t, m, d = x.shape
+        c, c0, kernel = m * d, past.shape[1], conv_w.shape[-1]
+        r = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # [b, t, m, 1]
+        eps = torch.finfo(x.dtype).eps if eps is None else eps
+        r = r.square_().div_(d).add_(eps).rsqrt_()
+        full = x.new_empty(b, c0 + t, c)  # [b, ctx + t, m*d]
+        full[:, :c0] = past
+        xn = full[:, c0:].view(b, t, m, d)
+        torch.mul(x, r, out=xn)
+        xn.mul_(norm_w)
+        w = conv_w[:, 0].t().contiguous()  # [kernel, m*d]
+        y = full[:, :t] * w[0]  # tap j reads position t - (kernel-1-j)*dilation
+        for j in range(1, kernel):
+            y.addcmul_(full[:, j * dilation: j * dilation + t], w[j])
+        ctx.save_for_backward(x, r, full, y, norm_w, w)
+        ctx.dilation = dilation
+        ctx.mark_non_differentiable(full)
+        return F.silu(y.view(b, t, m, d)), full  # a fresh tensor, so the caller may add in place
+
+    @staticmethod
+    def backward(ctx, gout, _):
+        x, r, full, y, norm_w, w = ctx.saved_tensors
+        b, t, m, d = x.shape
+        kernel, dil = w.shape[0], ctx.dilation
+        gy = torch.ops.aten.silu_backward(gout.reshape(b, t, m * d), y)  # [b, t, m*d]
+        tmp = torch.empty_like(gy)
+        gw = torch.stack([torch.mul(gy, full[:, j * dil: j * dil + t], out=tmp).sum((0, 1))
+                          for j in range(kernel)])  # [kernel, m*d]
+        gxn = gy * w[kernel - 1]  # [b, t, m*d]: position tau feeds y[tau + (kernel-1-j)*dil]
+        for j in range(kernel - 1):
+            s = (kernel - 1 - j) * dil
+            if s < t:
+                gxn[:, :t - s].addcmul_(gy[:, s:], w[j])
+        gxn = gxn.view(b, t, m, d)
+        u = torch.mul(x, r, out=tmp.view(b, t, m, d))  # the normalised x
+        gnw = (gxn * u).sum((0, 1))  # [m, d]
+        gu = gxn.mul_(norm_w)
+        dot = torch.linalg.vecdot(gu, u).unsqueeze(-1).div_(d)  # [b, t, m, 1]
+        gx = gu.sub_(u.mul_(dot)).mul_(r)  # RMSNorm backward: r * (gu - u * <gu, u> / d)
+        return gx, None, gnw, gw.t().unsqueeze(1), None, None
+
+
+def _rms_scale(x: torch.Tensor, eps: float | None) -> torch.Tensor:
+    """1 / sqrt(mean(x^2) + eps) over the last dim, keepdim (nn.RMSNorm's eps=None: dtype eps)."""
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    r = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return r.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+
+
+class GateFn(torch.autograd.Function):
+    """kv [b, t, (m+1)*d] (value, then each branch's key), h [b, t, m, d], norm weights w1 (keys)
+    and w2 (hidden) [m, d] -> alpha * v [b, t, m, d] and alpha [b, t, m] (spec 2.7).
+
+    s = <RMSNorm(k) w1, RMSNorm(h) w2> / sqrt(d) = r_k r_h <k, h w1 w2> / sqrt(d): the norms enter
+    as per-row scales, so no normalised copy of k or h is made, and the backward writes the value
+    and key gradients straight into one [b, t, (m+1)*d] tensor (autograd would fill and add a
+    zero tensor per slice).
+    """
+
+    @staticmethod
+    def forward(ctx, kv, h, w1, w2, eps1, eps2, kind):
+        b, t, m, d = h.shape
+        v, k = kv[..., :d], kv[..., d:].unflatten(-1, (m, d))  # [b, t, d], [b, t, m, d]
+        rk, rh = _rms_scale(k, eps1), _rms_scale(h, eps2)  # [b, t, m, 1]
+        q = h * (w1 * w2)  # [b, t, m, d]
+        dot = torch.linalg.vecdot(k, q).unsqueeze(-1)  # [b, t, m, 1]
+        s = (dot * rk * rh).squeeze(-1) / math.sqrt(d)  # [b, t, m]
+        alpha = gate_fn(s, kind)
+        vt = alpha.unsqueeze(-1) * v.unsqueeze(2)  # [b, t, m, d]; W_V shared by branches
+        ctx.save_for_backward(kv, h, w1, w2, q, rk, rh, dot, s, alpha)
+        ctx.kind = kind
+        ctx.set_materialize_grads(False)
+        return vt, alpha
+
+    @staticmethod
+    def backward(ctx, gvt, galpha):
+        kv, h, w1, w2, q, rk, rh, dot, s, alpha = ctx.saved_tensors
+        b, t, m, d = h.shape
+        v, k = kv[..., :d], kv[..., d:].unflatten(-1, (m, d))
+        gkv = kv.new_zeros(kv.shape) if gvt is None else torch.empty_like(kv)
+        ga = torch.zeros_like(alpha) if galpha is None else galpha.clone()  # [b, t, m]
+        if gvt is not None:
+            gkv[..., :d] = (gvt * alpha.unsqueeze(-1)).sum(2)  # W_V is shared: sum over branches
+            ga += torch.linalg.vecdot(gvt, v.unsqueeze(2))
+        with torch.enable_grad():  # the gate's own curve on [b, t, m] only: exact, and cheap
+            s_ = s.detach().requires_grad_()
+            (gs,) = torch.autograd.grad(gate_fn(s_, ctx.kind), s_, ga)
+        gs = gs.unsqueeze(-1) / math.sqrt(d)  # [b, t, m, 1]
+        gdot = gs * rk * rh
+        # d r / d x = -r^3 x / d for r = (mean(x^2) + eps)^-1/2
+        gk = gkv[..., d:].unflatten(-1, (m, d))  # written in place: the keys' part of gkv
+        torch.mul(q, gdot, out=gk)
+        gk.addcmul_(k, gs * dot * rh * rk.pow(3) / -d)
+        w12 = w1 * w2
+        gh = k * w12
+        gh.mul_(gdot).addcmul_(h, gs * dot * rk * rh.pow(3) / -d)
+        gw12 = (k * h).mul_(gdot).sum((0, 1))  # [m, d]
+        return gkv, gh, gw12 * w2, gw12 * w1, None, None, None
 
 
 class Engram(nn.Module):
@@ -126,6 +240,7 @@ class Engram(nn.Module):
         self.norm2 = nn.ModuleList([nn.RMSNorm(hidden_size) for _ in range(hc_mult)])  # hidden
         self.short_conv = (ShortConv(hidden_size, hc_mult, kernel_size, dilation)
                            if kernel_size > 0 else None)
+        self._kv_cache: tuple | None = None  # (weights' identity, concatenated W and bias)
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -158,6 +273,25 @@ class Engram(nn.Module):
         return emb.flatten(-2)  # [b, t, c]
 
     # -- fusion -----------------------------------------------------------------------------------
+    def kv_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """W_V and every branch's W_K as one matrix [(m+1)*d, c] (and bias), value rows first.
+
+        The paper fuses them into one GEMM; the demo profile keeps its official separate
+        nn.Linear's (so its checkpoints load as they are) and is concatenated here, per call.
+        """
+        if self.fused:
+            return self.kv_proj.weight, self.kv_proj.bias
+        projs = [self.value_proj, *self.key_projs]
+        params = [p.weight for p in projs] + [p.bias for p in projs]
+        # Without autograd (decode, eval) the concatenation is kept until a weight changes: a decode
+        # step would otherwise copy all of W_V and W_K for a handful of tokens.
+        key = tuple((p.data_ptr(), p._version, p.dtype) for p in params)
+        if not torch.is_grad_enabled() and self._kv_cache is not None and self._kv_cache[0] == key:
+            return self._kv_cache[1]
+        out = (torch.cat(params[:len(projs)]), torch.cat(params[len(projs):]))
+        self._kv_cache = (key, tuple(x.detach() for x in out)) if not torch.is_grad_enabled() else None
+        return out
+
     def forward(self, hidden: torch.Tensor, ids: torch.Tensor | None = None, *,
                 memory: torch.Tensor | None = None, state: EngramState | None = None,
                 return_gate: bool = False):
@@ -173,20 +307,13 @@ class Engram(nn.Module):
         if e.shape != (*h.shape[:2], self.d_mem):
             raise ValueError(f"memory must be {(*h.shape[:2], self.d_mem)}, got {tuple(e.shape)}")
         e = e.to(h.dtype)
-        d, m = self.hidden_size, self.hc_mult
-        if self.fused:
-            kv = self.kv_proj(e)  # [b, t, (m+1)*d]
-            v, k = kv[..., :d], kv[..., d:].unflatten(-1, (m, d))  # [b, t, d], [b, t, m, d]
-        else:
-            v = self.value_proj(e)  # [b, t, d]
-            k = torch.stack([proj(e) for proj in self.key_projs], dim=2)  # [b, t, m, d]
+        kv = F.linear(e, *self.kv_weights())  # [b, t, (m+1)*d]: value and all keys in one GEMM
         # Context-aware gate (paper eq. 4): the hidden state, which has seen the whole context,
         # decides whether the static n-gram memory fits here; a collided or off-topic row is damped.
-        kn = torch.stack([self.norm1[i](k[:, :, i]) for i in range(m)], dim=2)
-        qn = torch.stack([self.norm2[i](h[:, :, i]) for i in range(m)], dim=2)
-        alpha = gate_fn((kn * qn).sum(-1) / math.sqrt(d), self.gate)  # [b, t, m]
-        vt = alpha.unsqueeze(-1) * v.unsqueeze(2)  # [b, t, m, d]; W_V shared by branches
-        y = vt if self.short_conv is None else vt + self.short_conv(vt, state)
+        w1 = torch.stack([n.weight for n in self.norm1])  # [m, d]: each branch its own norms
+        w2 = torch.stack([n.weight for n in self.norm2])  # [m, d]
+        vt, alpha = GateFn.apply(kv, h, w1, w2, self.norm1[0].eps, self.norm2[0].eps, self.gate)
+        y = vt if self.short_conv is None else self.short_conv(vt, state).add_(vt)  # Y = V~ + conv
         y = y.squeeze(2) if flat else y
         return (y, alpha) if return_gate else y
 

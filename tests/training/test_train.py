@@ -150,3 +150,19 @@ def test_nine_run_resumes_exactly_and_exports_its_hot_tier(tmp_path, corpus):
                        full.model.eval()(b.inputs, b.hash_ids).hidden)
     with pytest.raises(ValueError, match="memory"):
         load_run(tmp_path / "part", tier="file")
+def test_allocator_env_reaches_spawned_processes_and_is_restored(monkeypatch):
+    import multiprocessing as mp
+    import os
+
+    from engram.training.train import ALLOCATOR_ENV, allocator_env
+
+    for k in ALLOCATOR_ENV:
+        monkeypatch.delenv(k, raising=False)
+    with allocator_env(), mp.get_context("spawn").Pool(1) as pool:
+        seen = pool.apply(os.getenv, ("MALLOC_TRIM_THRESHOLD_",))
+    assert seen == ALLOCATOR_ENV["MALLOC_TRIM_THRESHOLD_"]
+    assert all(k not in os.environ for k in ALLOCATOR_ENV)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "123")  # a user's own setting wins
+    with allocator_env():
+        assert os.environ["MALLOC_TRIM_THRESHOLD_"] == "123"
+    assert os.environ["MALLOC_TRIM_THRESHOLD_"] == "123"

@@ -132,7 +132,10 @@ class MoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.n_routed)  # [E]
         token = order // k  # [n*k] token of each sorted slot
         chunks = x[token].split(counts.tolist())  # E pieces [c_i, d]
-        out = [F.linear(F.silu(F.linear(c, self.w1[i])) * F.linear(c, self.w3[i]), self.w2[i])
+        # unbind, not w1[i]: each w1[i]'s backward would fill and add a whole [E, f, d] zero tensor
+        # (E times per step); unbind's backward stacks the E expert grads once.
+        w1, w3, w2 = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)
+        out = [F.linear(F.silu(F.linear(c, w1[i])) * F.linear(c, w3[i]), w2[i])
                for i, c in enumerate(chunks)]
         ys = torch.cat(out) * weights.flatten()[order].unsqueeze(-1).to(x.dtype)  # [n*k, d]
         y = x.new_zeros(n, self.dim).index_add_(0, token, ys)  # [n, d]

@@ -29,7 +29,7 @@ import torch
 
 from ..models.model import EngramLM
 from ..training.corpus import build_corpus
-from ..training.train import TrainConfig, build_run, train, try_resume
+from ..training.train import TrainConfig, allocator_env, build_run, train, try_resume
 
 VARIANTS = ("dense", "engram", "moe")
 
@@ -104,7 +104,7 @@ def run_jobs(jobs: list[tuple[str, TrainConfig]], workers: int, desc: str) -> li
     from tqdm.auto import tqdm
 
     results = []
-    with mp.get_context("spawn").Pool(workers) as pool:
+    with allocator_env(), mp.get_context("spawn").Pool(workers) as pool:
         for r in tqdm(pool.imap_unordered(_job, jobs), total=len(jobs), desc=desc):
             results.append(r)
             tqdm.write(f"  {r['name']} seed {r['seed']}: val loss {r['val_loss']:.4f} "

@@ -96,10 +96,15 @@ class RowAdam(torch.optim.Optimizer):
         td = t.double()
         step_size = (group["lr"] / (1 - beta1 ** td)).float().unsqueeze(1)  # [k, 1]
         bc2_sqrt = (1 - beta2 ** td).sqrt().float().unsqueeze(1)  # [k, 1]
-        denom = (v.sqrt() / bc2_sqrt).add_(group["eps"])
-        w = p.index_select(0, rows).float()  # [k, e]
-        w.sub_(step_size * m / denom)
-        p.index_copy_(0, rows, w.to(p.dtype))
+        denom = v.sqrt().div_(bc2_sqrt).add_(group["eps"])
+        update = torch.mul(m, step_size).div_(denom)  # [k, e], same rounding as (lr_t * m) / denom
+        if p.dtype == torch.float32:
+            # Rows are unique after coalescing: add -update in place (w - u == w + (-1) * u exactly)
+            # instead of gathering the rows, updating and scattering them back.
+            p.index_add_(0, rows, update, alpha=-1)
+        else:
+            w = p.index_select(0, rows).float()  # [k, e]
+            p.index_copy_(0, rows, w.sub_(update).to(p.dtype))
         st["exp_avg"].index_copy_(0, slots, m)
         st["exp_avg_sq"].index_copy_(0, slots, v)
         st["steps"].index_copy_(0, slots, t)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,29 @@ from .checkpoint import (
 )
 from .corpus import Corpus, DataConfig, build_corpus
 from .optim import build_optimizers, clip_grad_norm_
+
+# glibc gives every freed block above its mmap / trim thresholds back to the kernel, so each step's
+# large activations (logits, attention, the FFN's hidden) page-fault in again, zeroed: ~20k minor
+# faults and ~12% more CPU time per step of the compare models (benchmarks/train.py, "faults").
+# Training processes keep freed memory for the next step instead; peak RSS stays what it was.
+# glibc reads these at process start, so they apply to processes started while they are set.
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
+
+
+@contextmanager
+def allocator_env():
+    """Processes started inside keep freed memory (``ALLOCATOR_ENV``, unless already set)."""
+    old = {k: os.environ.get(k) for k in ALLOCATOR_ENV}
+    for k, v in ALLOCATOR_ENV.items():
+        os.environ.setdefault(k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @dataclass
@@ -293,8 +318,10 @@ def _log(run: Run, record: dict) -> None:
 def train_step(run: Run) -> float:
     """One optimiser step at ``run.step`` (its micro-batches, clip, update); returns the loss."""
     cfg, loss_sum = run.cfg, 0.0
+    device = next(run.model.parameters()).device
     for micro in range(cfg.grad_accum):
         b = run.batches.batch(run.step * cfg.grad_accum + micro)
+        b = b if device.type == "cpu" else b.to(device)  # a model moved to a GPU (gpu_check)
         loss = run.model.loss(run.model(b.inputs, b.hash_ids), b.targets) / cfg.grad_accum
         loss.backward()
         loss_sum += float(loss.detach())
