@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from golden_data import golden_config  # noqa: F401  (tests import it from here too)
 
 from engram import EngramConfig
 
@@ -15,14 +16,6 @@ DATA = Path(__file__).parent / "data"
 def golden():
     """Hashes produced by running the official demo's code (shared/data/golden_hash_tiny.npz)."""
     return dict(np.load(DATA / "golden_hash_tiny.npz"))
-
-
-def golden_config(g) -> EngramConfig:
-    heads = int(g["n_head_per_ngram"])
-    return EngramConfig(
-        engram_vocab_size=g["engram_vocab_size"].tolist(), max_ngram_size=int(g["max_ngram_size"]),
-        n_embed_per_ngram=8 * heads, n_head_per_ngram=heads, layer_ids=g["layer_ids"].tolist(),
-        pad_id=int(g["pad_id"]), seed=int(g["seed"]))
 
 
 @pytest.fixture(scope="session")

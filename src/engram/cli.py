@@ -27,6 +27,9 @@ COMMANDS = {
     "export-hf": "a trained run as a directory vLLM serves (`vllm serve OUT` with the plugin)",
     "study-nine": "Engram-Nine: collision-free hot tier vs hashed tables at equal parameters",
     "study-vision": "trigger tables vs LoRA binding a word to a digit in a small text-to-image model",
+    "eval": "loss of a trained run on any text; unseen tokens kept as context, counted",
+    "ablate": "which parts of Engram matter: placement, compression, gate, conv, keys, orders",
+    "analyze": "what the memory does: LogitLens, CKA, suppression, probes, gate statistics",
 }
 
 
@@ -163,11 +166,51 @@ def _study_vision(argv: list[str]) -> int:
     return cli_vision(argv)
 
 
+def _eval(argv: list[str]) -> int:
+    from .studies.evaluate import EvalConfig, run_eval
+
+    p = new_parser("engram eval", COMMANDS["eval"])
+    p.add_argument("run_dir", metavar="RUN_DIR", help="an `engram train --out_dir` folder")
+    add_config(p, EvalConfig, 0)
+    ns = p.parse_args(argv)
+    res = run_eval(ns.run_dir, build(EvalConfig, ns, 0))
+    print(json.dumps(res))
+    return 0
+
+
+def _ablate(argv: list[str]) -> int:
+    from .studies.ablate import AblateConfig, run_ablate
+    from .training.train import TrainConfig
+
+    ns = _study_parser("ablate", AblateConfig).parse_args(argv)
+    ac = build(AblateConfig, ns, 0)
+    summary = run_ablate(ac, build(TrainConfig, ns, 1))
+    print(" ".join(f"{k}: {v['val_loss']:.4f}" for k, v in summary["variants"].items())
+          + f"; wrote {ac.out_dir}/ablate.json, ablate.png, report.md")
+    return 0
+
+
+def _analyze(argv: list[str]) -> int:
+    from .studies.analyze import AnalyzeConfig, run_analyze
+
+    p = new_parser("engram analyze", COMMANDS["analyze"])
+    p.add_argument("run_dir", metavar="RUN_DIR", help="an Engram run (`engram train --out_dir`)")
+    p.add_argument("--baseline", default=None, help="a dense run on the same corpus, for "
+                   "LogitLens and CKA [default: none]")
+    add_config(p, AnalyzeConfig, 0)
+    ns = p.parse_args(argv)
+    ac = build(AnalyzeConfig, ns, 0)
+    res = run_analyze(ns.run_dir, ns.baseline, ac)
+    print(json.dumps({"lens": res["lens"], "retention": res["retention"]}))
+    return 0
+
+
 RUNNERS: dict[str, Callable[[list[str]], int]] = {
     "demo": _demo, "train": _train, "compare": _compare,
     "sweep-allocation": _sweep("sweep-allocation"), "sweep-slots": _sweep("sweep-slots"),
     "generate": _generate, "finetune": _finetune, "export-hf": _export_hf,
-    "study-nine": _study_nine, "study-vision": _study_vision,
+    "study-nine": _study_nine, "study-vision": _study_vision, "eval": _eval,
+    "ablate": _ablate, "analyze": _analyze,
 }
 
 

@@ -241,6 +241,9 @@ class Engram(nn.Module):
         self.short_conv = (ShortConv(hidden_size, hc_mult, kernel_size, dilation)
                            if kernel_size > 0 else None)
         self._kv_cache: tuple | None = None  # (weights' identity, concatenated W and bias)
+        # alpha fixed at this value when set (models/surgery.py: the "w/o gating" ablation and the
+        # suppression analyses); the keys and the gate are then skipped.
+        self.gate_value: float | None = None
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -273,6 +276,14 @@ class Engram(nn.Module):
         return emb.flatten(-2)  # [b, t, c]
 
     # -- fusion -----------------------------------------------------------------------------------
+    def value_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """W_V [d, c] (and bias): the value rows alone."""
+        if self.fused:
+            bias = self.kv_proj.bias
+            return (self.kv_proj.weight[: self.hidden_size],
+                    None if bias is None else bias[: self.hidden_size])
+        return self.value_proj.weight, self.value_proj.bias
+
     def kv_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """W_V and every branch's W_K as one matrix [(m+1)*d, c] (and bias), value rows first.
 
@@ -307,12 +318,19 @@ class Engram(nn.Module):
         if e.shape != (*h.shape[:2], self.d_mem):
             raise ValueError(f"memory must be {(*h.shape[:2], self.d_mem)}, got {tuple(e.shape)}")
         e = e.to(h.dtype)
-        kv = F.linear(e, *self.kv_weights())  # [b, t, (m+1)*d]: value and all keys in one GEMM
-        # Context-aware gate (paper eq. 4): the hidden state, which has seen the whole context,
-        # decides whether the static n-gram memory fits here; a collided or off-topic row is damped.
-        w1 = torch.stack([n.weight for n in self.norm1])  # [m, d]: each branch its own norms
-        w2 = torch.stack([n.weight for n in self.norm2])  # [m, d]
-        vt, alpha = GateFn.apply(kv, h, w1, w2, self.norm1[0].eps, self.norm2[0].eps, self.gate)
+        if self.gate_value is not None:
+            v = F.linear(e, *self.value_weights())  # [b, t, d]
+            alpha = v.new_full(h.shape[:3], self.gate_value)  # [b, t, m]
+            vt = alpha.unsqueeze(-1) * v.unsqueeze(2)  # [b, t, m, d]
+        else:
+            kv = F.linear(e, *self.kv_weights())  # [b, t, (m+1)*d]: value and all keys, one GEMM
+            # Context-aware gate (paper eq. 4): the hidden state, which has seen the whole
+            # context, decides whether the static n-gram memory fits here; a collided or off-topic
+            # row is damped.
+            w1 = torch.stack([n.weight for n in self.norm1])  # [m, d]: each branch its own norms
+            w2 = torch.stack([n.weight for n in self.norm2])  # [m, d]
+            vt, alpha = GateFn.apply(kv, h, w1, w2, self.norm1[0].eps, self.norm2[0].eps,
+                                     self.gate)
         y = vt if self.short_conv is None else self.short_conv(vt, state).add_(vt)  # Y = V~ + conv
         y = y.squeeze(2) if flat else y
         return (y, alpha) if return_gate else y

@@ -4,7 +4,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import golden_config
+from golden_data import golden_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ from engram.models.layers import AdaptiveHead
 from engram.options import parse_overrides
 from engram.training.checkpoint import CheckpointError, latest_checkpoint
 from engram.training.corpus import DataConfig, build_corpus
-from engram.training.train import TrainConfig, build_run, lr_at, train
+from engram.training.train import TrainConfig, build_run, check_same_config, lr_at, train
 
 TINY = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, seq_len=32, batch_size=4,
             table_size=997, n_embed_per_ngram=32, n_head_per_ngram=2, engram_layers=(0,),
@@ -166,3 +167,26 @@ def test_allocator_env_reaches_spawned_processes_and_is_restored(monkeypatch):
     with allocator_env():
         assert os.environ["MALLOC_TRIM_THRESHOLD_"] == "123"
     assert os.environ["MALLOC_TRIM_THRESHOLD_"] == "123"
+def test_ablation_options_default_to_todays_model_and_hasher():
+    """New TrainConfig options (ablations) off by default: the same model and hash ids."""
+    from engram.retrieval.compress import build_compression
+    from engram.retrieval.hashing import NgramHasher
+
+    cfg = TrainConfig(**TINY)
+    mc = cfg.model_config(500)
+    assert (mc.engram_conv, mc.engram_fixed_gate, mc.engram_shared_key) == (None, False, False)
+    x = torch.tensor([[22898, 19737, 270, 9327, 270]])
+    ref = NgramHasher(cfg.engram_config(), build_compression()).hash(x)
+    ids = cfg.hasher().hash(x)
+    assert all(torch.equal(ids[k], ref[k]) for k in ref)
+    raw = dataclasses.replace(cfg, compress=False).hasher()
+    assert len(raw.compression) == raw.compression.raw_vocab_size  # identity: V' = V
+    assert any(not torch.equal(raw.hash(x)[k], ref[k]) for k in ref)
+
+
+def test_a_checkpoint_written_before_an_option_existed_still_resumes():
+    saved = {k: v for k, v in TrainConfig(**TINY).to_dict().items()
+             if k not in ("engram_conv", "engram_fixed_gate", "engram_shared_key", "compress")}
+    check_same_config(TrainConfig(**TINY), saved, "old")  # defaults fill the missing fields
+    with pytest.raises(CheckpointError, match="compress"):
+        check_same_config(TrainConfig(**TINY, compress=False), saved, "old")

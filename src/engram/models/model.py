@@ -31,6 +31,7 @@ from ..module import Engram, EngramState, build_engram
 from ..tables.store import TableStore
 from .layers import AdaptiveHead, Block, MoE, SwiGLU, rope_tables
 from .model_config import ModelConfig
+from .surgery import fix_gate, share_key
 
 __all__ = ["DecodeCache", "EngramLM", "ModelConfig", "ModelOutput", "build_block", "build_ffn"]
 
@@ -107,6 +108,11 @@ class EngramLM(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList([build_block(config, i, tables.get(i, "memory"))
                                      for i in range(config.n_layer)])
+        for engram in self.engrams().values():  # ablations (paper table 5), off by default
+            if config.engram_fixed_gate:
+                fix_gate(engram)
+            if config.engram_shared_key:
+                share_key(engram)
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         if config.head == "adaptive":
             self.head = AdaptiveHead(config.d_model, config.vocab_size, config.head_cutoffs,

@@ -64,6 +64,10 @@ class ModelConfig:
     engram_gate: str | None = None
     # Engram short conv on/off; None = the profile's default (demo-v1 on, v4.1 off).
     engram_conv: bool | None = None
+    # Ablation: Engram gate fixed at 1 (no key projections, no context-aware gating).
+    engram_fixed_gate: bool = False
+    # Ablation: with hc_mult > 1, one key projection and key norm shared by all branches.
+    engram_shared_key: bool = False
     # Tables produce sparse row gradients (pair with a row-wise optimiser, engram.training.optim.RowAdam).
     sparse_tables: bool = True
     # Std of the tables' normal init (1.0 = nn.Embedding and the official demo).

@@ -41,7 +41,7 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
     behind a hot cache of ``cache_fraction`` of each table (``engram.tables.cache.build_cache``: mostly
     static top-k by the training text's n-gram frequencies, the rest LRU) and background prefetch.
     """
-    from ..retrieval.compress import build_compression, default_tokenizer
+    from ..retrieval.compress import default_tokenizer
     from ..tables.cache import count_rows
     from ..tables.tablefile import read_header, table_path
     from ..training.checkpoint import latest_checkpoint, load_checkpoint
@@ -61,7 +61,7 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
     tok = default_tokenizer()  # loaded once: corpus, compression and decoding share it
     corpus = build_corpus(cfg.data_config(), tok)
     ecfg = cfg.engram_config()
-    hasher = NgramHasher(ecfg, build_compression(tok)) if ecfg is not None else None
+    hasher = cfg.hasher(tok)
     if "hot_index" in state:  # Engram-Nine: hot slots ride behind the cold row ids
         from ..retrieval.hot import HotIndex, NineHasher
 

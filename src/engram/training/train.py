@@ -23,7 +23,7 @@ import torch
 
 from ..models.layers import AdaptiveHead
 from ..models.model import EngramLM, ModelConfig
-from ..retrieval.compress import build_compression
+from ..retrieval.compress import Compression, build_compression
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
 from .batches import TokenBatches, val_batches
@@ -92,6 +92,10 @@ class TrainConfig:
     n_head_per_ngram: int = 4
     n_embed_per_ngram: int = 128  # d_ngram; head dim = d_ngram / heads
     engram_gate: str | None = None  # None: the profile's default
+    engram_conv: bool | None = None  # short conv on/off; None: the profile's default (on)
+    engram_fixed_gate: bool = False  # ablation: gate alpha fixed at 1 (no keys)
+    engram_shared_key: bool = False  # ablation: with hc_mult > 1, one key for all branches
+    compress: bool = True  # tokenizer compression before hashing; False hashes raw ids (ablation)
     # Small table init: with N(0, 1) rows (the demo's nn.Embedding) the Engram residual starts ~16x
     # the token embeddings and costs the first steps; at 0.02 it starts near identity (a quick
     # A/B at step 40 of 160: val 6.248 at 0.02, 6.264 at 0.1, 6.421 at 1.0, dense 6.295).
@@ -159,7 +163,18 @@ class TrainConfig:
             hc_mult=self.hc_mult, moe=self.moe, n_routed_experts=self.n_routed_experts,
             n_shared_experts=self.n_shared_experts, top_k=self.top_k, d_expert=self.d_expert,
             engram=self.engram_config(), engram_gate=self.engram_gate, sparse_tables=True,
-            table_init_std=self.table_init_std)
+            table_init_std=self.table_init_std, engram_conv=self.engram_conv,
+            engram_fixed_gate=self.engram_fixed_gate, engram_shared_key=self.engram_shared_key)
+
+    def hasher(self, tokenizer: Any = None) -> NgramHasher | None:
+        """The run's hasher; compression always maps the full tokenizer (or is the identity)."""
+        ecfg = self.engram_config()
+        if ecfg is None:
+            return None
+        comp = build_compression(tokenizer)
+        if not self.compress:  # paper table 5 "w/o tokenizer compression": raw ids are hashed
+            comp = Compression(np.arange(comp.raw_vocab_size))
+        return NgramHasher(ecfg, comp)
 
     def data_config(self) -> DataConfig:
         return DataConfig(sources=self.sources, max_chars=self.max_chars,
@@ -212,9 +227,7 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None) -> Run:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     corpus = corpus if corpus is not None else build_corpus(cfg.data_config())
-    ecfg = cfg.engram_config()
-    # Compression always uses the full tokenizer, whatever the model's restricted vocabulary.
-    hasher = NgramHasher(ecfg, build_compression()) if ecfg is not None else None
+    hasher = cfg.hasher()  # compression from the full tokenizer, whatever the model's vocabulary
     if cfg.nine:  # hot slots, like hash ids, come from token ids in the data pipeline
         from ..retrieval.hot import NineHasher, build_hot_index
 

@@ -1,0 +1,147 @@
+"""`engram eval RUN_DIR --text FILE | --source NAME`: a trained run's loss on any text.
+
+A run's output layer covers only the ids of its training corpus (its restricted vocabulary), so text
+from elsewhere holds tokens it has never seen. Those tokens stay in the input as context: their
+input embedding is the mean of the trained input embeddings (an unknown-token input; no new
+parameter), and the hasher reads their raw ids as it reads every id, so Engram still looks up their
+n-grams. They are left out as targets (the model cannot assign them probability), and counted.
+
+Shape legend:
+    n tokens in the stream, b windows per batch, t positions per window, d model width.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+IGNORE = -100  # target id left out of the loss (torch's cross-entropy convention)
+
+
+@dataclass
+class EvalConfig:
+    text: str | None = None  # a UTF-8 text file; paragraphs (blank-line separated) are documents
+    source: str | None = None  # or a corpus source by name (kjv, peoples-daily, python-doc, ...)
+    max_chars: int | None = None  # keep the first max_chars characters (None: all)
+    batch_size: int = 16  # windows per forward pass
+    seq_len: int | None = None  # window length; None: the run's training length
+    json: str | None = None  # also write the result here
+
+
+def read_documents(ec: EvalConfig) -> list[str]:
+    """The text to score as documents, from exactly one of ``text`` / ``source``."""
+    if (ec.text is None) == (ec.source is None):
+        raise ValueError("give exactly one of --text FILE or --source NAME")
+    if ec.source is not None:
+        from ..training.corpus import load_documents
+
+        return [d.text for d in load_documents(ec.source, ec.max_chars)]
+    path = Path(ec.text)
+    if not path.is_file():
+        raise FileNotFoundError(f"--text {path}: no such file")
+    text = path.read_text("utf-8", errors="replace")[:ec.max_chars]
+    docs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    if not docs:
+        raise ValueError(f"--text {path} holds no text")
+    return docs
+
+
+def encode(tokenizer: Any, docs: list[str], eos_id: int) -> np.ndarray:
+    """Documents -> one raw-id stream [n], each document followed by EOS (as the corpus does)."""
+    encs = tokenizer.encode_batch(docs, add_special_tokens=False)
+    return np.concatenate([np.asarray(e.ids + [eos_id], dtype=np.int64) for e in encs])
+
+
+def local_ids(raw: np.ndarray, vocab: np.ndarray) -> np.ndarray:
+    """Raw ids [n] -> the model's ids [n], -1 where the run never saw the id."""
+    pos = np.searchsorted(vocab, raw).clip(0, len(vocab) - 1)  # vocab is sorted
+    return np.where(vocab[pos] == raw, pos, -1)
+
+
+@contextmanager
+def unknown_inputs(model: torch.nn.Module, unknown: torch.Tensor) -> Iterator[None]:
+    """Inside the block the input embedding at ``unknown`` [b, t] positions is the mean embedding."""
+    def hook(_module, _args, out):  # out [b, t, d]
+        mean = _module.weight.mean(0).to(out.dtype)  # [d]
+        return torch.where(unknown.unsqueeze(-1), mean, out)
+
+    handle = model.embed.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def windows(n: int, seq_len: int) -> list[tuple[int, int]]:
+    """(start, length) of consecutive windows covering every target of a stream of n ids once."""
+    out, s = [], 0
+    while s < n - 1:
+        t = min(seq_len, n - 1 - s)
+        out.append((s, t))
+        s += t
+    return out
+
+
+@torch.no_grad()
+def score_stream(model: torch.nn.Module, hasher: Any, vocab: np.ndarray, raw: np.ndarray,
+                 seq_len: int, batch_size: int = 16, progress: bool = False) -> dict[str, Any]:
+    """Next-token loss of ``model`` on the raw-id stream [n]; unseen ids are context only."""
+    from tqdm.auto import tqdm
+
+    if len(raw) < 2:
+        raise ValueError("need at least two tokens to score")
+    loc = local_ids(raw, vocab)  # [n]
+    spans = windows(len(raw), seq_len)
+    groups: dict[int, list[int]] = {}  # window length -> starts: one batch shape per length
+    for s, t in spans:
+        groups.setdefault(t, []).append(s)
+    total, scored = 0.0, 0
+    model.eval()
+    bar = tqdm(total=len(spans), disable=not progress, desc="eval windows")
+    for t, starts in groups.items():
+        for i in range(0, len(starts), batch_size):
+            idx = np.asarray(starts[i:i + batch_size])[:, None] + np.arange(t + 1)  # [b, t+1]
+            x_raw = torch.from_numpy(raw[idx[:, :-1]])  # [b, t]
+            x_loc = torch.from_numpy(loc[idx[:, :-1]])  # [b, t]
+            y = torch.from_numpy(loc[idx[:, 1:]])  # [b, t]
+            y = torch.where(y < 0, IGNORE, y)
+            ids = hasher.hash(x_raw) if hasher is not None else None
+            with unknown_inputs(model, x_loc < 0):
+                out = model(x_loc.clamp_min(0), ids)
+            total += float(model.token_nll(out, y, ignore_index=IGNORE).sum())
+            scored += int((y != IGNORE).sum())
+            bar.update(len(idx))
+    bar.close()
+    targets = len(raw) - 1
+    unseen = loc < 0
+    return {"loss": total / max(scored, 1), "tokens": int(len(raw)), "targets": targets,
+            "scored": scored, "left_out": targets - scored,
+            "left_out_fraction": (targets - scored) / targets,
+            "unseen_positions": int(unseen.sum()), "unseen_ids": int(len(np.unique(raw[unseen])))}
+
+
+def run_eval(run_dir: str, ec: EvalConfig, progress: bool = True) -> dict[str, Any]:
+    from ..serving.loader import load_run
+    from ..training.corpus import EOS_TOKEN
+
+    served = load_run(run_dir)
+    docs = read_documents(ec)
+    eos = served.tokenizer.token_to_id(EOS_TOKEN)
+    raw = encode(served.tokenizer, docs, eos)
+    seq_len = ec.seq_len or served.model.config.max_seq_len
+    if seq_len > served.model.config.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} exceeds the run's max_seq_len="
+                         f"{served.model.config.max_seq_len}")
+    res = score_stream(served.model, served.hasher, served.vocab, raw, seq_len, ec.batch_size,
+                       progress)
+    res.update({"run": str(run_dir), "checkpoint": served.checkpoint.name, "documents": len(docs),
+                "text": ec.text, "source": ec.source, "seq_len": seq_len})
+    if ec.json:
+        Path(ec.json).write_text(json.dumps(res, indent=2))
+    return res
