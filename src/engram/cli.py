@@ -30,6 +30,7 @@ COMMANDS = {
     "eval": "loss of a trained run on any text; unseen tokens kept as context, counted",
     "ablate": "which parts of Engram matter: placement, compression, gate, conv, keys, orders",
     "analyze": "what the memory does: LogitLens, CKA, suppression, probes, gate statistics",
+    "pool-budget": "will each Engram layer's rows arrive within its prefetch window, per tier",
 }
 
 
@@ -205,12 +206,18 @@ def _analyze(argv: list[str]) -> int:
     return 0
 
 
+def _pool_budget(argv: list[str]) -> int:
+    from .studies.pool_budget import cli_pool_budget
+
+    return cli_pool_budget(argv)
+
+
 RUNNERS: dict[str, Callable[[list[str]], int]] = {
     "demo": _demo, "train": _train, "compare": _compare,
     "sweep-allocation": _sweep("sweep-allocation"), "sweep-slots": _sweep("sweep-slots"),
     "generate": _generate, "finetune": _finetune, "export-hf": _export_hf,
     "study-nine": _study_nine, "study-vision": _study_vision, "eval": _eval,
-    "ablate": _ablate, "analyze": _analyze,
+    "ablate": _ablate, "analyze": _analyze, "pool-budget": _pool_budget,
 }
 
 

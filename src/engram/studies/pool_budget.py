@@ -1,0 +1,175 @@
+"""`engram pool-budget`: will an Engram layer's rows arrive in time from a given tier?
+
+The CXL paper (arXiv 2603.10087, "prefetch window"): a step's row ids are known from its token ids
+before the forward starts, so the read for the Engram layer at depth k may overlap everything
+before it, and must finish within that compute:
+
+    L_tier(rows of the step) < t_embed + sum_{i<k} t_exec(i)          (the layer's window)
+    B_tier > T x S_layer x N_eng                                      (the bandwidth bound)
+
+This study measures both sides on one model and serving shape (prefill of b x t tokens, or one
+decode step of b sequences): t_exec of every block by forward hooks, the read latency of that
+step's real-text rows from every tier (memory, a shared pool of table files, the DAX/CXL pool
+region, a table file warm and with its pages evicted, the evicted file behind the hot cache, the
+Mooncake Store with and without the cache), the wait each Engram layer actually sees behind
+PrefetchTable, and a sweep of latency injected per round trip of reads (CXL, remote DRAM, RDMA)
+that finds each layer's break-even. The model and its steps: ``pool_steps``; tiers and reads:
+``pool_tiers``; verdict, plot and report: ``pool_report``.
+
+Shape legend: b batch, t positions of the step, H hash heads, u distinct rows of a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..options import add_config, build, new_parser
+from ..training.train import TrainConfig
+from .pool_report import layer_budget, write_report
+from .pool_steps import build_setup, step_rows, steps, time_layers
+from .pool_tiers import MOONCAKE_KEY, Tier, build_tiers, sweep, time_prefetched, time_reads
+
+TIERS = ("memory", "shared", "dax", "file", "file_cold", "file_cold_cache", "mooncake",
+         "mooncake_cache")
+
+
+@dataclass
+class PoolBudgetConfig:
+    out_dir: str = "out/pool"  # budget.json, budget.png, report.md, table files
+    run_dir: str | None = None  # a trained run (engram train --out_dir); None: random weights
+    modes: tuple[str, ...] = ("prefill", "decode")  # serving shapes to budget
+    batch: int = 4  # sequences per step
+    prefill_len: int = 128  # prefill: tokens per sequence (<= the model's seq_len)
+    decode_context: int = 64  # decode: prompt length already in the KV cache before the step
+    reps: int = 20  # timed steps per measurement (medians; each step has its own text)
+    tiers: tuple[str, ...] = TIERS  # mooncake tiers are skipped when Mooncake is unavailable
+    cache_fraction: float = 0.01  # hot cache in front of the slow tiers, share of each table
+    pool_path: str | None = None  # DAX device or mappable file; None: /dev/shm stand-in
+    table_dir: str | None = None  # table files of the file tiers (on disk, so eviction is cold);
+    # None: a temporary folder inside out_dir, removed at the end
+    # Injected extra latency per round trip of reads, microseconds; a read of u distinct rows
+    # makes ceil(u / inflight) round trips (the rows of one trip are in flight together).
+    inject_us: tuple[float, ...] = (0.0, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)
+    inflight: int = 16  # reads in flight per round trip in the latency model
+    threads: int = 1  # torch threads (1: steady timings on a shared machine)
+    seed: int = 0  # random weights and the text windows
+
+    def __post_init__(self) -> None:
+        self.modes, self.tiers = tuple(self.modes), tuple(self.tiers)
+        self.inject_us = tuple(float(x) for x in self.inject_us)
+        bad = [m for m in self.modes if m not in ("prefill", "decode")]
+        if bad or not self.modes:
+            raise ValueError(f"modes must be prefill and/or decode, got {self.modes}")
+        unknown = [t for t in self.tiers if t not in TIERS]
+        if unknown:
+            raise ValueError(f"unknown tiers {unknown}; choose from {TIERS}")
+        for name in ("batch", "prefill_len", "decode_context", "reps", "inflight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.cache_fraction < 1 or any(x < 0 for x in self.inject_us):
+            raise ValueError("need 0 <= cache_fraction < 1 and inject_us >= 0")
+
+
+def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
+    """Measure every mode and tier; write budget.json, budget.png and report.md to out_dir."""
+    from tqdm.auto import tqdm
+
+    from ..tables.cache import count_rows
+    from ..tables.mooncake import mooncake_missing
+
+    torch.set_num_threads(pc.threads)
+    t_start = time.time()
+    out_dir = Path(pc.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    setup = build_setup(pc.run_dir, dataclasses.replace(tc, seed=pc.seed), pc.seed)
+    eng = setup.model.engrams()
+    names = pc.tiers
+    remote = [t for t in names if t.startswith("mooncake")]
+    why = mooncake_missing() if remote else None
+    if why:
+        print(f"engram pool-budget: leaving out {remote}: {why}", file=sys.stderr)
+        names = tuple(t for t in names if t not in remote)
+    counts = None
+    if any(t.endswith("cache") for t in names) or pc.cache_fraction > 0:
+        counts = count_rows(setup.hasher, setup.corpus.train, list(eng))  # the static head
+    services = client = None
+    pool_path = pc.pool_path or f"/dev/shm/engram-pool-budget-{os.getpid()}"
+    summary: dict[str, Any] = {
+        "config": dataclasses.asdict(pc), "train_config": setup.train_config.to_dict(),
+        "engram_layers": sorted(eng), "n_layer": len(setup.model.blocks),
+        "row_bytes": setup.model.config.engram.head_dim * 4,
+        "heads": setup.model.config.engram.num_heads,
+        "table_rows": {lid: e.table.num_rows for lid, e in eng.items()},
+        "mooncake": why or ("used" if remote else "not requested"),
+        "threads": pc.threads, "load_avg_start": os.getloadavg()[0], "modes": {}}
+    tiers: dict[str, Tier] = {}
+    table_dir = Path(pc.table_dir or tempfile.mkdtemp(prefix=".tables-", dir=out_dir))
+    try:
+        if remote and not why:
+            from ..tables.mooncake import MooncakeServices, publish_table
+
+            size = sum(e.table.weight.numel() * 4 for e in eng.values())
+            services = MooncakeServices(segment_bytes=2 * size + (64 << 20))
+            client = services.connect()
+            for lid, e in eng.items():
+                publish_table(client, f"{MOONCAKE_KEY}/L{lid}", e.table.weight.detach())
+        tiers = build_tiers(setup, names, table_dir, pool_path=pool_path,
+                            cache_fraction=pc.cache_fraction, counts=counts, client=client)
+        for mode in pc.modes:
+            batch = steps(setup, mode, pc.batch, pc.prefill_len, pc.decode_context, pc.reps)
+            rows = step_rows(setup, batch)
+            timing = time_layers(setup.model, setup.corpus, batch)
+            reads, waits = {}, {}
+            for name, tier in tqdm(tiers.items(), desc=f"{mode}: tiers", leave=False):
+                reads[name] = time_reads(tier, rows)
+                waits[name] = time_prefetched(setup, tier, batch)
+            base = tiers.get("dax") or tiers.get("memory")
+            sw = None if base is None else sweep(base, rows, pc.inject_us, pc.inflight, counts,
+                                                 pc.cache_fraction, 3 * max(timing["window_s"]))
+            tokens = batch[0]["raw"].numel()
+            summary["modes"][mode] = layer_budget(timing, reads, waits, sw, tokens, summary)
+    finally:
+        for tier in tiers.values():
+            for f in tier.cold:
+                f.close()
+        if services is not None:
+            client.close()
+            services.close()
+        if pc.pool_path is None and os.path.exists(pool_path):
+            os.unlink(pool_path)
+        if pc.table_dir is None:
+            shutil.rmtree(table_dir, ignore_errors=True)
+    summary["wall_s"] = time.time() - t_start
+    summary["load_avg_end"] = os.getloadavg()[0]  # other jobs on the machine during the timings
+    write_report(summary, out_dir)
+    return summary
+
+
+def cli_pool_budget(argv: list[str]) -> int:
+    """``engram pool-budget [--key value ...]``: PoolBudgetConfig, then TrainConfig fields (the
+    model when no --run_dir is given)."""
+    from .pool_report import verdict
+
+    p = new_parser("engram pool-budget", "Will each Engram layer's rows arrive within its prefetch "
+                   "window from a given tier? Measures t_exec per layer, the read latency per "
+                   "tier, the break-even injected latency and the bandwidth bound.")
+    add_config(p, PoolBudgetConfig, 0, "PoolBudgetConfig options")
+    own = [f.name for f in dataclasses.fields(PoolBudgetConfig)]
+    add_config(p, TrainConfig, 1, "TrainConfig options (the model with random weights when "
+               "--run_dir is not given)", skip=own)
+    ns = p.parse_args(argv)
+    pc = build(PoolBudgetConfig, ns, 0)
+    summary = run_pool_budget(pc, build(TrainConfig, ns, 1))
+    print("\n".join(verdict(summary)))
+    print(f"wrote {pc.out_dir}/budget.json, budget.png, report.md ({summary['wall_s']:.0f} s)")
+    return 0

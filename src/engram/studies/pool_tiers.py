@@ -1,0 +1,228 @@
+"""The tiers the pool budget reads from, and the reads it times.
+
+Every tier serves the same rows (the model's tables): memory, a shared pool of table files, the
+DAX/CXL pool region (``engram.tables.pool``), a table file warm and with its pages evicted, the
+evicted file behind the hot cache, the Mooncake Store with and without the cache. A read is one
+step's rows for one Engram layer; :class:`DelayedTable` injects latency per round trip of reads to
+model a farther medium with the same rows.
+
+Shape legend: b batch, t positions of the step, H hash heads, u distinct rows of a step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..models.model import EngramLM
+from ..tables.store import TableStore
+from .pool_steps import Setup
+
+MOONCAKE_KEY = "engram/pool-budget"
+
+
+# -- the tiers -------------------------------------------------------------------------------------
+
+@dataclass
+class Tier:
+    stores: dict[int, TableStore]  # per Engram layer
+    cold: list  # FileTables whose pages are evicted before every read (cold tiers)
+    caches: dict[int, Any]  # per layer: the CachedTable in front, if any
+
+
+def export_files(setup: Setup, folder: Path) -> None:
+    from ..tables.tablefile import hash_profile, table_path, write_table
+
+    cfg = setup.model.config.engram
+    for lid, e in setup.model.engrams().items():
+        write_table(table_path(folder, lid), e.table.weight.detach(), layer_id=lid, config=cfg,
+                    profile=hash_profile(setup.hasher, lid), tag="pool-budget")
+
+
+def build_tiers(setup: Setup, names: tuple[str, ...], folder: Path, *, pool_path: str,
+                cache_fraction: float, counts: dict[int, torch.Tensor] | None = None,
+                client: Any = None) -> dict[str, Tier]:
+    """Every requested tier over the same rows. Each file tier reads its own copy of the table
+    files, so evicting one copy's pages leaves the others warm. ``client``: a Mooncake store
+    client holding the tables (``publish_table`` under MOONCAKE_KEY/L<layer>), or None to leave
+    the mooncake tiers out."""
+    from ..tables.cache import build_cache
+    from ..tables.pool import PoolRegion, write_pool
+    from ..tables.tablefile import table_path
+    from ..tables.tiers import SharedPool, open_tables
+
+    cfg, hasher = setup.model.config.engram, setup.hasher
+    eng = setup.model.engrams()
+    for copy in ("warm", "cold", "cold_cache"):  # written and fsynced: evictable at once
+        export_files(setup, folder / copy)
+
+    def cached(stores):
+        return {lid: build_cache(s, counts[lid], cache_fraction) for lid, s in stores.items()}
+
+    out: dict[str, Tier] = {}
+    for name in names:
+        if name == "memory":
+            out[name] = Tier({lid: e.table for lid, e in eng.items()}, [], {})
+        elif name == "shared":
+            out[name] = Tier(dict(SharedPool(folder / "warm", cfg, hasher).tables), [], {})
+        elif name == "dax":
+            write_pool(pool_path, {lid: table_path(folder / "warm", lid) for lid in eng})
+            region = PoolRegion(pool_path, expect=(cfg, hasher))
+            out[name] = Tier(dict(region.tables), [], {})
+        elif name == "file":  # verify reads every byte once: the page cache is warm
+            out[name] = Tier(dict(open_tables(folder / "warm", cfg, hasher, verify=True)), [], {})
+        elif name in ("file_cold", "file_cold_cache"):
+            files = open_tables(folder / ("cold" if name == "file_cold" else "cold_cache"), cfg,
+                                hasher, verify=False)
+            caches = cached(files) if name.endswith("cache") else {}
+            out[name] = Tier(caches or dict(files), list(files.values()), caches)
+        elif name.startswith("mooncake") and client is not None:
+            from ..tables.mooncake import MooncakeTable
+
+            remote = {lid: MooncakeTable(client, f"{MOONCAKE_KEY}/L{lid}") for lid in eng}
+            caches = cached(remote) if name.endswith("cache") else {}
+            out[name] = Tier(caches or remote, [], caches)
+    return out
+
+
+# -- reads -----------------------------------------------------------------------------------------
+
+class DelayedTable:
+    """``inner`` with latency injected per round trip: a read of u distinct rows waits
+    ceil(u / inflight) x ``extra_s`` more (spinning: sleep is too coarse for microseconds).
+    Models a farther medium (CXL, remote DRAM, an RDMA round trip) with the same rows."""
+
+    def __init__(self, inner: TableStore, extra_s: float, inflight: int):
+        self.inner, self.extra_s, self.inflight = inner, extra_s, inflight
+        self.num_rows, self.dim = inner.num_rows, inner.dim
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        out = self.inner.lookup(rows)
+        a = np.sort(rows.reshape(-1).numpy())  # distinct count: sort + diff is ~10x np.unique here
+        u = int(a.size and np.count_nonzero(np.diff(a)) + 1)
+        until = time.perf_counter() + math.ceil(u / self.inflight) * self.extra_s  # L0 + trips x d
+        while time.perf_counter() < until:
+            pass
+        return out
+
+    def prefetch(self, rows: torch.Tensor) -> None:
+        self.inner.prefetch(rows)
+
+
+@torch.no_grad()
+def time_reads(tier: Tier, rows: list[dict[int, torch.Tensor]]) -> dict[int, dict[str, float]]:
+    """Per Engram layer: median latency of reading a step's rows, rows/s, distinct rows, misses."""
+    out = {}
+    for lid, store in tier.stores.items():
+        lat, dist, miss = [], [], []
+        for i, step in enumerate([rows[0]] + rows):  # the first is a warm-up
+            for f in tier.cold:
+                f.evict()
+            cache = tier.caches.get(lid)
+            before = cache.stats.fetched if cache is not None else 0
+            t0 = time.perf_counter()
+            store.lookup(step[lid])
+            dt = time.perf_counter() - t0
+            if i:
+                u = np.unique(step[lid].numpy()).size
+                lat.append(dt)
+                dist.append(u)
+                miss.append(cache.stats.fetched - before if cache is not None else u)
+        n = rows[0][lid].numel()
+        out[lid] = {"latency_s": float(np.median(lat)), "rows": n,
+                    "distinct": float(np.median(dist)), "misses": float(np.median(miss)),
+                    "rows_per_s": n / float(np.median(lat))}
+    return out
+
+
+@torch.no_grad()
+def time_prefetched(setup: Setup, tier: Tier, batch: list[dict]) -> dict[str, Any]:
+    """The model served from the tier behind PrefetchTable: each layer's rows are announced when
+    the step starts; the wait each Engram layer sees for its rows (0: the read fit its window)."""
+    from ..serving.loader import load_dense_state
+    from ..tables.prefetch import prefetch_batch, wrap_prefetch
+
+    tables = wrap_prefetch(tier.stores)
+    model = EngramLM(setup.model.config, tables=tables)
+    load_dense_state(model, setup.model.state_dict())
+    model.eval()
+    waits = {lid: [] for lid in tables}
+    fwd = []
+    for i, step in enumerate([batch[0]] + batch):
+        cache = None
+        if "prompt" in step:
+            p = step["prompt"]
+            cache = model.new_cache(p.shape[0], p.shape[1] + 1)
+            model(setup.corpus.to_local(p), step["prompt_ids"], cache=cache)
+        for f in tier.cold:
+            f.evict()
+        w0 = {lid: t.stats.wait_s for lid, t in tables.items()}
+        tokens = setup.corpus.to_local(step["raw"])
+        t0 = time.perf_counter()
+        prefetch_batch(model, step["ids"])  # ids known at the step's start: reads begin now
+        model(tokens, step["ids"], cache=cache)
+        if i:
+            fwd.append(time.perf_counter() - t0)
+            for lid, t in tables.items():
+                waits[lid].append(t.stats.wait_s - w0[lid])
+    for t in tables.values():
+        t.close()
+    tables[next(iter(tables))].executor.shutdown(wait=True)
+    return {"forward_s": float(np.median(fwd)),
+            "wait_s": {lid: float(np.median(w)) for lid, w in waits.items()}}
+
+
+@torch.no_grad()
+def sweep(base: Tier, rows: list[dict], inject_us: tuple[float, ...], inflight: int,
+          counts: dict[int, torch.Tensor] | None, cache_fraction: float,
+          stop_s: float = math.inf) -> dict[str, Any]:
+    """Read latency of each layer's step rows with latency injected per round trip, straight from
+    the base tier and behind a fresh hot cache (only misses pay the trip). Once every layer's read
+    takes longer than ``stop_s`` the larger injections are not run (latency None)."""
+    from ..tables.cache import build_cache
+
+    out: dict[str, Any] = {"inject_us": list(inject_us), "inflight": inflight}
+    for variant in ("pool", "pool_cache"):
+        if variant == "pool_cache" and counts is None:
+            continue
+        res = {lid: [] for lid in base.stores}
+        for us in inject_us:
+            if all(pts and (pts[-1]["latency_s"] or math.inf) > stop_s for pts in res.values()):
+                for pts in res.values():
+                    pts.append({"latency_s": None, "misses": pts[-1]["misses"]})
+                continue
+            stores = {lid: DelayedTable(s, us * 1e-6, inflight) for lid, s in base.stores.items()}
+            caches = {}
+            if variant == "pool_cache":
+                caches = {lid: build_cache(s, counts[lid], cache_fraction)
+                          for lid, s in stores.items()}
+            reads = time_reads(Tier(caches or stores, [], caches), rows)
+            for lid, r in reads.items():
+                res[lid].append({"latency_s": r["latency_s"], "misses": r["misses"]})
+        out[variant] = res
+    return out
+
+
+def break_even(window_s: float, inject_us: list[float], points: list[dict], inflight: int) -> dict:
+    """Largest injected latency per round trip at which the read still fits the window: from the
+    measured sweep (linear between the bracketing points) and from the model L0 + trips x delta."""
+    lat = [math.inf if p["latency_s"] is None else p["latency_s"] for p in points]
+    trips = max(1, math.ceil(points[0]["misses"] / inflight))
+    model_us = (window_s - lat[0]) / trips * 1e6
+    measured = None
+    if lat[0] >= window_s:
+        measured = 0.0  # does not fit even with nothing injected
+    else:
+        for (x0, y0), (x1, y1) in zip(zip(inject_us, lat), zip(inject_us[1:], lat[1:])):
+            if y1 >= window_s > y0:
+                measured = (x1 if math.isinf(y1) else  # stopped early: bracket by the next point
+                            x0 + (window_s - y0) / (y1 - y0) * (x1 - x0))
+                break
+    return {"measured_us": measured, "model_us": model_us, "trips": trips,
+            "beyond_sweep": measured is None and lat[0] < window_s}

@@ -1,0 +1,69 @@
+"""`engram pool-budget` end to end on a tiny model: the windows are the hooked t_exec sums, a read
+that fits with nothing injected stops fitting when latency is injected (break-even where the model
+of the sweep puts it), the outputs are written, and the command line takes every field."""
+
+import dataclasses
+import json
+
+import pytest
+
+from engram.cli import main
+from engram.studies.pool_budget import PoolBudgetConfig, run_pool_budget
+from engram.training.train import TrainConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def summary(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pool")
+    pc = PoolBudgetConfig(out_dir=str(out), tiers=("memory", "dax", "file_cold"), reps=3,
+                          batch=2, prefill_len=64, decode_context=16, cache_fraction=0.0,
+                          inject_us=(0.0, 100_000.0), inflight=1_000_000,  # one round trip
+                          pool_path=str(out / "pool"))
+    s = run_pool_budget(pc, TrainConfig(max_chars=30_000, engram_layers=(1, 2), table_size=3000))
+    return s, out
+
+
+def test_outputs_written(summary):
+    s, out = summary
+    saved = json.loads((out / "budget.json").read_text())
+    assert set(saved["modes"]) == {"prefill", "decode"}
+    assert (out / "budget.png").stat().st_size > 10_000
+    report = (out / "report.md").read_text()
+    assert "Engram layer 1, window" in report and "break-even" in report
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_windows_and_injected_latency_move_the_verdict(summary, mode):
+    m = summary[0]["modes"][mode]
+    t = m["t_exec_us"]
+    for lid, lay in m["layers"].items():
+        assert lay["window_us"] == pytest.approx(t["embed"] + sum(t["blocks"][:lid]))
+        assert lay["tiers"]["memory"]["fits"] and lay["tiers"]["dax"]["fits"]
+        be = lay["break_even"]["pool"]
+        lat0, lat1 = be["latency_us"]
+        assert lat0 < lay["window_us"] < lat1  # 0 injected: fits; 100 ms injected: does not
+        assert 0 < be["measured_us"] < 100_000 and be["trips"] == 1
+        # One trip: the read stops fitting once the injection eats the margin.
+        assert be["measured_us"] == pytest.approx(lay["window_us"] - lat0, rel=0.05)
+        assert be["model_us"] == pytest.approx(lay["window_us"] - lat0, rel=1e-6)
+    assert m["layers"][2]["window_us"] > m["layers"][1]["window_us"]  # deeper: a wider window
+
+
+def test_help_lists_every_field(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["pool-budget", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for cls in (PoolBudgetConfig, TrainConfig):
+        for f in dataclasses.fields(cls):
+            assert f"--{f.name}" in text
+    assert "reads in flight per round trip" in text
+
+
+def test_bad_options_are_clear_errors(capsys):
+    assert main(["pool-budget", "--modes=train", "--out_dir=/tmp/never"]) == 2
+    assert "modes must be prefill and/or decode" in capsys.readouterr().err
+    assert main(["pool-budget", "--tiers", "memory,nvme"]) == 2
+    assert "unknown tiers ['nvme']" in capsys.readouterr().err
