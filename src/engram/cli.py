@@ -84,31 +84,36 @@ def _study_parser(command: str, study_cls: type) -> argparse.ArgumentParser:
     return p
 
 
-def _compare(argv: list[str]) -> int:
-    from .studies.compare import CompareConfig, run_compare
+def _run_study(argv: list[str], command: str, study_cls: type, run: Callable,
+               describe: Callable) -> int:
+    """Parse a study's and TrainConfig's options, run it, print a one-line summary."""
     from .training.train import TrainConfig
 
-    ns = _study_parser("compare", CompareConfig).parse_args(argv)
-    cc = build(CompareConfig, ns, 0)
-    summary = run_compare(cc, build(TrainConfig, ns, 1))
-    runs = summary["runs"]
-    print(" ".join(f"{k}: {v['val_loss']:.4f}" for k, v in runs.items())
-          + f" | engram gain vs dense {summary['engram_gain_vs_dense']:.4f} nats; "
-          f"wrote {cc.out_dir}/results.json, loss.png, report.md, gates.html")
+    ns = _study_parser(command, study_cls).parse_args(argv)
+    cfg = build(study_cls, ns, 0)
+    summary = run(cfg, build(TrainConfig, ns, 1))
+    print(describe(summary, cfg))
     return 0
+
+
+def _compare(argv: list[str]) -> int:
+    from .studies.compare import CompareConfig, run_compare
+
+    return _run_study(argv, "compare", CompareConfig, run_compare, lambda s, cc: (
+        " ".join(f"{k}: {v['val_loss']:.4f}" for k, v in s["runs"].items())
+        + f" | engram gain vs dense {s['engram_gain_vs_dense']:.4f} nats; "
+        f"wrote {cc.out_dir}/results.json, loss.png, report.md, gates.html"))
 
 
 def _sweep(command: str) -> Callable[[list[str]], int]:
     def run(argv: list[str]) -> int:
         from .studies.sweep import SweepConfig, run_sweep
-        from .training.train import TrainConfig
 
-        ns = _study_parser(command, SweepConfig).parse_args(argv)
-        sc = build(SweepConfig, ns, 0)
-        summary = run_sweep(command.split("-", 1)[1], sc, build(TrainConfig, ns, 1))
-        print(" ".join(f"{p['name']}: {p['val_loss']:.4f}" for p in summary["points"])
-              + f" | best {summary['best']['name']}; wrote {sc.out_dir}")
-        return 0
+        kind = command.split("-", 1)[1]
+        return _run_study(argv, command, SweepConfig, lambda sc, base: run_sweep(kind, sc, base),
+                          lambda s, sc: " ".join(f"{p['name']}: {p['val_loss']:.4f}"
+                                                 for p in s["points"])
+                          + f" | best {s['best']['name']}; wrote {sc.out_dir}")
     return run
 
 
@@ -151,14 +156,10 @@ def _export_hf(argv: list[str]) -> int:
 
 def _study_nine(argv: list[str]) -> int:
     from .studies.nine import NineStudyConfig, run_nine_study
-    from .training.train import TrainConfig
 
-    ns = _study_parser("study-nine", NineStudyConfig).parse_args(argv)
-    sc = build(NineStudyConfig, ns, 0)
-    summary = run_nine_study(sc, build(TrainConfig, ns, 1))
-    print(" ".join(f"{k}: {v['val_loss_mean_sd'][0]:.4f}" for k, v in summary["configs"].items())
-          + f"; wrote {sc.out_dir}/nine.json, report.md and plots")
-    return 0
+    return _run_study(argv, "study-nine", NineStudyConfig, run_nine_study, lambda s, sc: (
+        " ".join(f"{k}: {v['val_loss_mean_sd'][0]:.4f}" for k, v in s["configs"].items())
+        + f"; wrote {sc.out_dir}/nine.json, report.md and plots"))
 
 
 def _study_vision(argv: list[str]) -> int:
@@ -181,14 +182,10 @@ def _eval(argv: list[str]) -> int:
 
 def _ablate(argv: list[str]) -> int:
     from .studies.ablate import AblateConfig, run_ablate
-    from .training.train import TrainConfig
 
-    ns = _study_parser("ablate", AblateConfig).parse_args(argv)
-    ac = build(AblateConfig, ns, 0)
-    summary = run_ablate(ac, build(TrainConfig, ns, 1))
-    print(" ".join(f"{k}: {v['val_loss']:.4f}" for k, v in summary["variants"].items())
-          + f"; wrote {ac.out_dir}/ablate.json, ablate.png, report.md")
-    return 0
+    return _run_study(argv, "ablate", AblateConfig, run_ablate, lambda s, ac: (
+        " ".join(f"{k}: {v['val_loss']:.4f}" for k, v in s["variants"].items())
+        + f"; wrote {ac.out_dir}/ablate.json, ablate.png, report.md"))
 
 
 def _analyze(argv: list[str]) -> int:
