@@ -132,6 +132,7 @@ def _finetune(argv: list[str]) -> int:
 def _export_hf(argv: list[str]) -> int:
     from .serving.hf_export import SERVING_DEFAULTS, export_hf
     from .serving.loader import TIERS
+    from .tables.tablefile import DTYPES
 
     p = new_parser("engram export-hf", COMMANDS["export-hf"] + ". The tier is a default: "
                    "vLLM's --hf-overrides '{\"engram_serving\": {\"tier\": \"file\"}}' changes it.")
@@ -139,8 +140,7 @@ def _export_hf(argv: list[str]) -> int:
     p.add_argument("out_dir", help="where to write config.json, weights, tables and tokenizer")
     p.add_argument("--tier", choices=TIERS, default=SERVING_DEFAULTS["tier"],
                    help="where the server reads table rows from [default: %(default)s]")
-    p.add_argument("--table_dtype", "--table-dtype", default="fp32",
-                   choices=("fp32", "bf16", "fp16", "fp8"),
+    p.add_argument("--table_dtype", "--table-dtype", default="fp32", choices=sorted(DTYPES),
                    help="row type of the table files [default: %(default)s]")
     p.add_argument("--cache_fraction", "--cache-fraction", type=float, default=0.0,
                    help="hot cache of this fraction of each table's rows, file tiers "

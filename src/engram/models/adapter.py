@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from ..files import publish, publish_text
 from ..retrieval.compress import Compression, build_compression
 from ..retrieval.config import EngramConfig
 from .hf import InjectOptions, engram_runtime, inject
@@ -86,8 +86,8 @@ def save_engram(model: nn.Module, directory: str | os.PathLike) -> Path:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(meta, sort_keys=True)
-    _atomic(out / WEIGHTS, lambda p: save_file(tensors, p, metadata={"engram": text}))
-    _atomic(out / META, lambda p: Path(p).write_text(json.dumps(meta, indent=2, sort_keys=True)))
+    publish(out / WEIGHTS, lambda p: save_file(tensors, p, metadata={"engram": text}))
+    publish_text(out / META, json.dumps(meta, indent=2, sort_keys=True))
     return out / WEIGHTS
 
 
@@ -177,18 +177,6 @@ def _diff(a: dict[str, Any], b: dict[str, Any]) -> str:
     keys = sorted(set(a) | set(b))
     return ", ".join(f"{k}: adapter {a.get(k)!r} vs model {b.get(k)!r}"
                      for k in keys if a.get(k) != b.get(k))
-
-
-def _atomic(path: Path, write) -> None:
-    """Write aside, then rename: a reader sees the old file or the whole new one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 __all__ = ["AdapterMismatch", "base_fingerprint", "compression_fingerprint", "load_engram",

@@ -32,8 +32,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from ..files import publish
 from ..retrieval.compress import tokenizer_fingerprint
-from .adapter import AdapterMismatch, _atomic, _check_base, _diff, base_fingerprint
+from .adapter import AdapterMismatch, _check_base, _diff, base_fingerprint
 from .trigger import TriggerMatcher, TriggerOptions, build_keys, build_table
 
 FORMAT = "engram-trigger-adapter-1"
@@ -177,7 +178,7 @@ def save_triggers(encoder: nn.Module, directory: str | os.PathLike) -> Path:
     tensors = {k: v.detach().cpu().contiguous().clone() for k, v in rt.table.state_dict().items()}
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    _atomic(out / WEIGHTS, lambda p: save_file(tensors, p, metadata={"triggers": json.dumps(meta)}))
+    publish(out / WEIGHTS, lambda p: save_file(tensors, p, metadata={"triggers": json.dumps(meta)}))
     return out / WEIGHTS
 
 

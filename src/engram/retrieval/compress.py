@@ -13,12 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from ..files import publish_bytes
 
 # Bump when the key function changes, so stale caches are never reused.
 ALGORITHM_VERSION = "engram-compress-1"
@@ -189,19 +190,8 @@ def build_compression(tokenizer=None, cache: bool = True) -> Compression:
             pass  # unreadable cache: rebuild and overwrite below
     lookup = compute_lookup(tokenizer)
     if cache:
-        _atomic_save(path, lookup)
+        try:
+            publish_bytes(path, lambda f: np.save(f, lookup))
+        except OSError:  # a read-only cache location only costs a rebuild next time
+            pass
     return Compression(lookup, fingerprint=fp)
-
-
-def _atomic_save(path: Path, arr: np.ndarray) -> None:
-    """Write aside, then rename: a concurrent reader sees the old file or the whole new one."""
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, arr)
-        os.replace(tmp, path)
-    except OSError:  # a read-only cache location only costs a rebuild next time
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)

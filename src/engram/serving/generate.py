@@ -33,6 +33,7 @@ from ..module import EngramState
 from ..options import new_parser
 from ..retrieval.hashing import HashStream, NgramHasher
 from ..tables.prefetch import prefetch_batch
+from ..training.corpus import EOS_TOKEN
 from .loader import TIERS, load_run
 
 
@@ -294,7 +295,7 @@ def cli_generate(argv: list[str]) -> int:
                           table_dtype=args.table_dtype, cache_fraction=args.cache_fraction,
                           prefetch=args.prefetch)
         tok = served.tokenizer
-        eos = tok.token_to_id("<｜end▁of▁sentence｜>")
+        eos = tok.token_to_id(EOS_TOKEN)
         cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                top_k=args.top_k, seed=args.seed,
                                stop_ids=() if args.no_stop or eos is None else (eos,))

@@ -19,17 +19,18 @@ only tokenizer ids (``vocab_size`` = the tokenizer's), and the model maps them (
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..files import publish_text
 from ..models.model import EngramLM
 from ..models.model_config import ModelConfig
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
+from ..training.corpus import EOS_TOKEN
 from .loader import TIERS, load_dense_state, open_tier
 
 FORMAT = "engram-serving-1"
@@ -37,7 +38,6 @@ ARCHITECTURE = "EngramLMForCausalLM"  # the name the vLLM plugin registers
 MODEL_TYPE = "engram_lm"
 SERVING_DEFAULTS = {"tier": "memory", "table_dir": "tables", "cache_fraction": 0.0,
                     "prefetch": False, "verify": True}
-EOS = "<｜end▁of▁sentence｜>"
 
 
 def export_hf(run_dir: str | Path, out_dir: str | Path, *, tier: str = "memory",
@@ -45,16 +45,10 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, tier: str = "memory",
               prefetch: bool = False) -> Path:
     """Write ``out_dir`` from the newest checkpoint of ``run_dir`` (see the module docstring)."""
     from ..tables.cache import count_rows
-    from ..training.checkpoint import load_checkpoint
-    from ..training.corpus import build_corpus
-    from ..training.train import TrainConfig
     from .loader import load_run
 
     served = load_run(run_dir)
-    counts = None
-    if served.hasher is not None:
-        cfg = TrainConfig(**load_checkpoint(served.checkpoint)[1]["config"])
-        counts = count_rows(served.hasher, build_corpus(cfg.data_config(), served.tokenizer).train)
+    counts = None if served.hasher is None else count_rows(served.hasher, served.train_tokens)
     return export_model(served.model, served.hasher, served.vocab, out_dir, counts=counts,
                         tier=tier, table_dtype=table_dtype, cache_fraction=cache_fraction,
                         prefetch=prefetch, tag=served.checkpoint.name)
@@ -99,14 +93,12 @@ def export_model(model: EngramLM, hasher: NgramHasher | None, vocab: Any, out_di
         "hidden_size": mc.d_model, "num_attention_heads": mc.n_head,
         "num_key_value_heads": mc.n_head, "head_dim": mc.head_dim, "num_hidden_layers": mc.n_layer,
         "max_position_embeddings": mc.max_seq_len, "tie_word_embeddings": False,
-        "bos_token_id": tok.token_to_id("<｜begin▁of▁sentence｜>"), "eos_token_id": tok.token_to_id(EOS),
+        "bos_token_id": tok.token_to_id("<｜begin▁of▁sentence｜>"), "eos_token_id": tok.token_to_id(EOS_TOKEN),
         "engram_model": mc.to_dict(), "engram_checkpoint": tag,
         "engram_serving": {**SERVING_DEFAULTS, "tier": tier, "cache_fraction": cache_fraction,
                            "prefetch": prefetch},
     }
-    tmp = out / "config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=1))
-    os.replace(tmp, out / "config.json")  # last: a directory with a config.json is complete
+    publish_text(out / "config.json", json.dumps(config, indent=1))  # last: marks it complete
     return out
 
 

@@ -29,6 +29,7 @@ class Served:
     checkpoint: Path
     tokenizer: Any  # the tokenizers.Tokenizer the corpus and the hasher were built with
     tables: dict[int, Any] = field(default_factory=dict)  # the stores, outermost first
+    train_tokens: np.ndarray | None = None  # the run's training stream (raw ids): row counts
 
 
 def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path | None = None,
@@ -85,7 +86,7 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
     model = build_model(cfg, corpus, tables or None)
     load_dense_state(model, state["model"])
     model.eval()
-    return Served(model, hasher, corpus.vocab, ckpt, tok, tables)
+    return Served(model, hasher, corpus.vocab, ckpt, tok, tables, corpus.train)
 
 
 def open_tier(table_dir: str | Path, config: Any, hasher: NgramHasher, tier: str, *,

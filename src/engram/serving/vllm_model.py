@@ -22,7 +22,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import get_attention_context
 
-from .hf_export import EOS, build_export_model, load_dense, read_export
+from .hf_export import build_export_model, load_dense, read_export
 from .paged import PagedLM
 from .slots import StepLayout
 
@@ -47,7 +47,6 @@ class EngramLMForCausalLM(nn.Module):
                       cache_config=cache, prefix=f"{prefix}attn.{i}" if prefix == "" else
                       f"{prefix}.attn.{i}")
             for i in range(mc.n_layer)])
-        self.eos = EOS
 
     # -- vLLM's model interface --------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

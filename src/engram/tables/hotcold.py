@@ -17,14 +17,13 @@ S hot slots.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import zlib
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..files import publish
 from ..retrieval.config import EngramConfig
 from ..retrieval.hot import HotIndex
 from .store import MemoryTable
@@ -110,19 +109,8 @@ def write_hot_tier(path: str | Path, index: HotIndex, rows: torch.Tensor | None,
     meta = {"format": HOT_FORMAT, "version": HOT_VERSION, "index": skeleton, "tag": str(tag),
             "engram_config": config.to_dict(),
             "crc32": {k: f"{zlib.crc32(_bytes(t)):08x}" for k, t in tensors.items()}}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"meta": json.dumps(meta)})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # readers see the old file or this one, whole
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    # readers see the old file or this one, whole
+    return publish(path, lambda tmp: save_file(tensors, tmp, metadata={"meta": json.dumps(meta)}))
 
 
 def read_hot_tier(path: str | Path, config: EngramConfig | None = None

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..files import publish_text
+
 LATEST = "latest.json"
 _TENSOR = "__tensor__"
 
@@ -68,15 +70,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any],
                     meta: dict[str, Any], keep: int = 2) -> Path:
     """Write ``state`` (nested, with tensors) and JSON-able ``meta`` as step's checkpoint."""
@@ -96,7 +89,7 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any],
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    _atomic_write_text(directory / LATEST, json.dumps(
+    publish_text(directory / LATEST, json.dumps(
         {"file": path.name, "step": step, "sha256": _sha256(path)}))
     old = sorted(directory.glob("step_*.safetensors"))[:-keep] if keep > 0 else []
     for p in old:

@@ -18,9 +18,7 @@ import glob
 import hashlib
 import importlib.util
 import json
-import os
 import re
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +27,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from ..files import publish_bytes, publish_text
 from ..retrieval.compress import cache_dir as _compression_cache_dir
 from ..retrieval.compress import default_tokenizer, tokenizer_fingerprint
 
@@ -307,22 +306,10 @@ def _save_cache(stem: Path, key: str, streams: dict, doc_ids: dict, stats: dict,
     try:
         stem.parent.mkdir(parents=True, exist_ok=True)
         for split, a in streams.items():
-            _atomic_write(Path(f"{stem}.{split}.npy"), lambda f, a=a: np.save(f, a))
-        _atomic_write(Path(f"{stem}.json"), lambda f: f.write(json.dumps(meta).encode()))
+            publish_bytes(Path(f"{stem}.{split}.npy"), lambda f, a=a: np.save(f, a))
+        publish_text(Path(f"{stem}.json"), json.dumps(meta))
     except OSError as e:  # a read-only cache only costs a rebuild next time
         warnings.warn(f"could not write the data cache at {stem}: {e}")
-
-
-def _atomic_write(path: Path, write: Callable[[Any], Any]) -> None:
-    """Write aside, then rename: a concurrent reader sees the old file or the whole new one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _load_cache(stem: Path, key: str) -> Corpus | None:

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..files import publish_text
 from ..models.model import EngramLM
 from ..tables.sharded import read_shards, row_range, shard_bounds, write_shard
 from .checkpoint import (
     CheckpointError,
-    _atomic_write_text,
     _sha256,
     latest_checkpoint,
     load_checkpoint,
@@ -69,7 +69,7 @@ def save_distributed(run: Run, d: Dist, keep: int = 2) -> Path:
         save_checkpoint(step_dir / "dense", run.step, _dense_state(run),
                         {"config": run.cfg.to_dict(), "history": run.history,
                          "window": list(run.window)}, keep=0)
-        _atomic_write_text(root / LATEST, json.dumps(
+        publish_text(root / LATEST, json.dumps(
             {"step": run.step, "dir": step_dir.name, "world": d.world, "shards": shards}))
         for old in sorted(root.glob("step_*"))[:-keep]:
             if old.name != step_dir.name:
