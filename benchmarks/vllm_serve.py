@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from engram import EngramConfig, EngramLM, ModelConfig, NgramHasher, build_compr
 from engram.serving.generate import GenerationConfig, Generator
 from engram.serving.hf_export import export_hf, export_model
 from engram.tables.cache import count_rows
+from engram.training.process_group import free_port
 
 TIERS = {"memory": {}, "file+cache+prefetch": {"tier": "file", "cache_fraction": 0.05,
                                                "prefetch": True},
@@ -65,12 +65,6 @@ def engine_run(python, model_dir, ps, max_tokens, overrides, work):
            "--result", str(res), "--hf_overrides", json.dumps({"engram_serving": overrides})]
     subprocess.run(cmd, check=True, capture_output=True, timeout=1200)
     return json.loads(res.read_text())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_test(python, model_dir, ps, want, max_tokens, concurrency):

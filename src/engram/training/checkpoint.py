@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..files import publish_text
+from ..files import publish, publish_text
 
 LATEST = "latest.json"
 _TENSOR = "__tensor__"
@@ -78,17 +76,8 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any],
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _flatten(state, "s", tensors)
     path = directory / f"step_{step:08d}.safetensors"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"skeleton": json.dumps(skeleton),
-                                          "meta": json.dumps(meta), "step": str(step)})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    publish(path, lambda tmp: save_file(tensors, tmp, metadata={
+        "skeleton": json.dumps(skeleton), "meta": json.dumps(meta), "step": str(step)}))
     publish_text(directory / LATEST, json.dumps(
         {"file": path.name, "step": step, "sha256": _sha256(path)}))
     old = sorted(directory.glob("step_*.safetensors"))[:-keep] if keep > 0 else []
