@@ -192,13 +192,24 @@ def _analyze(argv: list[str]) -> int:
     from .studies.analyze import AnalyzeConfig, run_analyze
 
     p = new_parser("engram analyze", COMMANDS["analyze"])
-    p.add_argument("run_dir", metavar="RUN_DIR", help="an Engram run (`engram train --out_dir`)")
-    p.add_argument("--baseline", default=None, help="a dense run on the same corpus, for "
-                   "LogitLens and CKA [default: none]")
+    p.add_argument("run_dir", metavar="RUN_DIR", nargs="+", help="an Engram run (`engram train "
+                   "--out_dir`); several runs (seeds of one configuration) are each analysed and "
+                   "then combined: mean +- sd per claim and in how many seeds it holds")
+    p.add_argument("--baseline", nargs="*", default=None, metavar="RUN_DIR",
+                   help="the dense run(s) on the same corpus, for LogitLens and CKA: one per "
+                   "RUN_DIR, same order [default: none]")
     add_config(p, AnalyzeConfig, 0)
     ns = p.parse_args(argv)
     ac = build(AnalyzeConfig, ns, 0)
-    res = run_analyze(ns.run_dir, ns.baseline, ac)
+    if len(ns.run_dir) > 1:
+        from .studies.analysis_seeds import run_seeds
+
+        c = run_seeds(ns.run_dir, ns.baseline, ac)
+        print(json.dumps({"n_seeds": c["n_seeds"], "verdicts": [v for _, _, v in c["verdicts"]]}))
+        return 0
+    if ns.baseline is not None and len(ns.baseline) > 1:
+        p.error("one RUN_DIR takes at most one --baseline")
+    res = run_analyze(ns.run_dir[0], ns.baseline[0] if ns.baseline else None, ac)
     print(json.dumps({"lens": res["lens"], "retention": res["retention"]}))
     return 0
 

@@ -74,3 +74,42 @@ def test_help_lists_every_field(capsys):
             main([command, "--help"])
         text = " ".join(capsys.readouterr().out.split())
         assert all(f"--{f.name}" in text for f in dataclasses.fields(cls)) and "RUN_DIR" in text
+
+
+SMALL = ["--batches=4", "--lens_batches=2", "--cka_tokens=256", "--probes=16", "--context=8",
+         "--copy_span=6", "--min_count=3"]
+
+
+def test_analyze_several_seeds_combines_them(runs, tmp_path):
+    from engram.studies.analysis_seeds import combine
+
+    for s in (1,):
+        for name, extra in (("engram", {}), ("dense", {"engram": False})):
+            train(TrainConfig(out_dir=str(runs / f"{name}{s}"), steps=3, seed=s,
+                              **{**TINY, **extra}), progress=False)
+    out = tmp_path / "seeds"
+    assert main(["analyze", str(runs / "engram"), str(runs / "engram1"), "--baseline",
+                 str(runs / "dense"), str(runs / "dense1"), f"--out_dir={out}", *SMALL]) == 0
+    c = json.loads((out / "analysis.json").read_text())
+    assert c["n_seeds"] == 2 and (out / "seeds.png").stat().st_size > 100
+    one = [json.loads((out / n / "analysis.json").read_text()) for n in ("engram", "engram1")]
+    # the combined numbers are the per-seed numbers' mean and spread
+    row = "held-out phrase (all)"
+    per = [r["retention"][row]["zeroed"] for r in one]
+    assert c["retention_zeroed"][row]["mean"] == pytest.approx(np.mean(per))
+    assert c["retention_zeroed"][row]["sd"] == pytest.approx(np.std(per, ddof=1))
+    report = (out / "report.md").read_text()
+    assert "across seeds" in report and "engram1" in report
+    # a seed twice: no spread, every stat positive or none; a sign flip in one copy: mixed
+    same = combine([one[0], one[0]])
+    assert all(s["sd"] == 0 for s in same["lens_gap"])
+    flipped = json.loads(json.dumps(one[0]))
+    flipped["lens"]["engram"], flipped["lens"]["baseline"] = (flipped["lens"]["baseline"],
+                                                             flipped["lens"]["engram"])
+    verdict = combine([one[0], flipped])["verdicts"][0][2]
+    assert verdict.startswith("mixed") or "not resolved" in verdict or "any seed" in verdict
+    gaps = [s["per_seed"] for s in combine([one[0], flipped])["lens_gap"]]
+    assert all(a == pytest.approx(-b) for a, b in gaps if a)
+    # one baseline per run, or none
+    assert main(["analyze", str(runs / "engram"), str(runs / "engram1"), "--baseline",
+                 str(runs / "dense"), f"--out_dir={tmp_path / 'bad'}", *SMALL]) == 2
