@@ -161,6 +161,46 @@ def test_export_hf_cli_from_a_trained_run(tmp_path, capsys):
                                                       ps, 5)
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_export_hf_of_a_nine_run_serves_generate_s_tokens(tmp_path, capsys, shared):
+    """Engram-Nine through `engram export-hf`: the hot index travels in the table files; the paged
+    model (the vLLM plugin's, on the MiniEngine) serves exactly `engram generate`'s tokens from
+    every tier, with the slot history hashed by the run's NineHasher."""
+    from engram.cli import main
+    from engram.serving.loader import load_run
+    from engram.training.train import TrainConfig, train
+
+    run = tmp_path / "run"
+    train(TrainConfig(out_dir=str(run), steps=2, n_layer=2, d_model=32, n_head=2, seq_len=32,
+                      batch_size=2, table_size=500, max_chars=200_000, eval_every=2,
+                      eval_batches=1, warmup=1, hot_rows=50, shared_tables=shared,
+                      engram_layers=(0, 1)), progress=False)
+    assert main(["export-hf", str(run), str(tmp_path / "hf"), "--tier", "file",
+                 "--cache-fraction", "0.05", "--prefetch"]) == 0
+    served = load_run(run)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["engram_nine"] == {"hot_slots": 100, "shared": shared}
+    counts = load_file(str(tmp_path / "hf" / "tables" / "row_counts.safetensors"))
+    assert sorted(counts) == (["0", "0.hot"] if shared else ["0", "0.hot", "1", "1.hot"])
+    ps = [served.tokenizer.encode(t, add_special_tokens=False).ids for t in
+          ("In the beginning God created the heaven and the earth.", "And God said", "And")]
+    assert any(bool((i[..., -2:] >= 0).any()) for i in served.hasher.hash([ps[0]]).values())
+    want = reference(served.model, served.hasher, served.vocab, ps, 5)
+    for serving in ({}, {"tier": "memory"}, {"tier": "shared", "cache_fraction": 0.0}):
+        paged = load(tmp_path / "hf", **serving)
+        assert paged.hasher.index.equals(served.hasher.index)
+        eng = MiniEngine(paged, block_size=4, chunk=3)
+        for p in ps:
+            eng.add(p, 5)
+        while eng.step():
+            pass
+        assert [r["out"] for r in eng.reqs] == want, serving
+    config["engram_nine"]["hot_slots"] = 7
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TableFileError, match="config.json says 7"):
+        load(tmp_path / "hf")
+
+
 def test_plugin_imports_without_vllm():
     import engram.serving.vllm_plugin as plugin
 

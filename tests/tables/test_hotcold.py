@@ -88,7 +88,7 @@ def test_hot_tier_file_round_trip(tmp_path, kind):
     assert torch.equal(rows2, rows) and idx2.equals(idx)
     q = torch.cat([keys, keys + 1])
     assert torch.equal(idx2.lookup(q), idx.lookup(q))
-    with pytest.raises(TableFileError, match="another Engram config"):
+    with pytest.raises(TableFileError, match="another Engram config \\(seed: file 0 vs model 1"):
         read_hot_tier(path, cfg.replace(seed=1))
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF  # flip a byte of the last tensor
@@ -97,3 +97,33 @@ def test_hot_tier_file_round_trip(tmp_path, kind):
         read_hot_tier(path)
     with pytest.raises(ValueError, match="hot rows"):
         write_hot_tier(tmp_path / "x.safetensors", idx, rows[:3], cfg)
+
+
+def test_store_over_table_files_with_cache_and_prefetch_equals_memory(tmp_path):
+    """Serving: the same lookup over outside stores (the oracle: the in-memory store); a prefetch
+    announces exactly the rows each tier's lookup then asks for."""
+    from engram.tables.cache import CachedTable
+    from engram.tables.prefetch import wrap_prefetch
+    from engram.tables.tablefile import table_path, write_table
+    from engram.tables.tiers import FileTable
+
+    cfg = EngramConfig(engram_vocab_size=[101, 211], max_ngram_size=3, n_embed_per_ngram=12,
+                       n_head_per_ngram=3, layer_ids=[0], pad_id=0)
+    torch.manual_seed(0)
+    memory = HotColdStore(R, E, G, K, S)
+    for tier, t in (("cold", memory.cold), ("hot", memory.hot)):
+        write_table(table_path(tmp_path, 0, tier), t.weight, layer_id=0, config=cfg)
+    files = wrap_prefetch({"cold": CachedTable(FileTable(table_path(tmp_path, 0)), 10),
+                           "hot": FileTable(table_path(tmp_path, 0, "hot"))})
+    served = HotColdStore(R, E, G, K, S, cold=files["cold"], hot=files["hot"])
+    assert not list(served.parameters())  # the rows live outside
+    for seed, rate in ((1, 0.4), (2, 0.0), (3, 1.0)):
+        ids = _ids(seed=seed, hot_rate=rate)
+        served.prefetch(ids)
+        assert torch.equal(served.lookup(ids), memory.lookup(ids).detach())
+    assert files["cold"].stats.sync == 0 and files["hot"].stats.sync == 0
+    assert files["cold"].stats.used == 3 and files["hot"].stats.used == 2  # (no hot row at 0.0)
+    with pytest.raises(ValueError, match="hot store is 7 x 12, expected 8 x 12"):
+        HotColdStore(R, E, G, K, S + 1, cold=files["cold"], hot=files["hot"])
+    with pytest.raises(ValueError, match="no hot store"):
+        HotColdStore(R, E, G, K, S, cold=files["cold"])

@@ -1,6 +1,7 @@
 """Table files: round trips per dtype, export from a model and a checkpoint, corruption, truncation,
 mismatched configs and hash profiles, missing files, and atomic publish under concurrent readers."""
 
+import dataclasses
 import os
 import threading
 
@@ -253,3 +254,34 @@ def test_refresh_refuses_another_shape_and_closed_tables_say_so(tmp_path):
     table.close()
     with pytest.raises(RuntimeError, match="closed"):
         table.lookup(torch.arange(3))
+
+
+def test_nine_hot_tier_files_carry_their_index(tmp_path):
+    """An Engram-Nine file names its hot index, tier and sharing layers in its hash profile: a plain
+    model, another index, or a hot file read as cold is refused, naming what differs."""
+    from engram.retrieval.hot import HotIndex, NineHasher
+    from engram.retrieval.primes import rows_per_layer
+
+    cfg = EngramConfig(engram_vocab_size=[101, 211], max_ngram_size=3, n_embed_per_ngram=16,
+                       n_head_per_ngram=4, layer_ids=[0, 2], pad_id=0)
+    plain = NgramHasher(cfg, np.arange(300) % 250)
+    nine = NineHasher(plain, HotIndex.build(torch.arange(30) * 7 + 1, bits=8), shared=True)
+    other = NineHasher(plain, HotIndex.build(torch.arange(30) * 7 + 2, bits=8), shared=True)
+    assert hash_profile(nine, 2)["multipliers"] == hash_profile(plain, 0)["multipliers"]
+    cold = write_table(table_path(tmp_path, 0), torch.randn(rows_per_layer(cfg)[0], 4),
+                       layer_id=0, config=cfg, profile=hash_profile(nine, 0))
+    hot = write_table(table_path(tmp_path, 0, "hot"), torch.randn(30, 16), layer_id=0, config=cfg,
+                      profile=hash_profile(nine, 0, "hot"))
+    check_compatible(cold, cfg, 0, nine)
+    check_compatible(hot, cfg, 0, nine, "hot")
+    with pytest.raises(TableFileError, match="from an Engram-Nine run; this model has no hot"):
+        check_compatible(cold, cfg, 0, plain)
+    with pytest.raises(TableFileError, match="another Engram-Nine hot tier \\(index: file"):
+        check_compatible(hot, cfg, 0, other, "hot")
+    with pytest.raises(TableFileError, match="tier: file 'hot' vs model 'cold'"):
+        check_compatible(dataclasses.replace(hot, num_rows=cold.num_rows, dim=4), cfg, 0, nine)
+    with pytest.raises(TableFileError, match="from a plain \\(no hot tier\\) run; this model has a"):
+        check_compatible(dataclasses.replace(cold, hash_profile=hash_profile(plain, 0)), cfg, 0,
+                         nine)
+    with pytest.raises(ValueError, match="NineHasher"):
+        check_compatible(hot, cfg, 0, plain, "hot")

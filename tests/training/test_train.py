@@ -123,7 +123,8 @@ def test_nine_run_resumes_exactly_and_exports_its_hot_tier(tmp_path, corpus):
     """Engram-Nine: the checkpoint carries keys, MPHF and fingerprints; resume equals
     uninterrupted; the table files hold the cold tables and the hot tier beside them."""
     from engram.tables.hotcold import hot_path, read_hot_tier
-    from engram.tables.tablefile import read_header
+    from engram.tables.tablefile import read_header, table_path
+    from engram.tables.tiers import FileTable
     from engram.training.export import export_tables
 
     nine = dict(hot_rows=40, shared_tables=True, engram_layers=(0, 1))
@@ -136,10 +137,16 @@ def test_nine_run_resumes_exactly_and_exports_its_hot_tier(tmp_path, corpus):
     with pytest.raises(CheckpointError, match="hot_rows"):
         train(_cfg(tmp_path, "part", steps=9, **{**nine, "hot_rows": 30}), corpus, progress=False)
     paths = export_tables(tmp_path / "part", tmp_path / "tables")
-    index, rows = read_hot_tier(hot_path(tmp_path / "tables", 1), full.model.config.engram)
-    assert index.equals(full.hasher.index)
+    # One shared table set: written once, under its first layer, which every layer reads.
+    assert paths[0] == paths[1] == tmp_path / "tables" / "layer0.table"
+    assert not (tmp_path / "tables" / "layer1.hot.safetensors").exists()
+    index, rows = read_hot_tier(hot_path(tmp_path / "tables", 0), full.model.config.engram)
+    assert index.equals(full.hasher.index) and index.digest() == full.hasher.index.digest()
+    assert rows is None  # the hot rows live in a table file, mappable on every tier
     store = full.model.blocks[1].engram.table
-    assert torch.equal(rows, store.hot.weight.detach())
+    hot = FileTable(table_path(tmp_path / "tables", 0, "hot"))
+    assert torch.equal(hot.lookup(torch.arange(hot.num_rows)), store.hot.weight.detach())
+    assert hot.header.hash_profile["hot_tier"]["layers"] == [0, 1]
     assert read_header(paths[1]).num_rows == store.cold.num_rows
     from engram.retrieval.hot import NineHasher
     from engram.serving.loader import load_run
@@ -147,10 +154,12 @@ def test_nine_run_resumes_exactly_and_exports_its_hot_tier(tmp_path, corpus):
     served = load_run(tmp_path / "part")  # memory tier: the checkpoint's hot index and rows
     assert isinstance(served.hasher, NineHasher) and served.hasher.index.equals(full.hasher.index)
     b = full.batches.batch(0)
-    assert torch.equal(served.model(b.inputs, served.hasher.hash(b.raw)).hidden,
-                       full.model.eval()(b.inputs, b.hash_ids).hidden)
-    with pytest.raises(ValueError, match="memory"):
-        load_run(tmp_path / "part", tier="file")
+    want = full.model.eval()(b.inputs, b.hash_ids).hidden
+    assert torch.equal(served.model(b.inputs, served.hasher.hash(b.raw)).hidden, want)
+    served = load_run(tmp_path / "part", tier="file", table_dir=tmp_path / "tables")
+    assert torch.equal(served.model(b.inputs, served.hasher.hash(b.raw)).hidden, want)
+
+
 def test_allocator_env_reaches_spawned_processes_and_is_restored(monkeypatch):
     import multiprocessing as mp
     import os

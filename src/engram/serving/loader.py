@@ -63,24 +63,34 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
     corpus = build_corpus(cfg.data_config(), tok)
     ecfg = cfg.engram_config()
     hasher = cfg.hasher(tok)
-    if "hot_index" in state:  # Engram-Nine: hot slots ride behind the cold row ids
+    nine = "hot_index" in state  # Engram-Nine: hot slots ride behind the cold row ids
+    if nine:
         from ..retrieval.hot import HotIndex, NineHasher
 
-        if tier != "memory":
-            raise ValueError("an Engram-Nine run serves from tier='memory' only for now (its table "
-                             "files, with the hot tier, come from export_tables)")
         hasher = NineHasher(hasher, HotIndex.from_state_dict(state["hot_index"]),
                             shared=cfg.shared_tables)
     tables: dict[int, Any] = {}
     if tier != "memory" and ecfg is not None:
         table_dir = Path(table_dir) if table_dir is not None else run_dir / "tables"
-        paths = [table_path(table_dir, lid) for lid in ecfg.layer_ids]
+        owners = sorted({hasher.owner(lid) for lid in ecfg.layer_ids}) if nine else ecfg.layer_ids
+        paths = [table_path(table_dir, lid) for lid in owners]
+        if nine and hasher.index.num_slots:
+            paths += [table_path(table_dir, lid, "hot") for lid in owners]
         stale = [p for p in paths if not p.exists() or read_header(p).tag != ckpt.name
                  or read_header(p).dtype != table_dtype]
+        if nine:
+            from ..tables.hotcold import hot_path
+
+            stale += [p for lid in owners if not (p := hot_path(table_dir, lid)).exists()]
         if stale:
             print(f"engram: exporting tables of {ckpt.name} to {table_dir}", file=sys.stderr)
             export_tables(ckpt, table_dir, dtype=table_dtype, hasher=hasher, tag=ckpt.name)
-        counts = count_rows(hasher, corpus.train) if cache_fraction > 0 else None
+        if nine:  # the hot index the files carry; it must be the one the checkpoint trained
+            hasher = nine_hasher_from_files(table_dir, ecfg, hasher.hasher, cfg.shared_tables,
+                                            expect=hasher.index)
+        counts = None
+        if cache_fraction > 0:
+            counts = hasher.count_reads(corpus.train) if nine else count_rows(hasher, corpus.train)
         tables = open_tier(table_dir, ecfg, hasher, tier, counts=counts,
                            cache_fraction=cache_fraction, prefetch=prefetch, verify=verify)
     model = build_model(cfg, corpus, tables or None)
@@ -89,31 +99,77 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
     return Served(model, hasher, corpus.vocab, ckpt, tok, tables, corpus.train)
 
 
+def nine_hasher_from_files(table_dir: str | Path, config: Any, hasher: NgramHasher, shared: bool,
+                           expect: Any = None) -> Any:
+    """An Engram-Nine run's NineHasher from its table files: the hot index (keys, MPHF,
+    fingerprints) each table set's ``layer{id}.hot.safetensors`` holds; refused when the sets
+    disagree or (``expect``: a HotIndex) differ from the checkpoint's."""
+    from ..retrieval.hot import NineHasher
+    from ..tables.hotcold import hot_path, read_hot_tier
+    from ..tables.tablefile import TableFileError
+
+    index = None
+    for lid in config.layer_ids[:1] if shared else config.layer_ids:
+        path = hot_path(table_dir, lid)
+        got, _ = read_hot_tier(path, config)
+        want = expect if expect is not None else index
+        if want is not None and got.digest() != want.digest():
+            raise TableFileError(
+                f"{path} holds another hot index ({got.num_slots} slots, digest {got.digest()}) "
+                f"than {'the checkpoint' if expect is not None else 'the first table set'} "
+                f"({want.num_slots} slots, digest {want.digest()}): tables of another run or an "
+                f"interrupted export; delete {table_dir} (or choose another table_dir) to "
+                "re-export")
+        index = index or got
+    return NineHasher(hasher, index, shared=shared)
+
+
 def open_tier(table_dir: str | Path, config: Any, hasher: NgramHasher, tier: str, *,
-              counts: dict[int, torch.Tensor] | None = None, cache_fraction: float = 0.0,
+              counts: dict[int, Any] | None = None, cache_fraction: float = 0.0,
               prefetch: bool = False, verify: bool = True) -> dict[int, Any]:
     """``{layer: store}`` for the table files in ``table_dir`` on ``tier`` (not "memory"),
     optionally behind a hot cache (``counts``: each layer's row frequencies on training text) and
-    background prefetch. Files of another config, layer or hash profile are refused here."""
+    background prefetch. Files of another config, layer or hash profile are refused here.
+
+    With an Engram-Nine hasher (``NineHasher``) each table set's cold and hot files go on the tier,
+    each behind its own cache (``counts[layer]`` = (cold, hot) from ``NineHasher.count_reads``) and
+    prefetch, under one :class:`HotColdStore` (the same object for every layer of a shared set).
+    """
     from ..tables.cache import build_cache
     from ..tables.prefetch import wrap_prefetch
     from ..tables.tiers import PinnedTable, SharedPool, open_tables
 
     if tier not in TIERS or tier == "memory":
         raise ValueError(f"tier must be one of {TIERS[1:]} for table files, got {tier!r}")
+    nine = getattr(hasher, "index", None) is not None
     if tier == "shared":
-        tables = dict(SharedPool(table_dir, config, hasher, verify=verify).tables)
+        pool = SharedPool(table_dir, config, hasher, verify=verify)
+        parts = {("cold", lid): t for lid, t in pool.tables.items()}
+        parts.update({("hot", lid): t for lid, t in pool.hot_tables.items()})
     else:
-        tables = dict(open_tables(table_dir, config, hasher, verify=verify))
+        parts = {("cold", lid): t for lid, t in open_tables(table_dir, config, hasher,
+                                                             verify=verify).items()}
+        if nine:
+            parts.update({("hot", lid): t for lid, t in open_tables(
+                table_dir, config, hasher, "hot", verify=verify).items()})
         if tier == "pinned":
-            tables = {lid: PinnedTable(t) for lid, t in tables.items()}
+            parts = {k: PinnedTable(t) for k, t in parts.items()}
     if cache_fraction > 0:
         if counts is None:
             raise ValueError("a hot cache needs the training text's row counts")
-        tables = {lid: build_cache(t, counts[lid], cache_fraction) for lid, t in tables.items()}
+        parts = {(kind, lid): build_cache(t, counts[lid][kind == "hot"] if nine else counts[lid],
+                                          cache_fraction) for (kind, lid), t in parts.items()}
     if prefetch:
-        tables = dict(wrap_prefetch(tables))
-    return tables
+        parts = dict(wrap_prefetch(parts))
+    if not nine:
+        return {lid: t for (_, lid), t in parts.items()}
+    from ..tables.hotcold import HotColdStore
+
+    stores = {lid: HotColdStore(t.num_rows, config.head_dim, config.max_ngram_size - 1,
+                                config.n_head_per_ngram, hasher.index.num_slots, cold=t,
+                                hot=parts.get(("hot", lid)))
+              for (kind, lid), t in parts.items() if kind == "cold"}
+    return {lid: stores[hasher.owner(lid)] for lid in config.layer_ids}
 
 
 def load_dense_state(model: EngramLM, state: dict[str, torch.Tensor]) -> None:

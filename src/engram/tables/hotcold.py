@@ -26,23 +26,36 @@ from torch import nn
 from ..files import publish
 from ..retrieval.config import EngramConfig
 from ..retrieval.hot import HotIndex
-from .store import MemoryTable
-from .tablefile import TableFileError
+from .store import MemoryTable, TableStore
+from .tablefile import TableFileError, check_config
 
 
 class HotColdStore(nn.Module):
-    """Cold table [R, e] + hot table [S, K * e] (S = 0: exactly the plain hashed table)."""
+    """Cold table [R, e] + hot table [S, K * e] (S = 0: exactly the plain hashed table).
+
+    ``cold`` / ``hot``: outside stores to serve from instead (table files on any tier, behind a
+    cache and prefetch: ``engram.serving.loader``); they must be R x e and S x K*e.
+    """
 
     def __init__(self, cold_rows: int, head_dim: int, orders: int, heads_per_order: int,
-                 hot_slots: int = 0, sparse: bool = True, init_std: float = 1.0):
+                 hot_slots: int = 0, sparse: bool = True, init_std: float = 1.0, *,
+                 cold: TableStore | None = None, hot: TableStore | None = None):
         super().__init__()
         if hot_slots < 0:
             raise ValueError(f"hot_slots must be >= 0, got {hot_slots}")
         self.orders, self.k = int(orders), int(heads_per_order)
         self.num_heads = self.orders * self.k
-        self.cold = MemoryTable(cold_rows, head_dim, sparse=sparse, init_std=init_std)
-        self.hot = (MemoryTable(hot_slots, self.k * head_dim, sparse=sparse, init_std=init_std)
-                    if hot_slots else None)
+        for name, store, want in (("cold", cold, (cold_rows, head_dim)),
+                                  ("hot", hot, (hot_slots, self.k * head_dim))):
+            if store is not None and (store.num_rows, store.dim) != want:
+                raise ValueError(f"the {name} store is {store.num_rows} x {store.dim}, "
+                                 f"expected {want[0]} x {want[1]}")
+        if hot_slots and cold is not None and hot is None:
+            raise ValueError(f"{hot_slots} hot slots but no hot store beside the outside cold one")
+        self.cold = cold if cold is not None else MemoryTable(cold_rows, head_dim, sparse=sparse,
+                                                              init_std=init_std)
+        self.hot = hot if hot is not None or not hot_slots else MemoryTable(
+            hot_slots, self.k * head_dim, sparse=sparse, init_std=init_std)
         self.num_rows, self.dim = self.cold.num_rows, self.cold.dim  # the TableStore view
         self.hot_slots = int(hot_slots)
 
@@ -50,32 +63,48 @@ class HotColdStore(nn.Module):
     def num_params(self) -> int:
         return self.cold.weight.numel() + (self.hot.weight.numel() if self.hot is not None else 0)
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [..., H + G] -> rows [..., H, e]."""
-        h, g, k, e = self.num_heads, self.orders, self.k, self.dim
+    def _split(self, ids: torch.Tensor):
+        """ids [..., H + G] -> (cold rows [u*G, K], hot slots [u*G], hits [h], misses [m]), or the
+        cold rows alone (None for the rest) when nothing is hot."""
+        h, g, k = self.num_heads, self.orders, self.k
         if ids.shape[-1] != h + g:
             raise ValueError(f"a hot+cold lookup needs {h} cold rows + {g} hot slots per position, "
                              f"got {ids.shape[-1]} ids (a NineHasher's output)")
-        lead = ids.shape[:-1]
         rows = ids[..., :h].reshape(-1, k)  # [u*G, K]
         slots = ids[..., h:].reshape(-1)  # [u*G]
         hit = slots >= 0
         if self.hot is None or not bool(hit.any()):
             if bool(hit.any()):
                 raise ValueError("hot slots given but this store has no hot tier")
-            return self.cold.lookup(rows).view(*lead, h, e)
+            return rows, None, None, None
         if int(slots.max()) >= self.hot_slots:
             raise ValueError(f"hot slot {int(slots.max())} out of range for {self.hot_slots} slots")
-        hit_i, miss_i = hit.nonzero().squeeze(1), (~hit).nonzero().squeeze(1)
+        return rows, slots, hit.nonzero().squeeze(1), (~hit).nonzero().squeeze(1)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [..., H + G] -> rows [..., H, e]."""
+        h, k, e = self.num_heads, self.k, self.dim
+        lead = ids.shape[:-1]
+        rows, slots, hit_i, miss_i = self._split(ids)
+        if slots is None:
+            return self.cold.lookup(rows).view(*lead, h, e)
         cold = self.cold.lookup(rows[miss_i])  # [misses, K, e]
         hot = self.hot.lookup(slots[hit_i]).view(-1, k, e)  # [hits, K, e]
         order = torch.cat([miss_i, hit_i])
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
-        return torch.cat([cold, hot]).index_select(0, inv).view(*lead, h, e)
+        both = torch.cat([cold, hot])  # on the stores' device, which may not be the ids'
+        return both.index_select(0, inv.to(both.device)).view(*lead, h, e)
 
     def prefetch(self, ids: torch.Tensor) -> None:
-        pass  # resident
+        """Announce exactly the rows ``lookup(ids)`` will ask each tier for (a PrefetchTable in
+        front of either joins its gather by equal rows)."""
+        rows, slots, hit_i, miss_i = self._split(ids)
+        if slots is None:
+            self.cold.prefetch(rows)
+            return
+        self.cold.prefetch(rows[miss_i])
+        self.hot.prefetch(slots[hit_i])
 
     def extra_repr(self) -> str:
         return (f"cold={self.cold.num_rows}x{self.dim}, hot={self.hot_slots}x{self.k * self.dim}, "
@@ -133,8 +162,8 @@ def read_hot_tier(path: str | Path, config: EngramConfig | None = None
     for k, t in tensors.items():
         if f"{zlib.crc32(_bytes(t)):08x}" != meta["crc32"].get(k):
             raise TableFileError(f"{path}: checksum mismatch in {k!r}; the file is corrupted")
-    if config is not None and meta["engram_config"] != config.to_dict():
-        raise TableFileError(f"{path} was written for another Engram config")
+    if config is not None:
+        check_config(meta["engram_config"], config, str(path))
     index = HotIndex.from_state_dict(_unflatten(meta["index"], tensors))
     return index, tensors.get("rows")
 

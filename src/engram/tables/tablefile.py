@@ -49,6 +49,8 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "fp8": (torch.float8_e4m3fn, 1),
 }
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# What a table file holds: hashed rows of one head each, or Engram-Nine's hot rows [S, K * e].
+TIERS = ("cold", "hot")
 # Config fields that do not change which row an n-gram reads (or what it holds).
 _IGNORED_CONFIG = ("tokenizer_name_or_path",)
 
@@ -114,11 +116,28 @@ def _row_bytes(x: torch.Tensor) -> bytes:
 
 # -- hash profile ----------------------------------------------------------------------------------
 
-def hash_profile(hasher: NgramHasher, layer_id: int) -> dict[str, Any]:
+def hash_profile(hasher: NgramHasher, layer_id: int, tier: str = "cold") -> dict[str, Any]:
     """What decides which row an n-gram reads: compression map, multipliers, head table sizes.
 
     The compression map is identified by its content, so the same map reached two ways matches.
+    An Engram-Nine hasher (``engram.retrieval.hot.NineHasher``) adds its hot tier: the index's
+    content hash, its slot count, which tier the file holds ("cold" hashed rows or "hot" rows of
+    width K * e) and the layers that read the table set (all of them when shared, arXiv 2601.16531
+    section 4); a shared set is hashed with its first layer's multipliers.
     """
+    if tier not in TIERS:
+        raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+    index = getattr(hasher, "index", None)
+    if index is not None:
+        owner = hasher.owner(layer_id)
+        prof = hash_profile(hasher.hasher, owner)
+        prof["hot_tier"] = {"tier": tier, "index": index.digest(), "slots": index.num_slots,
+                            "kind": index.kind, "fingerprint_bits": index.bits,
+                            "layers": [lid for lid in hasher.layer_ids
+                                       if hasher.owner(lid) == owner]}
+        return prof
+    if tier != "cold":
+        raise ValueError("a hot tier table needs an Engram-Nine hasher (NineHasher)")
     comp = hasher.compression
     return {
         "profile": hasher.config.profile,
@@ -132,8 +151,11 @@ def hash_profile(hasher: NgramHasher, layer_id: int) -> dict[str, Any]:
 
 # -- writing ---------------------------------------------------------------------------------------
 
-def table_path(directory: str | Path, layer_id: int) -> Path:
-    return Path(directory) / f"layer{int(layer_id)}.table"
+def table_path(directory: str | Path, layer_id: int, tier: str = "cold") -> Path:
+    """``layer{id}.table``; Engram-Nine's hot rows beside it in ``layer{id}.hot.table``."""
+    if tier not in TIERS:
+        raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+    return Path(directory) / f"layer{int(layer_id)}{'.hot' if tier == 'hot' else ''}.table"
 
 
 RowSource = torch.Tensor | Callable[[int, int], torch.Tensor]
@@ -318,25 +340,55 @@ def verify(source: str | Path | int, header: TableHeader | None = None, *,
             os.close(fd)
 
 
+def differences(file: dict[str, Any], model: dict[str, Any]) -> str:
+    """"key: file X vs model Y, ..." for every key whose value differs."""
+    return ", ".join(f"{k}: file {file.get(k)!r} vs model {model.get(k)!r}"
+                     for k in sorted(set(file) | set(model)) if file.get(k) != model.get(k))
+
+
+def check_config(file_config: dict[str, Any], config: EngramConfig, name: str) -> None:
+    """Refuse a file written for another Engram config, naming the fields that differ."""
+    ours = {k: v for k, v in config.to_dict().items() if k not in _IGNORED_CONFIG}
+    theirs = {k: v for k, v in file_config.items() if k not in _IGNORED_CONFIG}
+    if ours != theirs:
+        raise TableFileError(f"{name} was exported for another Engram config "
+                             f"({differences(theirs, ours)})")
+
+
 def check_compatible(header: TableHeader, config: EngramConfig, layer_id: int,
-                     hasher: NgramHasher | None = None, name: str = "table file") -> None:
-    """Refuse a file that would feed the model rows under other ids (or of another shape)."""
+                     hasher: NgramHasher | None = None, tier: str = "cold",
+                     name: str = "table file") -> None:
+    """Refuse a file that would feed the model rows under other ids (or of another shape).
+
+    ``tier="hot"``: the file must hold Engram-Nine's hot rows for ``hasher``'s hot index.
+    """
     if header.layer_id != layer_id:
         raise TableFileError(f"{name} holds layer {header.layer_id}, expected layer {layer_id}")
-    ours = {k: v for k, v in config.to_dict().items() if k not in _IGNORED_CONFIG}
-    theirs = {k: v for k, v in header.engram_config.items() if k not in _IGNORED_CONFIG}
-    if ours != theirs:
-        diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
-        detail = ", ".join(f"{k}: file {theirs.get(k)!r} vs model {ours.get(k)!r}" for k in diff)
-        raise TableFileError(f"{name} was exported for another Engram config ({detail})")
-    want = (rows_per_layer(config)[layer_id], config.head_dim)
+    check_config(header.engram_config, config, name)
+    if tier == "hot":
+        if getattr(hasher, "index", None) is None:
+            raise ValueError("checking a hot tier table needs the run's NineHasher")
+        want = (hasher.index.num_slots, config.n_head_per_ngram * config.head_dim)
+        what = "the hot tier"
+    else:
+        want = (rows_per_layer(config)[layer_id], config.head_dim)
+        what = f"layer {layer_id}"
     if (header.num_rows, header.dim) != want:
-        raise TableFileError(f"{name} is {header.num_rows} x {header.dim}, layer {layer_id} needs "
+        raise TableFileError(f"{name} is {header.num_rows} x {header.dim}, {what} needs "
                              f"{want[0]} x {want[1]}")
-    if hasher is not None and header.hash_profile is not None:
-        mine = hash_profile(hasher, layer_id)
-        diff = sorted(k for k in set(mine) | set(header.hash_profile)
-                      if mine.get(k) != header.hash_profile.get(k))
+    # An Engram-Nine hasher needs the file's profile: it names the hot index the rows belong to.
+    if hasher is not None and (header.hash_profile is not None
+                               or getattr(hasher, "index", None) is not None):
+        mine, theirs = hash_profile(hasher, layer_id, tier), header.hash_profile or {}
+        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        if diff == ["hot_tier"] and "hot_tier" in mine and "hot_tier" in theirs:
+            detail = differences(theirs["hot_tier"], mine["hot_tier"])
+            raise TableFileError(f"{name} belongs to another Engram-Nine hot tier ({detail}); "
+                                 "re-export the tables of this run")
+        if diff == ["hot_tier"]:
+            kind = "an Engram-Nine" if "hot_tier" in theirs else "a plain (no hot tier)"
+            raise TableFileError(f"{name} was exported from {kind} run; this model "
+                                 f"has {'a' if 'hot_tier' in mine else 'no'} hot tier")
         if diff:
             raise TableFileError(f"{name} was hashed differently (hash profile differs in {diff}): "
                                  "its rows would be read under other n-grams")

@@ -131,7 +131,8 @@ class FileTable:
 
     Args:
         verify: check every chunk's crc32 on open (reads the whole file once).
-        expect: ``(config, layer_id, hasher or None)`` the file must match.
+        expect: ``(config, layer_id, hasher or None)`` the file must match, or
+            ``(config, layer_id, nine_hasher, "hot")`` for an Engram-Nine hot rows file.
         window_bytes: map windows of this many bytes, at most ``max_windows`` at a time (None: the
             whole file at once); bounds the address space, e.g. under RLIMIT_AS.
         io_threads: split large gathers over this many threads, so the page faults of a cold
@@ -140,7 +141,7 @@ class FileTable:
 
     def __init__(self, path: str | Path, *, out_dtype: torch.dtype = torch.float32,
                  verify: bool = True,
-                 expect: tuple[EngramConfig, int, NgramHasher | None] | None = None,
+                 expect: tuple[EngramConfig, int, NgramHasher | None] | tuple | None = None,
                  window_bytes: int | None = None, max_windows: int = 4, io_threads: int = 1,
                  advice: str = "random", min_split_rows: int = 4096):
         self.path = Path(path)
@@ -331,16 +332,31 @@ class PinnedTable:
 
 
 def open_tables(directory: str | Path, config: EngramConfig, hasher: NgramHasher | None = None,
-                **kwargs: Any) -> dict[int, FileTable]:
-    """``{layer: FileTable}`` for every Engram layer of ``config`` from an exported folder."""
+                tier: str = "cold", **kwargs: Any) -> dict[int, FileTable]:
+    """``{layer: FileTable}`` for every Engram layer of ``config`` from an exported folder.
+
+    With an Engram-Nine hasher (``engram.retrieval.hot.NineHasher``): one per table set (keyed by
+    its first layer when shared), the cold tables or (``tier="hot"``) the hot rows [S, K * e],
+    checked against the hasher's hot index (none when the index has no slots).
+    """
+    if tier == "hot" and getattr(hasher, "index", None) is None:
+        raise ValueError("hot tier tables need the run's NineHasher (its hot index)")
     out = {}
-    for lid in config.layer_ids:
-        path = table_path(directory, lid)
+    for lid in _owners(config, hasher) if tier == "cold" or hasher.index.num_slots else []:
+        path = table_path(directory, lid, tier)
         if not path.exists():
-            raise FileNotFoundError(f"no table file for Engram layer {lid} at {path} (export with "
-                                    "engram.training.export.export_tables)")
-        out[lid] = FileTable(path, expect=(config, lid, hasher), **kwargs)
+            what = "hot tier table" if tier == "hot" else "table file"
+            raise FileNotFoundError(f"no {what} for Engram layer {lid} at {path} "
+                                    "(export with engram.training.export.export_tables)")
+        out[lid] = FileTable(path, expect=(config, lid, hasher, tier), **kwargs)
     return out
+
+
+def _owners(config: EngramConfig, hasher: Any) -> list[int]:
+    """The layers whose table files exist: every Engram layer, or a shared set's first one."""
+    if getattr(hasher, "index", None) is None:
+        return list(config.layer_ids)
+    return sorted({hasher.owner(lid) for lid in config.layer_ids})
 
 
 class SharedPool:
@@ -356,22 +372,28 @@ class SharedPool:
                  hasher: NgramHasher | None = None, *, verify: bool = False, **kwargs: Any):
         self.directory = Path(directory)
         self.tables = open_tables(directory, config, hasher, verify=verify, **kwargs)
+        # Engram-Nine: each table set's hot rows, mapped the same way
+        self.hot_tables = (open_tables(directory, config, hasher, "hot", verify=verify, **kwargs)
+                           if getattr(hasher, "index", None) is not None else {})
 
     def store(self, layer_id: int) -> FileTable:
         return self.tables[layer_id]
 
+    def _all(self) -> list[FileTable]:
+        return [*self.tables.values(), *self.hot_tables.values()]
+
     def warm(self) -> None:
         """Ask the kernel to read every table into the page cache (asynchronously)."""
-        for t in self.tables.values():
+        for t in self._all():
             os.posix_fadvise(t._fd, 0, 0, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
-        for t in self.tables.values():
+        for t in self._all():
             t.close()
 
     @property
     def nbytes(self) -> int:
-        return sum(t.header.file_size for t in self.tables.values())
+        return sum(t.header.file_size for t in self._all())
 
 
 def memory_status() -> dict[str, int]:

@@ -25,29 +25,42 @@ def export_tables(source: Any, directory: str | Path, *, dtype: str = "fp32",
     ``source`` is an EngramLM, or a checkpoint: a ``.safetensors`` file, a checkpoints folder, or a
     run folder (``engram train --out_dir``) holding one. ``hasher`` fixes the hash profile; by
     default it is the one training uses (the DeepSeek tokenizer's compression).
+
+    Engram-Nine (arXiv 2601.16531): beside each table set's cold file ``layer{id}.table`` go its hot
+    rows [S, K*e] as a table file ``layer{id}.hot.table`` and the hot index (keys, MPHF,
+    fingerprints) as ``layer{id}.hot.safetensors``; every file carries the index's content hash. A
+    table set shared by several layers is written once, under its first layer (the returned
+    paths map every layer to the file it reads).
     """
-    config, weights, hot, shared = _tables_of(source)
+    config, weights, nine = _tables_of(source, getattr(hasher, "index", None))
     if hasher is None:
         from ..retrieval.compress import (
             build_compression,  # loads the tokenizer: only when needed
         )
 
         hasher = NgramHasher(config, build_compression())
+    if nine is not None:
+        hasher = _nine_hasher(hasher, *nine[:2])
     if tag == "" and not hasattr(source, "engrams"):
         tag = Path(str(source)).name
+    kw = dict(config=config, dtype=dtype, scale_block=scale_block, tag=tag, progress=progress)
     out = {}
     for lid, w in weights.items():
         out[lid] = table_path(directory, lid)
         write_table(out[lid], w, num_rows=getattr(w, "num_rows", None), dim=getattr(w, "dim", None),
-                    layer_id=lid, config=config,
-                    # A shared table set is hashed with the first layer's multipliers.
-                    profile=hash_profile(hasher, config.layer_ids[0] if shared else lid),
-                    dtype=dtype, scale_block=scale_block, tag=tag, progress=progress)
-    if hot is not None:  # Engram-Nine: keys, MPHF, fingerprints and hot rows beside the cold tables
+                    layer_id=lid, profile=hash_profile(hasher, lid), **kw)
+    if nine is not None:
         from ..tables.hotcold import hot_path, write_hot_tier
 
-        for lid, (index, rows) in hot.items():
-            write_hot_tier(hot_path(directory, lid), index, rows, config, tag=tag)
+        index, _, hot = nine
+        for lid, rows in hot.items():
+            if rows is not None:
+                write_table(table_path(directory, lid, "hot"), rows,
+                            num_rows=getattr(rows, "num_rows", None),
+                            dim=getattr(rows, "dim", None), layer_id=lid,
+                            profile=hash_profile(hasher, lid, "hot"), **kw)
+            write_hot_tier(hot_path(directory, lid), index, None, config, tag=tag)
+        return {lid: out[hasher.owner(lid)] for lid in config.layer_ids}
     return out
 
 
@@ -62,27 +75,46 @@ class _WithIndex:
         self.config, self.engrams = model.config, model.engrams
 
 
-def _tables_of(source: Any) -> tuple[EngramConfig, dict[int, Any], dict | None, bool]:
-    """(Engram config, {layer: weight tensor or a (start, stop) row function},
-    {layer: (hot index, hot rows)} or None, whether the layers share one table set)."""
+def _nine_hasher(hasher: Any, index: Any, shared: bool) -> Any:
+    """The NineHasher the files are profiled with; a given one must hold the source's index."""
+    from ..retrieval.hot import NineHasher
+
+    if getattr(hasher, "index", None) is None:
+        return NineHasher(hasher, index, shared=shared)
+    if hasher.index.digest() != index.digest() or hasher.shared != shared:
+        raise ValueError("the NineHasher given has another hot index or table sharing than the "
+                         "tables being exported")
+    return hasher
+
+
+def _tables_of(source: Any, index: Any = None
+               ) -> tuple[EngramConfig, dict[int, Any], tuple | None]:
+    """(Engram config, {layer: weight tensor or a (start, stop) row function}, and for Engram-Nine
+    (hot index, shared, {layer: hot rows or None}), else None). A shared table set appears once,
+    under its first layer. ``index``: a Nine model's hot index (its NineHasher's), unless the
+    source carries one."""
     if hasattr(source, "engrams"):  # an EngramLM
         if source.config.engram is None:
             raise ValueError("this model has no Engram layers to export")
+        engrams = source.engrams()
+        shared = len({id(e.table) for e in engrams.values()}) == 1 < len(engrams)
         weights, hot = {}, {}
-        for lid, eng in source.engrams().items():
+        for lid, eng in engrams.items():
             table = eng.table
             if table is None:
                 raise ValueError(f"layer {lid} has no table to export")
+            if shared and hasattr(table, "cold") and lid != next(iter(engrams)):
+                continue  # one shared hot+cold set: written once, under its first layer
             if hasattr(table, "cold"):  # a hot+cold store: cold rows here, hot rows beside
-                if getattr(source, "index", None) is None:
-                    raise ValueError("a Nine model's tables need its hot index: export_nine(model, "
-                                     "hasher.index, directory)")
-                hot[lid] = (source.index, None if table.hot is None else table.hot.weight.detach())
+                index = getattr(source, "index", None) or index
+                if index is None:
+                    raise ValueError("a Nine model's tables need its hot index: pass its NineHasher "
+                                     "as hasher=, or export_nine(model, index, directory)")
+                hot[lid] = None if table.hot is None else _rows(table.hot)
                 table = table.cold
-            w = getattr(table, "weight", None)
-            weights[lid] = w.detach().cpu() if isinstance(w, torch.Tensor) else _StoreRows(table)
-        shared = len({id(e.table) for e in source.engrams().values()}) == 1 < len(weights)
-        return source.config.engram, weights, hot or None, shared
+            weights[lid] = _rows(table)
+        nine = (index, shared, hot) if hot else None
+        return source.config.engram, weights, nine
     path = Path(source)
     if path.is_dir():
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
@@ -102,13 +134,19 @@ def _tables_of(source: Any) -> tuple[EngramConfig, dict[int, Any], dict | None, 
     if "hot_index" in state:  # Engram-Nine
         from ..retrieval.hot import HotIndex
 
-        index = HotIndex.from_state_dict(state["hot_index"])
-        hot = {lid: (index, model.get(f"blocks.{lid}.engram.table.hot.weight"))
-               for lid in config.layer_ids}
+        owners = config.layer_ids[:1] if tc.shared_tables else config.layer_ids
+        nine = (HotIndex.from_state_dict(state["hot_index"]), tc.shared_tables,
+                {lid: model.get(f"blocks.{lid}.engram.table.hot.weight") for lid in owners})
         return config, {lid: model[f"blocks.{lid}.engram.table.cold.weight"]
-                        for lid in config.layer_ids}, hot, tc.shared_tables
+                        for lid in owners}, nine
     return config, {lid: model[f"blocks.{lid}.engram.table.weight"]
-                    for lid in config.layer_ids}, None, False
+                    for lid in config.layer_ids}, None
+
+
+def _rows(table: Any) -> Any:
+    """A table's weight tensor (in memory), or a row function over any other store."""
+    w = getattr(table, "weight", None)
+    return w.detach().cpu() if isinstance(w, torch.Tensor) else _StoreRows(table)
 
 
 class _StoreRows:

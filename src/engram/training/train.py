@@ -214,7 +214,8 @@ def build_model(cfg: TrainConfig, corpus: Corpus,
         from ..models.nine_model import build_nine_lm
 
         model = build_nine_lm(cfg.model_config(corpus.vocab_size),
-                              (cfg.max_ngram_size - 1) * cfg.hot_rows, shared=cfg.shared_tables)
+                              (cfg.max_ngram_size - 1) * cfg.hot_rows, shared=cfg.shared_tables,
+                              tables=tables)
     else:
         model = EngramLM(cfg.model_config(corpus.vocab_size), tables=tables)
     if isinstance(model.head, AdaptiveHead):

@@ -1,0 +1,144 @@
+"""Serving a trained Engram-Nine run from table files: every tier (file, pinned, shared), with and
+without a hot cache and prefetch, gives exactly the logits and greedy tokens of the in-memory
+checkpoint, for one table set shared by several layers and for one set per layer; foreign,
+stale, corrupted or truncated hot tier files are refused with errors naming what differs; the
+`engram generate --tier file` command on a Nine run."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from engram.cli import main
+from engram.retrieval.hot import NineHasher, build_hot_index
+from engram.serving.generate import GenerationConfig, Generator
+from engram.serving.loader import load_run, nine_hasher_from_files, open_tier
+from engram.tables.hotcold import hot_path, write_hot_tier
+from engram.tables.tablefile import TableFileError, table_path
+from engram.training.train import TrainConfig, train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TINY = dict(max_chars=30_000, n_layer=3, d_model=32, n_head=2, seq_len=32, batch_size=4,
+            table_size=997, n_embed_per_ngram=32, n_head_per_ngram=2, engram_layers=(0, 2),
+            warmup=1, eval_batches=1, log_every=1, eval_every=3, ckpt_every=3, lr=3e-3,
+            hot_rows=40)
+PROMPTS = ["In the beginning God created", "And God said, Let there be"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two tiny Nine runs on real text (3 steps): one table set shared by layers 0 and 2 (the
+    paper's layout), and one set per layer; with their in-memory greedy tokens and logits."""
+    root = tmp_path_factory.mktemp("nine-runs")
+    out = {}
+    for layout in ("shared", "own"):
+        run = root / layout
+        train(TrainConfig(out_dir=str(run), steps=3, shared_tables=layout == "shared", **TINY),
+              progress=False)
+        memory = load_run(run)
+        prompts = [memory.tokenizer.encode(p).ids for p in PROMPTS]
+        out[layout] = (run, prompts, _tokens(memory, prompts), _logits(memory))
+    return out
+
+
+def _tokens(served, prompts):
+    cfg = GenerationConfig(max_new_tokens=8)
+    return Generator(served.model, served.hasher, served.vocab, cfg).generate(prompts).tokens
+
+
+@torch.no_grad()
+def _logits(served):
+    raw = torch.from_numpy(np.asarray(served.train_tokens[:4 * 32], dtype=np.int64)).view(4, 32)
+    local = torch.from_numpy(np.searchsorted(served.vocab, raw.numpy()))
+    assert np.array_equal(served.vocab[local.numpy()], raw.numpy())
+    ids = served.hasher.hash(raw)
+    g = served.hasher.config.max_ngram_size - 1
+    assert all(bool((i[..., -g:] >= 0).any()) for i in ids.values())  # the hot tier is read
+    return served.model(local, ids).logits
+
+
+@pytest.mark.parametrize("layout,tier,cache,prefetch", [
+    ("shared", "file", 0.0, False), ("shared", "file", 0.1, True), ("shared", "pinned", 0.1, True),
+    ("shared", "shared", 0.0, False), ("shared", "shared", 0.1, True), ("own", "file", 0.0, False),
+    ("own", "pinned", 0.0, False), ("own", "shared", 0.1, True)])
+def test_every_tier_serves_exactly_what_memory_serves(runs, layout, tier, cache, prefetch):
+    run, prompts, tokens, logits = runs[layout]
+    served = load_run(run, tier=tier, cache_fraction=cache, prefetch=prefetch)
+    assert _tokens(served, prompts) == tokens
+    stores = {id(t): t for t in served.tables.values()}
+    assert len(stores) == (1 if layout == "shared" else 2)  # a shared set is one store
+    assert all(type(t).__name__ == "HotColdStore" for t in stores.values())
+    assert not any(".engram.table." in k for k in served.model.state_dict())  # rows stay outside
+    if prefetch:  # every generation step's rows were gathered ahead, on both tiers
+        for t in stores.values():
+            for part in (t.cold, t.hot):
+                assert part.stats.used > 0 and part.stats.sync == 0, part.stats
+    assert torch.equal(_logits(served), logits)
+
+
+def test_foreign_stale_or_damaged_hot_tier_files_are_refused(runs, tmp_path):
+    run, *_ = runs["shared"]
+    served = load_run(run, tier="file")  # exports RUN/tables once
+    tables, cfg, nine = run / "tables", served.hasher.config, served.hasher
+    # Another hot index over the same hashed tables: its rows would serve other n-grams.
+    other = NineHasher(nine.hasher, build_hot_index(nine.hasher, served.train_tokens, 30),
+                       shared=True)
+    with pytest.raises(TableFileError, match="another Engram-Nine hot tier.*slots: file 80 vs "
+                                             "model 60"):
+        open_tier(tables, cfg, other, "file")
+    # A plain run, and the per-layer layout, read the shared set differently.
+    with pytest.raises(TableFileError, match="exported from an Engram-Nine run"):
+        open_tier(tables, cfg, nine.hasher, "file")
+    with pytest.raises(TableFileError, match=r"layers: file \[0, 2\] vs model \[0\]"):
+        open_tier(tables, cfg, NineHasher(nine.hasher, nine.index, shared=False), "file")
+    with pytest.raises(TableFileError, match="another hot index"):
+        nine_hasher_from_files(tables, cfg, nine.hasher, True, expect=other.index)
+    # A stale export (another run's files under the same checkpoint name) is refused, not used.
+    stale = tmp_path / "stale"
+    shutil.copytree(tables, stale)
+    write_hot_tier(hot_path(stale, 0), other.index, None, cfg, tag=served.checkpoint.name)
+    with pytest.raises(TableFileError, match="another hot index"):
+        load_run(run, tier="file", table_dir=stale)
+    # A hot file under another layer's name; a cold file where the hot one belongs.
+    own = tmp_path / "own"
+    shutil.copytree(runs["own"][0] / "tables", own)
+    shutil.copyfile(table_path(own, 0, "hot"), table_path(own, 2, "hot"))
+    with pytest.raises(TableFileError, match="holds layer 0, expected layer 2"):
+        open_tier(own, cfg, load_run(runs["own"][0]).hasher, "file", verify=False)
+    shutil.copyfile(table_path(stale, 0), table_path(stale, 0, "hot"))
+    with pytest.raises(TableFileError, match="the hot tier needs 80 x 32"):
+        open_tier(stale, cfg, nine, "file", verify=False)
+    # Corrupted and truncated hot tier files.
+    broken = tmp_path / "broken"
+    shutil.copytree(tables, broken)
+    path = table_path(broken, 0, "hot")
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(TableFileError, match="checksum mismatch in chunk 0"):
+        open_tier(broken, cfg, nine, "pinned")
+    path.write_bytes(bytes(data[:-100]))
+    with pytest.raises(TableFileError, match="truncated"):
+        open_tier(broken, cfg, nine, "shared")
+    index_file = hot_path(broken, 0)
+    data = bytearray(index_file.read_bytes())
+    data[-3] ^= 0xFF
+    index_file.write_bytes(bytes(data))
+    with pytest.raises(TableFileError, match="checksum"):
+        nine_hasher_from_files(broken, cfg, nine.hasher, True)
+
+
+def test_cli_generates_from_a_nine_run_on_the_file_tier(runs, tmp_path, capsys):
+    run, *_ = runs["shared"]
+    base = ["--run", str(run), "--max-new-tokens", "6", "--no-stop"]
+    for p in PROMPTS:
+        base += ["--prompt", p]
+    outputs = {}
+    for tier, extra in (("memory", []), ("file", ["--cache-fraction", "0.05", "--prefetch"])):
+        js = tmp_path / f"{tier}.json"
+        assert main(["generate", *base, "--tier", tier, "--json", str(js), *extra]) == 0
+        outputs[tier] = json.loads(js.read_text())["tokens"]
+    assert outputs["file"] == outputs["memory"] and [len(t) for t in outputs["file"]] == [6, 6]
+    assert "file tables" in capsys.readouterr().err
