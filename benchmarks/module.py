@@ -14,8 +14,13 @@ from other processes hits all alike. Variants:
 - ``ours_dense``: the same with a dense table gradient (like the demo's nn.Embedding).
 - ``gemm``: the same module's GEMMs alone (value + 4 keys as one [c -> 5d] matmul with bias).
 
+- ``compiled`` (with --compile only): the same computation written as plain torch ops (gate, norms,
+  conv as shifted multiply-adds) and given to ``torch.compile`` (inductor, C++ on CPU), so inductor
+  fuses the elementwise work; compile time is recorded apart. An evaluation, not a library option.
+
 Goals (issue 16): ours fwd+bwd >= 3x demo; ours fwd+bwd within 1.3x of gemm; forward >= 2x demo.
-Also: the decode step (t = 1, with EngramState) latency.
+Also: the decode step (t = 1, with EngramState) latency. The load average of the machine before and
+after is recorded (``load_avg``): the ratios are interleaved, the absolute tokens/s are not robust.
 
 The process runs with the allocator settings `engram compare` gives its workers
 (engram.training.train.ALLOCATOR_ENV: freed memory is kept, so each call's 32 MiB activations do
@@ -89,6 +94,35 @@ class DemoEngram(nn.Module):
         return value + self.short_conv(value)
 
 
+# -- the module as plain ops, for torch.compile (--compile) ----------------------------------------
+def plain_engram(e, w, bias, h, w1, w2, norm_w, conv_w, eps1, eps2, eps, dilation):
+    """Y of the demo profile from gathered rows e [b, t, c] and hidden h [b, t, m, d]."""
+    b, t, m, d = h.shape
+    kv = F.linear(e, w, bias)  # [b, t, (m+1)*d]
+    v, k = kv[..., :d], kv[..., d:].unflatten(-1, (m, d))
+
+    def rms(x, eps):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    s = (rms(k, eps1) * w1 * rms(h, eps2) * w2).sum(-1) / math.sqrt(d)  # [b, t, m]
+    alpha = (s.abs().clamp_min(1e-6).sqrt() * s.sign()).sigmoid()
+    vt = alpha.unsqueeze(-1) * v.unsqueeze(2)  # [b, t, m, d]
+    ctx = (conv_w.shape[-1] - 1) * dilation
+    xp = F.pad((rms(vt, eps) * norm_w).flatten(-2), (0, 0, ctx, 0))  # [b, ctx + t, m*d]
+    y = sum(xp[:, j * dilation: j * dilation + t] * conv_w[:, 0, j]
+            for j in range(conv_w.shape[-1]))
+    return vt + F.silu(y).view(b, t, m, d)
+
+
+def plain_args(mod, e, h):
+    w, bias = mod.kv_weights()
+    sc = mod.short_conv
+    eps = [n.eps if n.eps is not None else torch.finfo(h.dtype).eps
+           for n in (mod.norm1[0], mod.norm2[0], sc.norms[0])]
+    return (e, w, bias, h, torch.stack([n.weight for n in mod.norm1]),
+            torch.stack([n.weight for n in mod.norm2]), torch.stack([n.weight for n in sc.norms]),
+            sc.conv.weight, *eps, sc.dilation)
+
+
 # -- timing ---------------------------------------------------------------------------------------
 def interleaved(fns: dict, rounds: int, warmup: int) -> dict[str, float]:
     """Median seconds per call of each fn, calling them in turn each round."""
@@ -141,6 +175,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print and record a profile of ours")
     ap.add_argument("--no_allocator_env", action="store_true",
                     help="measure without compare's allocator settings")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time a torch.compile'd plain-ops version (compile time recorded)")
     args = ap.parse_args()
     if not args.no_allocator_env and any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):
         # glibc reads them at start-up only: start again with them set.
@@ -181,6 +217,28 @@ def main() -> None:
 
     train_fns = {k: fwd_bwd(v) for k, v in mods.items()} | {"gemm": gemm_fwd_bwd}
     fwd_fns = {k: fwd(v) for k, v in mods.items()} | {"gemm": gemm_fwd}
+    compile_s = {}
+    if args.compile:
+        ours = mods["ours"]
+        compiled = torch.compile(plain_engram, dynamic=False)
+
+        def compiled_fwd_bwd():
+            compiled(*plain_args(ours, ours.read(ids), h)).backward(gy)
+            ours.zero_grad(set_to_none=True)
+            h.grad = None
+
+        def compiled_fwd():
+            with torch.no_grad():
+                compiled(*plain_args(ours, ours.read(ids), h))
+        for name, fn in (("fwd_bwd", compiled_fwd_bwd), ("fwd", compiled_fwd)):
+            t0 = time.perf_counter()
+            fn()  # the first call compiles
+            compile_s[name] = time.perf_counter() - t0
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(*plain_args(ours, ours.read(ids), h)), ref,
+                                       rtol=1e-4, atol=1e-4)
+        train_fns["compiled"], fwd_fns["compiled"] = compiled_fwd_bwd, compiled_fwd
+    load_before = os.getloadavg()
     tb = interleaved(train_fns, args.rounds, args.warmup)
     tf = interleaved(fwd_fns, args.rounds, args.warmup)
     n = b * t
@@ -203,6 +261,7 @@ def main() -> None:
     res = {
         "config": vars(args) | {"d_mem": cfg.d_mem, "table_rows": ours.table.num_rows},
         "allocator_env": {k: os.environ.get(k) for k in ALLOCATOR_ENV},
+        "load_avg": {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
         "fwd_bwd_tokens_per_s": {k: n / v for k, v in tb.items()},
         "fwd_tokens_per_s": {k: n / v for k, v in tf.items()},
         "fwd_bwd_ours_over_demo": tb["demo"] / tb["ours"],
@@ -214,8 +273,17 @@ def main() -> None:
                   "fwd_bwd_over_gemm<=1.3": tb["ours"] / tb["gemm"] <= 1.3,
                   "fwd_over_demo>=2": tf["demo"] / tf["ours"] >= 2},
     }
+    if args.compile:
+        res["compiled"] = {"compile_s": compile_s, "fwd_bwd_time_over_ours": tb["compiled"] / tb["ours"],
+                           "fwd_time_over_ours": tf["compiled"] / tf["ours"],
+                           "fwd_bwd_time_over_gemm": tb["compiled"] / tb["gemm"]}
     for k in tb:
         print(f"{k:>10}: fwd+bwd {n / tb[k]:8,.0f} tok/s   fwd {n / tf[k]:9,.0f} tok/s")
+    if args.compile:
+        c = res["compiled"]
+        print(f"torch.compile: {c['compile_s']['fwd_bwd']:.0f} s + {c['compile_s']['fwd']:.0f} s to "
+              f"compile; time / ours: fwd+bwd {c['fwd_bwd_time_over_ours']:.2f}x, fwd "
+              f"{c['fwd_time_over_ours']:.2f}x")
     print(f"ours / demo port: fwd+bwd {res['fwd_bwd_ours_over_demo']:.2f}x (goal >= 3), fwd "
           f"{res['fwd_ours_over_demo']:.2f}x (goal >= 2); ours time / GEMMs alone: fwd+bwd "
           f"{res['fwd_bwd_ours_time_over_gemm']:.2f}x (goal <= 1.3), fwd "

@@ -209,8 +209,11 @@ def main() -> None:
     torch.set_num_threads(1)  # as in `engram compare`: one thread per training process
 
     cfgs = configs(args.batch, args.seq)
+    load_before = os.getloadavg()  # the ratios are interleaved; absolute numbers follow the load
     speed = throughput(cfgs, args.steps, args.warmup)
     res = {"config": vars(args), "allocator_env": {k: os.environ.get(k) for k in ALLOCATOR_ENV},
+           "load_avg": {"before": load_before, "after_throughput": os.getloadavg(),
+                        "cpus": os.cpu_count()},
            "throughput": speed, "engram_over_dense_tokens_per_s":
                speed["engram"]["tokens_per_s"] / speed["dense"]["tokens_per_s"]}
     if args.breakdown_steps:

@@ -390,3 +390,18 @@ def test_model_without_tables_gets_only_adamw():
     opts = build_optimizers(nn.Linear(3, 3), lr=1e-3)
     assert opts.tables is None and isinstance(opts.dense, torch.optim.AdamW)
     assert isinstance(opts, Optimizers)
+
+
+def test_clip_leaves_sparse_grad_coalesced_and_capacity_stops_at_the_table():
+    """RowAdam's coalesce() after clipping is free, and the state never outgrows the table."""
+    table = MemoryTable(1500, 4, sparse=True)
+    opt = RowAdam(table.parameters(), lr=0.01)
+    for s in range(3):
+        ids = torch.arange(s * 500, (s + 1) * 500).repeat(2)  # duplicates: an uncoalesced grad
+        table.weight.grad = None
+        table.lookup(ids).sum().backward()
+        clip_grad_norm_([table.weight], 0.5)
+        assert table.weight.grad.is_coalesced()
+        opt.step()
+    assert opt.state[table.weight]["exp_avg"].shape[0] == 1500
+    assert opt.touched_rows(table.weight).equal(torch.arange(1500))
