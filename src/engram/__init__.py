@@ -2,7 +2,7 @@
 
 The folders are layers, lowest first; a module imports its own layer or lower ones, never higher
 (tests/test_layers.py checks it): retrieval (token ids -> row ids) -> tables (where rows live) ->
-module (the Engram module, module.py) -> models (reference LM, HF injection) -> training ->
+module (the Engram module, module/) -> models (reference LM, HF injection) -> training ->
 serving -> studies -> cli. This file re-exports the names most code needs.
 """
 

@@ -1,6 +1,6 @@
 """Interventions on a built EngramLM, for ablations (trained that way) and analyses (at inference).
 
-Everything here swaps submodules or adds forward hooks; ``module.py`` is not touched, so the Engram
+Everything here swaps submodules or adds forward hooks; ``module/`` is not touched, so the Engram
 module stays one implementation. Permanent changes (``fix_gate``, ``share_key``) are applied by
 ``EngramLM`` when its config asks; the context managers undo themselves.
 

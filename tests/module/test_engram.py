@@ -224,7 +224,7 @@ def test_state_keeps_the_normalised_inputs_when_asked(tiny_config, tiny_lookup):
 @pytest.mark.parametrize("step", [1, 3, 11, None])
 def test_conv_weight_grad_in_chunks_equals_per_tap_sums(step):
     """The chunked accumulation of the conv weight gradient (remainder chunk included)."""
-    from engram.module import _tap_grads
+    from engram.module.conv import _tap_grads
     g = torch.Generator().manual_seed(4)
     kernel, dil, t = 4, 3, 11
     gy = torch.randn(2, t, 10, dtype=torch.double, generator=g)

@@ -1,0 +1,196 @@
+"""The Engram module: lookup -> context-aware gate -> short causal conv (paper section 2.3).
+
+Shape legend:
+    b batch, t positions, m residual branches (hyper-connections; 1 for a plain residual),
+    d backbone hidden size, H hash heads per layer, e head dim, c = H * e = (N-1) * d_ngram (d_mem).
+
+The module returns the residual Y; the caller adds it (H <- H + Y) before attention and FFN.
+Row ids come in from outside (computed from token ids by :class:`engram.NgramHasher`), or the caller
+passes the gathered memory vectors directly, so the table itself can live anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..retrieval.config import EngramConfig
+from ..retrieval.primes import head_offsets, prime_table_sizes
+from ..tables.store import MemoryTable, TableStore
+from .conv import EngramState, ShortConv
+from .gate import GATES, GateFn
+
+
+class Engram(nn.Module):
+    """One Engram layer: memory e[t] -> k, v -> gate alpha per branch -> alpha*v + conv(alpha*v).
+
+    Args:
+        table: where the rows live (a :class:`TableStore`); None if callers always pass ``memory``.
+        head_sizes: per-head table sizes when row ids arrive local per head (demo-v1); None when they
+            arrive global (v4.1).
+        d_mem: width c of the concatenated memory vector.
+        hidden_size: backbone width d.
+        hc_mult: residual branches m; each has its own key projection and norms (spec section 2).
+        gate: "paper" (sigmoid) or "demo" (signed square root, then sigmoid).
+        kernel_size: short conv kernel; 0 drops the conv (v4.1).
+        dilation: conv dilation (the paper uses N, the max n-gram order).
+        fused: one bias-free projection for value and keys (v4.1) instead of biased nn.Linear's.
+        conv_init: "zero" so a new module starts as a pure gated lookup, or "default" (demo).
+    """
+
+    def __init__(self, table: TableStore | None, head_sizes: list[int] | None, d_mem: int,
+                 hidden_size: int, hc_mult: int = 1, gate: str = "paper", kernel_size: int = 4,
+                 dilation: int = 3, fused: bool = False, conv_init: str = "zero"):
+        super().__init__()
+        if gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+        if conv_init not in ("zero", "default"):
+            raise ValueError(f"conv_init must be 'zero' or 'default', got {conv_init!r}")
+        for name, v in (("d_mem", d_mem), ("hidden_size", hidden_size), ("hc_mult", hc_mult)):
+            if v <= 0:
+                raise ValueError(f"{name} must be positive, got {v}")
+        self.table = table
+        self.d_mem, self.hidden_size, self.hc_mult = d_mem, hidden_size, hc_mult
+        self.gate, self.fused, self.conv_init = gate, fused, conv_init
+        self.head_sizes = list(head_sizes) if head_sizes is not None else None
+        if self.head_sizes is not None:
+            self.register_buffer("offsets", torch.tensor(head_offsets(self.head_sizes)),
+                                 persistent=False)
+            self.register_buffer("sizes", torch.tensor(self.head_sizes), persistent=False)
+        if fused:
+            self.kv_proj = nn.Linear(d_mem, (hc_mult + 1) * hidden_size, bias=False)
+        else:
+            self.value_proj = nn.Linear(d_mem, hidden_size)
+            self.key_projs = nn.ModuleList([nn.Linear(d_mem, hidden_size) for _ in range(hc_mult)])
+        self.norm1 = nn.ModuleList([nn.RMSNorm(hidden_size) for _ in range(hc_mult)])  # keys
+        self.norm2 = nn.ModuleList([nn.RMSNorm(hidden_size) for _ in range(hc_mult)])  # hidden
+        self.short_conv = (ShortConv(hidden_size, hc_mult, kernel_size, dilation)
+                           if kernel_size > 0 else None)
+        self._kv_cache: tuple | None = None  # (weights' identity, concatenated W and bias)
+        # alpha fixed at this value when set (models/surgery.py: the "w/o gating" ablation and the
+        # suppression analyses); the keys and the gate are then skipped.
+        self.gate_value: float | None = None
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """All initialisation in one place."""
+        if self.short_conv is not None and self.conv_init == "zero":
+            # Zero conv: Y = alpha * v at the start, so training begins from the plain gated lookup.
+            nn.init.zeros_(self.short_conv.conv.weight)
+
+    # -- retrieval --------------------------------------------------------------------------------
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Hash ids [b, t, H] (local or global, as constructed) -> global row ids [b, t, H]."""
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise TypeError(f"hash ids must be an integer tensor, got {ids.dtype}")
+        if ids.dim() != 3:
+            raise ValueError(f"hash ids must have shape [batch, seq, heads], got {tuple(ids.shape)}")
+        if self.head_sizes is None:
+            return ids.long()
+        if ids.shape[-1] != len(self.head_sizes):
+            raise ValueError(f"hash ids have {ids.shape[-1]} heads, the table has "
+                             f"{len(self.head_sizes)}")
+        if ids.numel() and (bool((ids < 0).any()) or bool((ids >= self.sizes).any())):
+            raise ValueError("hash ids out of range for their head's table size")
+        return ids.long() + self.offsets
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """Gather and concatenate the memory vectors: [b, t, H] -> e [b, t, c]."""
+        if self.table is None:
+            raise RuntimeError("this Engram module has no table: pass memory= instead of ids")
+        emb = self.table.lookup(self.rows(ids))  # [b, t, H, e]
+        return emb.flatten(-2)  # [b, t, c]
+
+    # -- fusion -----------------------------------------------------------------------------------
+    def value_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """W_V [d, c] (and bias): the value rows alone."""
+        if self.fused:
+            bias = self.kv_proj.bias
+            return (self.kv_proj.weight[: self.hidden_size],
+                    None if bias is None else bias[: self.hidden_size])
+        return self.value_proj.weight, self.value_proj.bias
+
+    def kv_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """W_V and every branch's W_K as one matrix [(m+1)*d, c] (and bias), value rows first.
+
+        The paper fuses them into one GEMM; the demo profile keeps its official separate
+        nn.Linear's (so its checkpoints load as they are) and is concatenated here, per call.
+        """
+        if self.fused:
+            return self.kv_proj.weight, self.kv_proj.bias
+        projs = [self.value_proj, *self.key_projs]
+        params = [p.weight for p in projs] + [p.bias for p in projs]
+        # Without autograd (decode, eval) the concatenation is kept until a weight changes: a decode
+        # step would otherwise copy all of W_V and W_K for a handful of tokens.
+        key = tuple((p.data_ptr(), p._version, p.dtype) for p in params)
+        if not torch.is_grad_enabled() and self._kv_cache is not None and self._kv_cache[0] == key:
+            return self._kv_cache[1]
+        out = (torch.cat(params[:len(projs)]), torch.cat(params[len(projs):]))
+        self._kv_cache = (key, tuple(x.detach() for x in out)) if not torch.is_grad_enabled() else None
+        return out
+
+    def forward(self, hidden: torch.Tensor, ids: torch.Tensor | None = None, *,
+                memory: torch.Tensor | None = None, state: EngramState | None = None,
+                return_gate: bool = False):
+        """hidden [b, t, d] or [b, t, m, d] -> Y of the same shape (and alpha [b, t, m])."""
+        flat = hidden.dim() == 3
+        if flat and self.hc_mult != 1:
+            raise ValueError(f"hc_mult={self.hc_mult}: pass hidden as [b, t, m, d]")
+        h = hidden.unsqueeze(2) if flat else hidden  # [b, t, m, d]
+        if h.dim() != 4 or h.shape[2] != self.hc_mult or h.shape[3] != self.hidden_size:
+            raise ValueError(f"hidden must be [b, t, {self.hidden_size}] or "
+                             f"[b, t, {self.hc_mult}, {self.hidden_size}], got {tuple(hidden.shape)}")
+        e = self.read(ids) if memory is None else memory  # [b, t, c]
+        if e.shape != (*h.shape[:2], self.d_mem):
+            raise ValueError(f"memory must be {(*h.shape[:2], self.d_mem)}, got {tuple(e.shape)}")
+        e = e.to(h.dtype)
+        if self.gate_value is not None:
+            v = F.linear(e, *self.value_weights())  # [b, t, d]
+            alpha = v.new_full(h.shape[:3], self.gate_value)  # [b, t, m]
+            vt = alpha.unsqueeze(-1) * v.unsqueeze(2)  # [b, t, m, d]
+        else:
+            kv = F.linear(e, *self.kv_weights())  # [b, t, (m+1)*d]: value and all keys, one GEMM
+            # Context-aware gate (paper eq. 4): the hidden state, which has seen the whole
+            # context, decides whether the static n-gram memory fits here; a collided or off-topic
+            # row is damped.
+            w1 = torch.stack([n.weight for n in self.norm1])  # [m, d]: each branch its own norms
+            w2 = torch.stack([n.weight for n in self.norm2])  # [m, d]
+            vt, alpha = GateFn.apply(kv, h, w1, w2, self.norm1[0].eps, self.norm2[0].eps,
+                                     self.gate)
+        y = vt if self.short_conv is None else self.short_conv(vt, state, residual=True)  # V~ + conv
+        y = y.squeeze(2) if flat else y
+        return (y, alpha) if return_gate else y
+
+    def extra_repr(self) -> str:
+        return (f"d_mem={self.d_mem}, hidden={self.hidden_size}, hc_mult={self.hc_mult}, "
+                f"gate={self.gate}, fused={self.fused}, local_ids={self.head_sizes is not None}")
+
+
+def build_engram(config: EngramConfig, layer_id: int, hidden_size: int, hc_mult: int = 1, *,
+                 gate: str | None = None, conv: bool | None = None, conv_init: str = "zero",
+                 table: TableStore | None | str = "memory", sparse: bool = False,
+                 init_std: float = 1.0) -> Engram:
+    """Map a config to the module for one layer, with the profile's defaults.
+
+    ``table="memory"`` allocates an in-memory table of the layer's full size; pass a store to put
+    the rows elsewhere, or None to always feed ``memory=`` yourself.
+    """
+    sizes = prime_table_sizes(config)
+    if layer_id not in sizes:
+        raise KeyError(f"layer {layer_id} is not in layer_ids={config.layer_ids}")
+    heads = [p for order in sizes[layer_id] for p in order]
+    v41 = config.profile == "v4.1"
+    if isinstance(table, str):
+        if table != "memory":
+            raise ValueError(f"table must be 'memory', a TableStore or None, got {table!r}")
+        table = MemoryTable(sum(heads), config.head_dim, sparse=sparse, init_std=init_std)
+    elif table is not None and (table.num_rows != sum(heads) or table.dim != config.head_dim):
+        raise ValueError(f"store is {table.num_rows} x {table.dim}, layer {layer_id} needs "
+                         f"{sum(heads)} x {config.head_dim}")
+    use_conv = (not v41) if conv is None else conv
+    return Engram(
+        table, None if config.global_row_ids else heads, config.d_mem, hidden_size, hc_mult,
+        gate=gate or ("paper" if v41 else "demo"),
+        kernel_size=config.kernel_size if use_conv else 0, dilation=config.max_ngram_size,
+        fused=v41, conv_init=conv_init)
