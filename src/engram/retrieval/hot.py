@@ -225,7 +225,7 @@ class NineHasher:
 
     def hash_compressed(self, xc: torch.Tensor) -> dict[int, torch.Tensor]:
         """Compressed ids [b, t] (DEAD = dead) -> ``{layer: [b, t, H + G]}``."""
-        layers = self.layer_ids[:1] if self.shared else self.layer_ids
+        layers = self.owners
         rows = self.hasher.hash_compressed(xc, layers)  # {lid: [b, t, H]}
         slots = self.index.lookup(ngram_keys(self.hasher, xc))  # [b, t, G]
         out = {}
@@ -244,6 +244,11 @@ class NineHasher:
         h = self.num_heads
         return ids[..., :h], ids[..., h:]
 
+    @property
+    def owners(self) -> list[int]:
+        """The layers that own a table set: the first Engram layer when shared, else every one."""
+        return self.layer_ids[:1] if self.shared else list(self.layer_ids)
+
     def owner(self, layer_id: int) -> int:
         """The layer whose table set ``layer_id`` reads (the first Engram layer's when shared)."""
         if layer_id not in self.layer_ids:
@@ -258,13 +263,12 @@ class NineHasher:
         pair."""
         toks = torch.as_tensor(np.asarray(tokens), dtype=torch.long).reshape(-1)
         g, k, s = self.config.max_ngram_size - 1, self.config.n_head_per_ngram, self.index.num_slots
-        owners = sorted({self.owner(lid) for lid in self.layer_ids})
         counts = {o: (torch.zeros(self.hasher.num_rows(o), dtype=torch.long),
-                      torch.zeros(s, dtype=torch.long)) for o in owners}
+                      torch.zeros(s, dtype=torch.long)) for o in self.owners}
         stream = self.stream(1)
         for a in range(0, toks.numel(), window):
             ids = stream.step(toks[None, a:a + window])  # {layer: [1, w, H + G]}
-            for o in owners:
+            for o in self.owners:
                 rows, slots = self.split(ids[o])
                 rows, slots = rows.reshape(-1, g, k), slots.reshape(-1, g)  # [w, G, K], [w, G]
                 cold, hot = counts[o]

@@ -72,12 +72,12 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
     tables: dict[int, Any] = {}
     if tier != "memory" and ecfg is not None:
         table_dir = Path(table_dir) if table_dir is not None else run_dir / "tables"
-        owners = sorted({hasher.owner(lid) for lid in ecfg.layer_ids}) if nine else ecfg.layer_ids
+        owners = hasher.owners if nine else ecfg.layer_ids
         paths = [table_path(table_dir, lid) for lid in owners]
         if nine and hasher.index.num_slots:
             paths += [table_path(table_dir, lid, "hot") for lid in owners]
-        stale = [p for p in paths if not p.exists() or read_header(p).tag != ckpt.name
-                 or read_header(p).dtype != table_dtype]
+        stale = [p for p in paths if not p.exists()
+                 or (h := read_header(p)).tag != ckpt.name or h.dtype != table_dtype]
         if nine:
             from ..tables.hotcold import hot_path
 

@@ -342,7 +342,9 @@ def open_tables(directory: str | Path, config: EngramConfig, hasher: NgramHasher
     if tier == "hot" and getattr(hasher, "index", None) is None:
         raise ValueError("hot tier tables need the run's NineHasher (its hot index)")
     out = {}
-    for lid in _owners(config, hasher) if tier == "cold" or hasher.index.num_slots else []:
+    nine = getattr(hasher, "index", None) is not None
+    owners = hasher.owners if nine else config.layer_ids  # one file per table set
+    for lid in owners if tier == "cold" or hasher.index.num_slots else []:
         path = table_path(directory, lid, tier)
         if not path.exists():
             what = "hot tier table" if tier == "hot" else "table file"
@@ -350,13 +352,6 @@ def open_tables(directory: str | Path, config: EngramConfig, hasher: NgramHasher
                                     "(export with engram.training.export.export_tables)")
         out[lid] = FileTable(path, expect=(config, lid, hasher, tier), **kwargs)
     return out
-
-
-def _owners(config: EngramConfig, hasher: Any) -> list[int]:
-    """The layers whose table files exist: every Engram layer, or a shared set's first one."""
-    if getattr(hasher, "index", None) is None:
-        return list(config.layer_ids)
-    return sorted({hasher.owner(lid) for lid in config.layer_ids})
 
 
 class SharedPool:
