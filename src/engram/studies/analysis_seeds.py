@@ -42,8 +42,9 @@ def seed_numbers(res: dict[str, Any]) -> dict[str, Any]:
     out["gate_margin"] = {ln: v["phrase"] - max(v["other"], v["function"] or 0)
                           for ln, v in g.items()
                           if v["phrase"] is not None and v["other"] is not None}
-    out["verdicts"] = [v for _, _, v in verdicts(res)]
-    out["claims"] = [c for c, _, _ in verdicts(res)]
+    claims = verdicts(res)
+    out["verdicts"] = [v for _, _, v in claims]
+    out["claims"] = [c for c, _, _ in claims]
     return out
 
 
