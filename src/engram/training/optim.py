@@ -40,7 +40,8 @@ class RowAdam(torch.optim.Optimizer):
 
     State per table: ``slot`` [r] int32 (-1 = never touched; index into the compact buffers),
     ``rows`` [c] int64 (slot -> row), ``moments`` [c, 2, e] float32 with ``exp_avg`` /
-    ``exp_avg_sq`` [c, e] its two views, ``steps`` [c] int64, ``n`` touched rows. Buffers double when full, so growth is amortised O(1) per new row.
+    ``exp_avg_sq`` [c, e] its two views, ``steps`` [c] int64, ``n`` touched rows. Buffers double
+    when full (never past the table's rows), so growth is amortised O(1) per new row.
     Parameters may be float32 or bfloat16; the state and the update are float32.
     """
 
