@@ -73,7 +73,11 @@ class GateFn(torch.autograd.Function):
         ga = torch.zeros_like(alpha) if galpha is None else galpha.clone()  # [b, t, m]
         if gvt is not None:
             # Sums over branches (W_V is shared) and over d as batched products: one read of gvt.
-            gkv[..., :d] = torch.einsum("btmd,btm->btd", gvt, alpha)
+            if m == 1:  # a plain residual: one product, written in place (einsum's result is a
+                # fresh tensor copied over, 0.6 ms of a 2 ms backward at compare's shapes)
+                torch.mul(gvt[:, :, 0], alpha, out=gkv[..., :d])
+            else:
+                gkv[..., :d] = torch.einsum("btmd,btm->btd", gvt, alpha)
             ga += torch.einsum("btmd,btd->btm", gvt, v)
         with torch.enable_grad():  # the gate's own curve on [b, t, m] only: exact, and cheap
             s_ = s.detach().requires_grad_()
