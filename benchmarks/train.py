@@ -190,7 +190,7 @@ def compare_estimate(cfgs: dict[str, TrainConfig], step_ms: dict[str, float], wo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the figures here")
-    ap.add_argument("--steps", type=int, default=20, help="timed training steps per variant")
+    ap.add_argument("--steps", type=int, default=60, help="timed training steps per variant")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
