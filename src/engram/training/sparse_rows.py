@@ -46,8 +46,8 @@ def available() -> bool:
 
 
 def fits(t: torch.Tensor) -> bool:
-    """A tensor the kernels take: on CPU, float32."""
-    return t.device.type == "cpu" and t.dtype == torch.float32
+    """A tensor the kernels take: on CPU, float32, outside autograd's graph."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and not t.requires_grad
 
 
 def coalesce_rows(grad: torch.Tensor) -> torch.Tensor:
