@@ -67,6 +67,7 @@ def test_row_adam_kernel_equals_its_torch_twin(betas):
             for group in opt.param_groups:
                 group["lr"] = 0.01 * (1 + step) / 12  # a schedule, as training sets it
             opt.step()
+    assert fast.kernel_steps == 12 and twin.kernel_steps == 0  # each took its own path
     ma, va, ta = fast.row_state(a, torch.arange(rows))
     mb, vb, tb = twin.row_state(b, torch.arange(rows))
     assert torch.equal(ma, mb) and torch.equal(va, vb) and torch.equal(ta, tb)
@@ -96,4 +97,5 @@ def test_row_adam_kernel_resumes_from_a_state_dict():
     for g in grads[3:]:
         resumed.grad = g.clone()
         opt2.step()
+    assert opt2.kernel_steps == 3
     assert torch.equal(resumed, full)

@@ -57,6 +57,7 @@ class RowAdam(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
         self.kernels = kernels
+        self.kernel_steps = 0  # table updates done by the compiled kernel (inspection)
         for group in self.param_groups:
             _check_group(group)
 
@@ -94,8 +95,9 @@ class RowAdam(torch.optim.Optimizer):
         slots = self._assign_slots(st, rows)  # [k] int64
         beta1, beta2 = group["betas"]
         st["t_max"] += 1  # no row's step count can pass the number of updates
-        if (self.kernels and sparse_rows.fits(p) and sparse_rows.fits(grad) and p.is_contiguous()
-                and sparse_rows.available()):
+        if (self.kernels and sparse_rows.fits(p.detach()) and sparse_rows.fits(grad)
+                and p.is_contiguous() and sparse_rows.available()):
+            self.kernel_steps += 1
             bias1_inv, bias2_sqrt = _bias_tables(st, beta1, beta2)
             sparse_rows.adam_rows(p.detach(), rows, grad.contiguous(), slots, st["moments"],
                                   st["steps"], group["lr"], beta1, beta2, group["eps"], bias1_inv,
