@@ -1,5 +1,6 @@
 """The numba kernels behind training/sparse_rows.py (see there); compiled on first call, cached on
-disk next to this file (or in numba's user cache where that is read-only).
+disk next to this file (or in numba's user cache where that is read-only; with neither, compiled
+again in each process, ~1 s).
 
 Shape legend:
     r rows in the table, e row width, n entries of an uncoalesced gradient (rows may repeat),
@@ -21,8 +22,12 @@ def fma(typingctx, a, b, c):
     return a(a, b, c), codegen
 
 
-# error_model="numpy": a float division may not raise, so the loops vectorise (5x here).
-_jit = numba.njit(cache=True, nogil=True, error_model="numpy")
+def _jit(fn):
+    # error_model="numpy": a float division may not raise, so the loops vectorise (5x here).
+    try:
+        return numba.njit(cache=True, nogil=True, error_model="numpy")(fn)
+    except RuntimeError:  # no writable cache place (read-only install, no home): compile per process
+        return numba.njit(nogil=True, error_model="numpy")(fn)
 
 
 @_jit
