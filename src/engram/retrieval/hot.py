@@ -190,6 +190,11 @@ class HotIndex:
         return h.hexdigest()[:32]
 
 
+def is_nine(hasher: Any) -> bool:
+    """Whether ``hasher`` is an Engram-Nine :class:`NineHasher` (hot slots behind the cold rows)."""
+    return getattr(hasher, "index", None) is not None
+
+
 def build_hot_index(hasher: NgramHasher, tokens: Any, n_hot: int, kind: str = "mphf",
                     bits: int = 16, engine: str = "torch", seed: int = 0) -> HotIndex:
     """Count the stream's n-grams and index the top ``n_hot`` of each order."""

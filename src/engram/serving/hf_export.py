@@ -33,6 +33,7 @@ from ..models.model import EngramLM
 from ..models.model_config import ModelConfig
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
+from ..retrieval.hot import is_nine
 from ..tables.tablefile import TableFileError
 from ..training.corpus import EOS_TOKEN
 from .loader import TIERS, load_dense_state, open_tier
@@ -54,7 +55,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, tier: str = "memory",
     served = load_run(run_dir)
     counts = None
     if served.hasher is not None:  # Engram-Nine: (cold, hot) read counts per table set
-        counts = (served.hasher.count_reads(served.train_tokens) if _nine(served.hasher)
+        counts = (served.hasher.count_reads(served.train_tokens) if is_nine(served.hasher)
                   else count_rows(served.hasher, served.train_tokens))
     return export_model(served.model, served.hasher, served.vocab, out_dir, counts=counts,
                         tier=tier, table_dtype=table_dtype, cache_fraction=cache_fraction,
@@ -91,9 +92,9 @@ def export_model(model: EngramLM, hasher: NgramHasher | None, vocab: Any, out_di
         if counts is not None:
             flat = {}
             for k, v in counts.items():
-                if _nine(hasher) and hasher.owner(k) != k:
+                if is_nine(hasher) and hasher.owner(k) != k:
                     continue  # a shared table set's counts, stored once
-                cold, hot = v if _nine(hasher) else (v, None)
+                cold, hot = v if is_nine(hasher) else (v, None)
                 flat[str(k)] = cold.to(torch.int32)
                 if hot is not None:
                     flat[f"{k}.hot"] = hot.to(torch.int32)
@@ -112,7 +113,7 @@ def export_model(model: EngramLM, hasher: NgramHasher | None, vocab: Any, out_di
         # Engram-Nine (arXiv 2601.16531): hot slots beside the hashed tables; the hot index
         # itself travels in the table files (tables/layer{id}.hot.safetensors)
         "engram_nine": ({"hot_slots": hasher.index.num_slots, "shared": hasher.shared}
-                        if _nine(hasher) else None),
+                        if is_nine(hasher) else None),
         "engram_serving": {**SERVING_DEFAULTS, "tier": tier, "cache_fraction": cache_fraction,
                            "prefetch": prefetch},
     }
@@ -200,7 +201,7 @@ def _read_tables_into(model: EngramLM, table_dir: Path, hasher: NgramHasher, ver
     cfg = model.config.engram
     files = open_tables(table_dir, cfg, hasher, verify=verify)
     pairs = []  # (in-memory weight, the file it is read from)
-    if _nine(hasher):  # a hot+cold store per table set (shared: the first layer's files)
+    if is_nine(hasher):  # a hot+cold store per table set (shared: the first layer's files)
         hot = open_tables(table_dir, cfg, hasher, "hot", verify=verify)
         for lid, engram in model.engrams().items():
             owner = hasher.owner(lid)
@@ -225,8 +226,3 @@ def load_dense(model: EngramLM, tensors: dict[str, torch.Tensor]) -> torch.Tenso
     own_tables = {k: v for k, v in model.state_dict().items() if ".engram.table." in k}
     load_dense_state(model, {**tensors, **own_tables})  # tables came from the table files
     return vocab
-
-
-def _nine(hasher: Any) -> bool:
-    """Whether ``hasher`` is an Engram-Nine NineHasher (hot slots behind the cold rows)."""
-    return getattr(hasher, "index", None) is not None

@@ -17,6 +17,7 @@ import torch
 
 from ..models.model import EngramLM
 from ..retrieval.hashing import NgramHasher
+from ..retrieval.hot import is_nine
 
 TIERS = ("memory", "file", "pinned", "shared")
 
@@ -141,7 +142,7 @@ def open_tier(table_dir: str | Path, config: Any, hasher: NgramHasher, tier: str
 
     if tier not in TIERS or tier == "memory":
         raise ValueError(f"tier must be one of {TIERS[1:]} for table files, got {tier!r}")
-    nine = getattr(hasher, "index", None) is not None
+    nine = is_nine(hasher)
     if tier == "shared":
         pool = SharedPool(table_dir, config, hasher, verify=verify)
         parts = {("cold", lid): t for lid, t in pool.tables.items()}

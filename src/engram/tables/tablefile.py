@@ -37,6 +37,7 @@ import torch
 
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
+from ..retrieval.hot import is_nine
 from ..retrieval.primes import rows_per_layer
 
 MAGIC = b"ENGRAMTB"
@@ -127,8 +128,8 @@ def hash_profile(hasher: NgramHasher, layer_id: int, tier: str = "cold") -> dict
     """
     if tier not in TIERS:
         raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
-    index = getattr(hasher, "index", None)
-    if index is not None:
+    if is_nine(hasher):
+        index = hasher.index
         owner = hasher.owner(layer_id)
         prof = hash_profile(hasher.hasher, owner)
         prof["hot_tier"] = {"tier": tier, "index": index.digest(), "slots": index.num_slots,
@@ -366,7 +367,7 @@ def check_compatible(header: TableHeader, config: EngramConfig, layer_id: int,
         raise TableFileError(f"{name} holds layer {header.layer_id}, expected layer {layer_id}")
     check_config(header.engram_config, config, name)
     if tier == "hot":
-        if getattr(hasher, "index", None) is None:
+        if not is_nine(hasher):
             raise ValueError("checking a hot tier table needs the run's NineHasher")
         want = (hasher.index.num_slots, config.n_head_per_ngram * config.head_dim)
         what = "the hot tier"
@@ -377,8 +378,7 @@ def check_compatible(header: TableHeader, config: EngramConfig, layer_id: int,
         raise TableFileError(f"{name} is {header.num_rows} x {header.dim}, {what} needs "
                              f"{want[0]} x {want[1]}")
     # An Engram-Nine hasher needs the file's profile: it names the hot index the rows belong to.
-    if hasher is not None and (header.hash_profile is not None
-                               or getattr(hasher, "index", None) is not None):
+    if hasher is not None and (header.hash_profile is not None or is_nine(hasher)):
         mine, theirs = hash_profile(hasher, layer_id, tier), header.hash_profile or {}
         diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
         if diff == ["hot_tier"] and "hot_tier" in mine and "hot_tier" in theirs:

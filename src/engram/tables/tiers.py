@@ -28,6 +28,7 @@ import torch
 
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
+from ..retrieval.hot import is_nine
 from .tablefile import (
     DTYPES,
     TableFileError,
@@ -339,10 +340,10 @@ def open_tables(directory: str | Path, config: EngramConfig, hasher: NgramHasher
     its first layer when shared), the cold tables or (``tier="hot"``) the hot rows [S, K * e],
     checked against the hasher's hot index (none when the index has no slots).
     """
-    if tier == "hot" and getattr(hasher, "index", None) is None:
+    nine = is_nine(hasher)
+    if tier == "hot" and not nine:
         raise ValueError("hot tier tables need the run's NineHasher (its hot index)")
     out = {}
-    nine = getattr(hasher, "index", None) is not None
     owners = hasher.owners if nine else config.layer_ids  # one file per table set
     for lid in owners if tier == "cold" or hasher.index.num_slots else []:
         path = table_path(directory, lid, tier)
@@ -369,7 +370,7 @@ class SharedPool:
         self.tables = open_tables(directory, config, hasher, verify=verify, **kwargs)
         # Engram-Nine: each table set's hot rows, mapped the same way
         self.hot_tables = (open_tables(directory, config, hasher, "hot", verify=verify, **kwargs)
-                           if getattr(hasher, "index", None) is not None else {})
+                           if is_nine(hasher) else {})
 
     def store(self, layer_id: int) -> FileTable:
         return self.tables[layer_id]

@@ -12,6 +12,7 @@ import torch
 
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
+from ..retrieval.hot import is_nine
 from ..tables.tablefile import hash_profile, table_path, write_table
 from .checkpoint import latest_checkpoint, load_checkpoint
 from .train import TrainConfig
@@ -79,7 +80,7 @@ def _nine_hasher(hasher: Any, index: Any, shared: bool) -> Any:
     """The NineHasher the files are profiled with; a given one must hold the source's index."""
     from ..retrieval.hot import NineHasher
 
-    if getattr(hasher, "index", None) is None:
+    if not is_nine(hasher):
         return NineHasher(hasher, index, shared=shared)
     if hasher.index.digest() != index.digest() or hasher.shared != shared:
         raise ValueError("the NineHasher given has another hot index or table sharing than the "
