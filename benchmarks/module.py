@@ -10,8 +10,11 @@ from other processes hits all alike. Variants:
 
 - ``demo``: a plain port of the official demo's module (dense nn.Embedding with offsets, per-branch
   key/norm loops, torch.stack, nn.Conv1d with symmetric padding then a slice), written here only.
-- ``ours``: engram.Engram as training builds it (sparse row gradient of the table).
+- ``ours``: engram.Engram as training builds it (sparse row gradient of the table; on CPU in
+  float32 the gate and conv run as compiled kernels, module/fused.py).
 - ``ours_dense``: the same with a dense table gradient (like the demo's nn.Embedding).
+- ``ours_torch``: ``ours`` without the compiled kernels (``kernels=False``: the gate and conv as
+  eager torch ops, GateFn + ConvFn; what other devices and dtypes run).
 - ``gemm``: the same module's GEMMs alone (value + 4 keys as one [c -> 5d] matmul with bias).
 
 - ``compiled`` (with --compile only): the same computation written as plain torch ops (gate, norms,
@@ -147,14 +150,18 @@ def build(args):
     torch.manual_seed(0)
     ours = build_engram(cfg, lid, args.hidden, args.hc_mult, conv_init="default", sparse=True)
     ours_dense = build_engram(cfg, lid, args.hidden, args.hc_mult, conv_init="default")
+    ours_torch = build_engram(cfg, lid, args.hidden, args.hc_mult, conv_init="default", sparse=True)
+    ours_torch.kernels = False
     demo = DemoEngram(sizes, cfg.head_dim, cfg.d_mem, args.hidden, args.hc_mult, cfg.kernel_size,
                       cfg.max_ngram_size)
     # The same weights everywhere, so all variants compute the same Y (checked below).
     ours_dense.load_state_dict(ours.state_dict())
+    ours_torch.load_state_dict(ours.state_dict())
     sd = {k.replace("table.weight", "embedding.weight"): v for k, v in ours.state_dict().items()}
     demo.load_state_dict(sd, strict=False)
     demo.embedding.weight.data.copy_(ours.table.weight.data)
-    return cfg, ids, {"demo": demo, "ours": ours, "ours_dense": ours_dense}
+    return cfg, ids, {"demo": demo, "ours": ours, "ours_dense": ours_dense,
+                      "ours_torch": ours_torch}
 
 
 def main() -> None:
@@ -188,7 +195,7 @@ def main() -> None:
     gy = torch.randn(b, t, m, d)
     with torch.no_grad():
         ref = mods["demo"](h, ids)
-        for k in ("ours", "ours_dense"):
+        for k in ("ours", "ours_dense", "ours_torch"):
             torch.testing.assert_close(mods[k](h, ids), ref, rtol=1e-4, atol=1e-4)
 
     e = torch.randn(b, t, cfg.d_mem, requires_grad=True)  # the gathered rows, for GEMM-only
@@ -268,6 +275,8 @@ def main() -> None:
         "fwd_bwd_ours_time_over_gemm": tb["ours"] / tb["gemm"],
         "fwd_ours_over_demo": tf["demo"] / tf["ours"],
         "fwd_ours_time_over_gemm": tf["ours"] / tf["gemm"],
+        "kernels_speedup": {"fwd_bwd": tb["ours_torch"] / tb["ours"],
+                            "fwd": tf["ours_torch"] / tf["ours"]},
         "decode_step_ms": {k: v * 1e3 for k, v in dec.items()},
         "goals": {"fwd_bwd_over_demo>=3": tb["demo"] / tb["ours"] >= 3,
                   "fwd_bwd_over_gemm<=1.3": tb["ours"] / tb["gemm"] <= 1.3,
@@ -288,6 +297,8 @@ def main() -> None:
           f"{res['fwd_ours_over_demo']:.2f}x (goal >= 2); ours time / GEMMs alone: fwd+bwd "
           f"{res['fwd_bwd_ours_time_over_gemm']:.2f}x (goal <= 1.3), fwd "
           f"{res['fwd_ours_time_over_gemm']:.2f}x")
+    print(f"compiled kernels vs the torch path (ours_torch): fwd+bwd "
+          f"{res['kernels_speedup']['fwd_bwd']:.2f}x, fwd {res['kernels_speedup']['fwd']:.2f}x")
     print(f"decode step (t=1, batch {b}): ours {dec['ours'] * 1e3:.3f} ms, its GEMM alone "
           f"{dec['gemm'] * 1e3:.3f} ms")
     if args.profile:

@@ -6,7 +6,9 @@
    activated parameters) train on the package corpus, step by step interleaved in one process (so
    load from other processes hits both alike), full training steps: batch + hash ids, forward,
    backward, clip, AdamW + RowAdam. Figure: Engram tokens/s / dense tokens/s (the cost of the
-   memory at equal FLOPs; goal close to 1).
+   memory at equal FLOPs; goal close to 1). Also the same Engram model with the module's gate and
+   conv on the torch path (``engram_torch``, ``Engram.kernels = False``): what the compiled
+   kernels (module/fused.py) buy at these shapes.
 2. Memory. Each variant again, alone in a fresh process: peak RSS after model + corpus, and after
    training steps (gradients and optimiser state included).
 3. Optimiser. RowAdam step time with a table of 1M vs 50M rows at the same batch (see
@@ -38,6 +40,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from engram import Engram
 from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.training.corpus import build_corpus
 from engram.training.optim import clip_grad_norm_
@@ -78,6 +81,11 @@ def step(run, i: int) -> None:
 
 def throughput(cfgs: dict[str, TrainConfig], steps: int, warmup: int) -> dict:
     runs = {name: build_run(cfg) for name, cfg in cfgs.items()}
+    if "engram" in cfgs:  # the same model with the module's gate and conv as eager torch ops
+        runs["engram_torch"] = build_run(cfgs["engram"])
+        for mod in runs["engram_torch"].model.modules():
+            if isinstance(mod, Engram):
+                mod.kernels = False
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in tqdm(range(warmup + steps), desc="train steps (interleaved)"):
         for name, run in runs.items():
@@ -215,7 +223,9 @@ def main() -> None:
            "load_avg": {"before": load_before, "after_throughput": os.getloadavg(),
                         "cpus": os.cpu_count()},
            "throughput": speed, "engram_over_dense_tokens_per_s":
-               speed["engram"]["tokens_per_s"] / speed["dense"]["tokens_per_s"]}
+               speed["engram"]["tokens_per_s"] / speed["dense"]["tokens_per_s"],
+           "engram_module_kernels_speedup":
+               speed["engram"]["tokens_per_s"] / speed["engram_torch"]["tokens_per_s"]}
     if args.breakdown_steps:
         all_cfgs = configs(args.batch, args.seq, moe=True)
         res["breakdown_cpu_ms"] = bd = breakdown(all_cfgs, args.breakdown_steps, 2)
@@ -246,7 +256,8 @@ def main() -> None:
                   f"{m['peak_rss_train_mib']:,.0f} MiB (+{m['train_over_built_mib']:,.0f} MiB over "
                   f"the built model)")
     print(f"Engram / dense tokens/s at equal activated parameters: "
-          f"{res['engram_over_dense_tokens_per_s']:.3f}")
+          f"{res['engram_over_dense_tokens_per_s']:.3f} (the module's compiled kernels: "
+          f"{res['engram_module_kernels_speedup']:.3f}x the torch path's tokens/s)")
     if not args.skip_optim:
         res["optimizer"] = optim_bench.run(steps=args.optim_steps)
         o = res["optimizer"]

@@ -9,9 +9,9 @@ import pytest
 import engram
 
 SRC = Path(engram.__file__).parent
-# Lowest first. options and files are the foundation every layer may use; the root re-exports.
-LAYERS = ["options", "files", "retrieval", "tables", "module", "models", "training", "serving",
-          "studies", "cli", "__main__", "__init__"]
+# Lowest first. options, files and jit are the foundation every layer may use; the root re-exports.
+LAYERS = ["options", "files", "jit", "retrieval", "tables", "module", "models", "training",
+          "serving", "studies", "cli", "__main__", "__init__"]
 
 
 def module_name(path: Path) -> str:

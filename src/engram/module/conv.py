@@ -49,19 +49,27 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor, state: EngramState | None = None,
                 residual: bool = False) -> torch.Tensor:
         """x [b, t, m, d] -> Y [b, t, m, d] (x + Y with ``residual``)."""
-        b, t, m, d = x.shape
+        y, full = ConvFn.apply(x, self.past(x, state), self.norm_weight(), self.conv.weight,
+                               self.norms[0].eps, self.dilation, residual)
+        self.remember(full, state)
+        return y
+
+    def norm_weight(self) -> torch.Tensor:
+        return torch.stack([n.weight for n in self.norms])  # [m, d]: per-branch norm weights
+
+    def past(self, x: torch.Tensor, state: EngramState | None) -> torch.Tensor:
+        """The normalised inputs before x [b, t, m, d]: [b, ctx, m*d], zeros at a sequence start
+        (== causal padding)."""
         if state is None or state.conv is None:
-            past = x.new_zeros(b, self.context, m * d)  # zeros == causal padding at the start
-        else:
-            past = state.conv
-        w = torch.stack([n.weight for n in self.norms])  # [m, d]: per-branch norm weights
-        y, full = ConvFn.apply(x, past.to(x.dtype), w, self.conv.weight, self.norms[0].eps,
-                               self.dilation, residual)
+            return x.new_zeros(x.shape[0], self.context, x.shape[2] * x.shape[3])
+        return state.conv.to(x.dtype)
+
+    def remember(self, full: torch.Tensor, state: EngramState | None) -> None:
+        """Keep the tail of the conv's input buffer full [b, ctx + t, m*d] as the decode state."""
         if state is not None and state.keep_inputs:
             state.inputs = full[:, self.context:]  # [b, t, m*d]
         if state is not None:
             state.conv = full[:, full.shape[1] - self.context:]
-        return y
 
 
 class ConvFn(torch.autograd.Function):

@@ -18,6 +18,7 @@ from torch import nn
 from ..retrieval.config import EngramConfig
 from ..retrieval.primes import head_offsets, prime_table_sizes
 from ..tables.store import MemoryTable, TableStore
+from . import fused as fused_kernels
 from .conv import EngramState, ShortConv
 from .gate import GATES, GateFn
 
@@ -37,11 +38,14 @@ class Engram(nn.Module):
         dilation: conv dilation (the paper uses N, the max n-gram order).
         fused: one bias-free projection for value and keys (v4.1) instead of biased nn.Linear's.
         conv_init: "zero" so a new module starts as a pure gated lookup, or "default" (demo).
+        kernels: on CPU in float32, run the gate and conv as compiled kernels (module/fused.py;
+            equal to the torch path to ~1e-6, not to the bit); False: always the torch path.
     """
 
     def __init__(self, table: TableStore | None, head_sizes: list[int] | None, d_mem: int,
                  hidden_size: int, hc_mult: int = 1, gate: str = "paper", kernel_size: int = 4,
-                 dilation: int = 3, fused: bool = False, conv_init: str = "zero"):
+                 dilation: int = 3, fused: bool = False, conv_init: str = "zero",
+                 kernels: bool = True):
         super().__init__()
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
@@ -52,7 +56,7 @@ class Engram(nn.Module):
                 raise ValueError(f"{name} must be positive, got {v}")
         self.table = table
         self.d_mem, self.hidden_size, self.hc_mult = d_mem, hidden_size, hc_mult
-        self.gate, self.fused, self.conv_init = gate, fused, conv_init
+        self.gate, self.fused, self.conv_init, self.kernels = gate, fused, conv_init, kernels
         self.head_sizes = list(head_sizes) if head_sizes is not None else None
         if self.head_sizes is not None:
             self.register_buffer("offsets", torch.tensor(head_offsets(self.head_sizes)),
@@ -151,6 +155,10 @@ class Engram(nn.Module):
             vt = alpha.unsqueeze(-1) * v.unsqueeze(2)  # [b, t, m, d]
         else:
             kv = F.linear(e, *self.kv_weights())  # [b, t, (m+1)*d]: value and all keys, one GEMM
+            if self._kernels_fit(kv, h):
+                y, alpha = self._fused(kv, h, state)
+                y = y.squeeze(2) if flat else y
+                return (y, alpha) if return_gate else y
             # Context-aware gate (paper eq. 4): the hidden state, which has seen the whole
             # context, decides whether the static n-gram memory fits here; a collided or off-topic
             # row is damped.
@@ -161,6 +169,35 @@ class Engram(nn.Module):
         y = vt if self.short_conv is None else self.short_conv(vt, state, residual=True)  # V~ + conv
         y = y.squeeze(2) if flat else y
         return (y, alpha) if return_gate else y
+
+    def _kernels_fit(self, kv: torch.Tensor, h: torch.Tensor) -> bool:
+        if not self.kernels or h.numel() == 0:
+            return False
+        sc = self.short_conv
+        if sc is None:
+            return fused_kernels.fits(kv, h)
+        # A hook on the short conv (models/hf.py's padding mask, models/trigger.py's) must see its
+        # input, which only the torch path computes as a tensor of its own.
+        hooked = bool(sc._forward_pre_hooks or sc._forward_hooks)
+        return not hooked and fused_kernels.fits(kv, h, kernel_size=sc.kernel_size)
+
+    def _fused(self, kv: torch.Tensor, h: torch.Tensor, state: EngramState | None):
+        """The gate and conv after the GEMM as compiled kernels (module/fused.py): Y, alpha."""
+        w1 = torch.stack([n.weight for n in self.norm1])  # [m, d]
+        w2 = torch.stack([n.weight for n in self.norm2])  # [m, d]
+        eps = torch.finfo(h.dtype).eps  # nn.RMSNorm's eps=None
+        eps1, eps2 = (eps if n.eps is None else n.eps for n in (self.norm1[0], self.norm2[0]))
+        sc = self.short_conv
+        if sc is None:
+            y, alpha, _ = fused_kernels.FusedFn.apply(kv, h, w1, w2, None, None, None, eps1, eps2,
+                                                      0.0, 1, self.gate, False)
+            return y, alpha
+        eps3 = eps if sc.norms[0].eps is None else sc.norms[0].eps
+        y, alpha, full = fused_kernels.FusedFn.apply(
+            kv, h, w1, w2, sc.norm_weight(), sc.conv.weight, sc.past(h, state), eps1, eps2, eps3,
+            sc.dilation, self.gate, state is not None)
+        sc.remember(full, state)
+        return y, alpha
 
     def extra_repr(self) -> str:
         return (f"d_mem={self.d_mem}, hidden={self.hidden_size}, hc_mult={self.hc_mult}, "

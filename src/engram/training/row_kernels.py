@@ -9,28 +9,12 @@ Shape legend:
 
 from __future__ import annotations
 
-import numba
 import numpy as np
-from numba.extending import intrinsic
+
+from ..jit import fma, kernel
 
 
-@intrinsic
-def fma(typingctx, a, b, c):
-    """a * b + c rounded once, as torch's CPU lerp_ and addcmul_ compute it."""
-    def codegen(context, builder, sig, args):
-        return builder.fma(*args)
-    return a(a, b, c), codegen
-
-
-def _jit(fn):
-    # error_model="numpy": a float division may not raise, so the loops vectorise (5x here).
-    try:
-        return numba.njit(cache=True, nogil=True, error_model="numpy")(fn)
-    except RuntimeError:  # no writable cache place (read-only install, no home): compile per process
-        return numba.njit(nogil=True, error_model="numpy")(fn)
-
-
-@_jit
+@kernel()
 def coalesce(idx, vals, rows, sums, r):
     """idx [n] in [0, r), vals [n, e] -> sorted unique rows into rows[:k], their summed values into
     sums[:k]; returns k. O(n e + r): a scan over the table's rows does the sorting."""
@@ -52,7 +36,7 @@ def coalesce(idx, vals, rows, sums, r):
     return k
 
 
-@_jit
+@kernel()
 def adam(p, rows, g, slots, mom, steps, lr, w1, b2, c2, eps, bias1_inv, bias2_sqrt):
     """RowAdam's step for rows [k] of p [r, e] with grads g [k, e], state mom [c, 2, e], steps [c]
     at slots [k]: the torch twin's ops (optim.RowAdam._update) fused into one pass per row."""

@@ -1,0 +1,67 @@
+"""numba for the package's compiled CPU kernels (module/kernels.py, training/row_kernels.py): the
+decorator they share and the LLVM operations numba does not spell. Import only from those kernel
+files, which are themselves imported on first use (importing numba costs ~0.5 s)."""
+
+from __future__ import annotations
+
+import types as types_
+
+import numba
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+# Reassociation lets LLVM vectorise reductions (sums over a row); no "nnan"/"ninf", so a NaN or an
+# infinity in the data still comes out as one.
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+
+
+def kernel(parallel: bool = False, fastmath: bool = False):
+    """numba.njit, cached on disk next to the source (or in numba's user cache where that is
+    read-only); with no writable place at all, compiled again in each process (~1 s).
+
+    A parallel kernel also carries ``.serial``, the same loops compiled without threads, for
+    callers that run on one thread: numba's thread pool, once started, keeps a worker spinning
+    after each parallel loop, and beside other single-threaded processes (`engram compare`'s
+    workers) that took the cores from them (training ran 10x slower)."""
+    # error_model="numpy": a float division may not raise, so the loops vectorise (5x here).
+    opts = dict(nogil=True, error_model="numpy")
+    if fastmath:
+        opts["fastmath"] = FASTMATH
+
+    def wrap(fn):
+        compiled = _njit(fn, parallel=parallel, **opts)
+        if parallel:
+            # a function of its own name: numba's disk cache is keyed by it, not by the options
+            twin = types_.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial",
+                                       fn.__defaults__, fn.__closure__)
+            twin.__qualname__ = fn.__qualname__ + "_serial"
+            compiled.serial = _njit(twin, parallel=False, **opts)
+        return compiled
+    return wrap
+
+
+def _njit(fn, **opts):
+    try:
+        return numba.njit(cache=True, **opts)(fn)
+    except RuntimeError:  # no writable cache place (read-only install, no home)
+        return numba.njit(**opts)(fn)
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """a * b + c rounded once, as torch's CPU lerp_ and addcmul_ compute it."""
+    def codegen(context, builder, sig, args):
+        return builder.fma(*args)
+    return a(a, b, c), codegen
+
+
+@intrinsic
+def pow2(typingctx, k):
+    """2^k as float32 for an int32 k in [-126, 127], built from its bits (vectorises; ldexp and a
+    table lookup do not)."""
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        bits = builder.shl(builder.add(args[0], ir.Constant(i32, 127)), ir.Constant(i32, 23))
+        return builder.bitcast(bits, ir.FloatType())
+    return types.float32(types.int32), codegen

@@ -1,0 +1,305 @@
+"""The numba kernels behind module/fused.py (see there): the gate, the short conv's norm, conv, SiLU
+and residual, forward and backward, in a few parallel passes over positions.
+
+Shape legend:
+    n positions (b t), b batch, t positions per sequence, m residual branches, d hidden size,
+    C = m d conv channels, K conv kernel, ctx = (K - 1) * dilation past positions of the conv.
+    stats [n, m, 5]: per row rk, rh (key and hidden RMS scales), dot = <k, h w1 w2>, s (the scaled
+    score), r (the conv input's RMS scale).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from ..jit import kernel, pow2
+
+F32 = np.float32
+
+
+@kernel(fastmath=True)
+def exp_neg(x):
+    """exp(-x) in float32 to ~2 ulp, as multiply-adds (vectorises; numba's exp does not without
+    Intel's SVML): Cephes' expf. Saturates: exp(-88) for x > 88 (NaN too), exp(87) for x < -87."""
+    v = -x
+    v = v if v > F32(-87.0) else F32(-87.0)  # a NaN fails the test: saturated, never bad bits
+    v = v if v < F32(88.0) else F32(88.0)
+    k = np.floor(v * F32(1.4426950408889634) + F32(0.5))  # exp(v) = 2^k exp(f), |f| <= ln(2)/2
+    f = v - k * F32(0.693359375) - k * F32(-2.12194440e-4)  # ln(2) in two parts: f exact
+    p = F32(1.9875691500e-4)
+    p = p * f + F32(1.3981999507e-3)
+    p = p * f + F32(8.3334519073e-3)
+    p = p * f + F32(4.1665795894e-2)
+    p = p * f + F32(1.6666665459e-1)
+    p = p * f + F32(5.0000001201e-1)
+    return (p * f * f + f + F32(1.0)) * pow2(np.int32(k))
+
+
+@kernel(fastmath=True)
+def silu(y):
+    return y / (F32(1.0) + exp_neg(y))
+
+
+@kernel()
+def gate_of(s, demo):
+    """alpha from the score (gate.gate_fn) and d alpha / d s."""
+    a_s = abs(s)
+    if demo:  # signed square root (the demo), whose clamp passes no gradient below 1e-6
+        z = math.sqrt(max(a_s, F32(1e-6))) * ((s > 0) - (s < 0))
+    else:
+        z = s
+    a = F32(1.0) / (F32(1.0) + F32(math.exp(-z)))
+    da = a * (F32(1.0) - a)
+    if demo:
+        da = da * F32(0.5) / math.sqrt(a_s) if a_s >= F32(1e-6) else F32(0.0)
+    return a, da
+
+
+@kernel(parallel=True)
+def gate_forward(kv, h, w12, eps1, eps2, eps3, demo, conv, stats, alpha, out):
+    """kv [n, (m+1) d] (value, keys), h [n, m, d] -> stats [n, m, 5], alpha [n, m]; without the
+    conv, out [n, m, d] = alpha v."""
+    for p in numba.prange(h.shape[0]):
+        gate_row(p, kv, h, w12, eps1, eps2, eps3, demo, conv, stats, alpha, out)
+
+
+@kernel(fastmath=True)
+def gate_row(p, kv, h, w12, eps1, eps2, eps3, demo, conv, stats, alpha, out):
+    """gate_forward at position p (each parallel kernel calls a per-item function, which its
+    serial twin calls too: both run the same compiled loops, so the same bits)."""
+    n, m, d = h.shape
+    inv_d, inv_sqrt_d = F32(1.0 / d), F32(1.0 / math.sqrt(d))
+    row, v = kv[p], kv[p, :d]  # 1-d views: numba vectorises loops over those, not over [p, c]
+    sv = F32(0.0)
+    for c in range(d):
+        sv += v[c] * v[c]
+    for i in range(m):
+        k, x, w = row[(i + 1) * d:(i + 2) * d], h[p, i], w12[i]
+        sk, sh, dot = F32(0.0), F32(0.0), F32(0.0)
+        for c in range(d):
+            sk += k[c] * k[c]
+            sh += x[c] * x[c]
+            dot += k[c] * x[c] * w[c]
+        rk = F32(1.0) / math.sqrt(sk * inv_d + eps1)
+        rh = F32(1.0) / math.sqrt(sh * inv_d + eps2)
+        s = dot * rk * rh * inv_sqrt_d
+        a, _ = gate_of(s, demo)
+        alpha[p, i] = a
+        st = stats[p, i]
+        st[0], st[1], st[2], st[3] = rk, rh, dot, s
+        # RMSNorm(alpha v) = alpha v / sqrt(alpha^2 mean(v^2) + eps): no pass of its own
+        st[4] = F32(1.0) / math.sqrt(a * a * sv * inv_d + eps3) if conv else F32(0.0)
+        if not conv:
+            o = out[p, i]
+            for c in range(d):
+                o[c] = a * v[c]
+
+
+@kernel(fastmath=True)
+def conv_input(kv, alpha, stats, nw, past, pos, p, xn):
+    """The conv's normalised input RMSNorm(alpha v) nw = v (alpha r) nw of sequence position pos
+    (flat position p) into xn [C]; for pos < 0, the saved past row (past [ctx, C])."""
+    m, d = nw.shape
+    if pos < 0:
+        xn[:] = past[past.shape[0] + pos]
+        return
+    v = kv[p, :d]
+    for i in range(m):
+        ar, g, x = alpha[p, i] * stats[p, i, 4], nw[i], xn[i * d:(i + 1) * d]
+        for c in range(d):
+            x[c] = v[c] * ar * g[c]
+
+
+@kernel()
+def pick(rows, slot, ok, zero):
+    return rows[slot] if ok else zero
+
+
+@kernel()
+def weight_rows(cw, flip, zero):
+    """The conv weight's up-to-4 tap rows (cw [K, C], K <= 4), reversed with flip, zero rows
+    past K: the conv's taps always sum 4 products, in registers."""
+    k = cw.shape[0]
+    return (pick(cw, k - 1 if flip else 0, k > 0, zero),
+            pick(cw, k - 2 if flip else 1, k > 1, zero),
+            pick(cw, k - 3 if flip else 2, k > 2, zero),
+            pick(cw, k - 4 if flip else 3, k > 3, zero))
+
+
+@kernel(fastmath=True)
+def conv_silu_grad(x0, x1, x2, x3, w0, w1, w2, w3, gout, gy):
+    """gy = gout SiLU'(y), y = sum_j x_j w_j recomputed (rows [C]): the forward keeps no y."""
+    for c in range(gy.shape[0]):
+        y = x0[c] * w0[c] + x1[c] * w1[c] + x2[c] * w2[c] + x3[c] * w3[c]
+        sg = F32(1.0) / (F32(1.0) + exp_neg(y))
+        gy[c] = gout[c] * (sg * (F32(1.0) + y * (F32(1.0) - sg)))
+
+
+@kernel()
+def inputs_at(kv, alpha, stats, nw, past, base, u, ctx, dil, kernel_size, scratch, zero):
+    """The conv inputs that output position u reads (positions u - ctx + j dil, j < K), computed
+    into scratch [4, C]; zero rows past K. base: the sequence's first flat position."""
+    for j in range(kernel_size):
+        pos = u - ctx + j * dil
+        conv_input(kv, alpha, stats, nw, past, pos, base + pos, scratch[j])
+    return (pick(scratch, 0, kernel_size > 0, zero), pick(scratch, 1, kernel_size > 1, zero),
+            pick(scratch, 2, kernel_size > 2, zero), pick(scratch, 3, kernel_size > 3, zero))
+
+
+@kernel(parallel=True)
+def conv_forward(kv, alpha, stats, nw, cw, past, dil, t, chunk, out, full):
+    """out [n, m, d] = alpha v + SiLU(y), y the depthwise causal conv (cw [K, C], K <= 4) of the
+    normalised input, past [b, ctx, C] before t = 0; full [b, ctx + t, C] (if it has b rows) gets
+    the input buffer (past, then every position). y is not kept: the backward recomputes it.
+
+    Work items are chunks of one sequence's positions; each keeps the last ctx + 1 inputs in a
+    ring of rows and sums the taps in registers (a sum over taps through memory, one tap at a
+    time, is ~4x slower: the rows fall out of L1)."""
+    for item in numba.prange(out.shape[0] // t * ((t + chunk - 1) // chunk)):
+        conv_item(item, kv, alpha, stats, nw, cw, past, dil, t, chunk, out, full)
+
+
+@kernel(fastmath=True)
+def conv_item(item, kv, alpha, stats, nw, cw, past, dil, t, chunk, out, full):
+    """conv_forward's work item."""
+    n, m, d = out.shape
+    b, kernel_size, ctx, ch = n // t, cw.shape[0], past.shape[1], m * d
+    rows = ctx + 1
+    per_seq = (t + chunk - 1) // chunk
+    zero = np.zeros(ch, F32)
+    w0, w1, w2, w3 = weight_rows(cw, False, zero)
+    bi, s = item // per_seq, (item % per_seq) * chunk
+    ring = np.empty((rows, ch), F32)  # the input at sequence position u in row (u + rows) % rows
+    for u in range(s - ctx, s):
+        conv_input(kv, alpha, stats, nw, past[bi], u, bi * t + u, ring[(u + rows) % rows])
+        if full.shape[0] == b and u < 0:
+            full[bi, u + ctx] = ring[(u + rows) % rows]
+    for ti in range(s, min(t, s + chunk)):
+        p = bi * t + ti
+        conv_input(kv, alpha, stats, nw, past[bi], ti, p, ring[ti % rows])
+        if full.shape[0] == b:
+            full[bi, ti + ctx] = ring[ti % rows]
+        # tap j reads sequence position ti - ctx + j dil
+        u0 = ti - ctx + rows  # + rows: the slot of a negative position
+        x0 = pick(ring, u0 % rows, kernel_size > 0, zero)
+        x1 = pick(ring, (u0 + dil) % rows, kernel_size > 1, zero)
+        x2 = pick(ring, (u0 + 2 * dil) % rows, kernel_size > 2, zero)
+        x3 = pick(ring, (u0 + 3 * dil) % rows, kernel_size > 3, zero)
+        v = kv[p, :d]
+        for i in range(m):
+            lo, hi = i * d, (i + 1) * d
+            a0, a1, a2, a3 = x0[lo:hi], x1[lo:hi], x2[lo:hi], x3[lo:hi]
+            b0, b1, b2, b3 = w0[lo:hi], w1[lo:hi], w2[lo:hi], w3[lo:hi]
+            o, a = out[p, i], alpha[p, i]
+            for c in range(d):
+                y = a0[c] * b0[c] + a1[c] * b1[c] + a2[c] * b2[c] + a3[c] * b3[c]
+                o[c] = a * v[c] + silu(y)
+
+
+@kernel(parallel=True)
+def backward(kv, h, w12, nw, cw, past, gout, galpha, stats, alpha, demo, conv, dil, t, chunk,
+             gkv, gh, acc_w12, acc_nw, acc_cw):
+    """The gradients of gate_forward + conv_forward (+ the residual) from gout [n, m, d] (and
+    galpha [n, m]): gkv [n, (m+1) d], gh [n, m, d], and per work item the weight gradients'
+    partial sums acc_w12 (of w1 w2), acc_nw [items, m, d], acc_cw [items, K, C] (zeroed by the
+    caller). Work items as conv_forward's, walking their positions backwards: the input at tau fed
+    the outputs at tau + (K-1-j) dil, so its gradient is the flipped kernel over a ring of SiLU'
+    gout rows (zeros past t). Fixed items: the same bits on any thread count."""
+    for item in numba.prange(acc_w12.shape[0]):
+        backward_item(item, kv, h, w12, nw, cw, past, gout, galpha, stats, alpha, demo, conv,
+                      dil, t, chunk, gkv, gh, acc_w12, acc_nw, acc_cw)
+
+
+@kernel(fastmath=True)
+def backward_item(item, kv, h, w12, nw, cw, past, gout, galpha, stats, alpha, demo, conv,
+                  dil, t, chunk, gkv, gh, acc_w12, acc_nw, acc_cw):
+    """backward's work item."""
+    n, m, d = h.shape
+    kernel_size, ctx, ch = cw.shape[0], past.shape[1], m * d
+    rows = ctx + 1
+    per_seq = (t + chunk - 1) // chunk
+    inv_d, inv_sqrt_d = F32(1.0 / d), F32(1.0 / math.sqrt(d))
+    zero = np.zeros(ch, F32)
+    w0, w1, w2, w3 = weight_rows(cw, False, zero)
+    f0, f1, f2, f3 = weight_rows(cw, True, zero)
+    bi, s = item // per_seq, (item % per_seq) * chunk
+    e = min(t, s + chunk)
+    ring = np.zeros((rows, ch), F32)  # SiLU' gout at position u in row u % rows
+    xring = np.empty((rows, ch), F32)  # the conv inputs of positions ti - ctx .. ti, likewise
+    gxn = np.empty(ch, F32)  # the conv input's gradient at this position
+    gu = np.empty(d, F32)
+    aw12, anw, acw = acc_w12[item], acc_nw[item], acc_cw[item]
+    if conv:
+        scratch = np.empty((4, ch), F32)
+        for u in range(e, min(t, e + ctx)):  # the next item's first rows, recomputed
+            x0, x1, x2, x3 = inputs_at(kv, alpha, stats, nw, past[bi], bi * t, u, ctx, dil,
+                                       kernel_size, scratch, zero)
+            conv_silu_grad(x0, x1, x2, x3, w0, w1, w2, w3, gout[bi * t + u].reshape(ch),
+                           ring[u % rows])
+        for u in range(e - ctx, e):
+            conv_input(kv, alpha, stats, nw, past[bi], u, bi * t + u, xring[(u + rows) % rows])
+    for ti in range(e - 1, s - 1, -1):
+        p = bi * t + ti
+        row, v, grow = kv[p], kv[p, :d], gkv[p]
+        if conv:
+            conv_input(kv, alpha, stats, nw, past[bi], ti - ctx, p - ctx,
+                       xring[(ti - ctx + rows) % rows])
+            u0 = ti - ctx + rows  # + rows: the slot of a negative position
+            gy = ring[ti % rows]
+            conv_silu_grad(xring[u0 % rows], xring[(u0 + dil) % rows] if kernel_size > 1
+                           else zero, xring[(u0 + 2 * dil) % rows] if kernel_size > 2 else zero,
+                           xring[(u0 + 3 * dil) % rows] if kernel_size > 3 else zero,
+                           w0, w1, w2, w3, gout[p].reshape(ch), gy)
+            # the flipped kernel: position ti + k dil gets tap K-1-k's weight
+            x0 = pick(ring, ti % rows, kernel_size > 0, zero)
+            x1 = pick(ring, (ti + dil) % rows, kernel_size > 1, zero)
+            x2 = pick(ring, (ti + 2 * dil) % rows, kernel_size > 2, zero)
+            x3 = pick(ring, (ti + 3 * dil) % rows, kernel_size > 3, zero)
+            for c in range(ch):
+                gxn[c] = x0[c] * f0[c] + x1[c] * f1[c] + x2[c] * f2[c] + x3[c] * f3[c]
+            for j in range(kernel_size):  # the weight's gradient: gy times the input tap j read
+                aj, xn = acw[j], xring[(ti - ctx + j * dil + rows) % rows]
+                for c in range(ch):
+                    aj[c] += gy[c] * xn[c]
+        gv = grow[:d]  # the value's gradient, summed over branches (W_V is shared)
+        gv[:] = 0
+        for i in range(m):
+            st = stats[p, i]
+            rk, rh, dot, sc, r = st[0], st[1], st[2], st[3], st[4]
+            a = alpha[p, i]
+            _, da = gate_of(sc, demo)
+            ga = galpha[p, i]
+            go = gout[p, i]
+            if conv:
+                # RMSNorm backward, x = alpha v, u = x r: gx = r gu' - r^3 <gu', x> x / d with
+                # gu' = gxn nw
+                gx, g_nw, a_nw = gxn[i * d:(i + 1) * d], nw[i], anw[i]
+                dot_gx = F32(0.0)
+                for c in range(d):
+                    x = a * v[c]
+                    a_nw[c] += r * gx[c] * x
+                    gu[c] = gx[c] * g_nw[c]
+                    dot_gx += gu[c] * x
+                coef = r * r * r * dot_gx * inv_d
+                for c in range(d):
+                    g = r * gu[c] - coef * (a * v[c]) + go[c]  # + the residual
+                    gv[c] += a * g
+                    ga += g * v[c]
+            else:
+                for c in range(d):
+                    gv[c] += a * go[c]
+                    ga += go[c] * v[c]
+            # the gate: s = r_k r_h <k, h w1 w2> / sqrt(d)
+            gs = ga * da * inv_sqrt_d
+            gdot = gs * rk * rh
+            ck = gs * dot * rh * rk * rk * rk * inv_d
+            chh = gs * dot * rk * rh * rh * rh * inv_d
+            k, x, w, a12 = row[(i + 1) * d:(i + 2) * d], h[p, i], w12[i], aw12[i]
+            gk, ghi = grow[(i + 1) * d:(i + 2) * d], gh[p, i]
+            for c in range(d):
+                gk[c] = gdot * x[c] * w[c] - ck * k[c]
+                ghi[c] = gdot * k[c] * w[c] - chh * x[c]
+                a12[c] += gdot * k[c] * x[c]
