@@ -51,25 +51,34 @@ def _chunk(b: int, t: int) -> int:
 _LOCK = threading.Lock()
 
 
-class _Kernels:
-    """module/kernels.py's parallel kernels on torch's thread count, or their serial twins on one
-    thread (no numba thread pool is started then; see jit.kernel)."""
+SERIAL_BELOW = 1 << 16  # values ([n, m, d]) under which one thread beats waking the pool (decode)
 
-    def __init__(self):
+
+class _Kernels:
+    """module/kernels.py's parallel kernels, or their serial twins (no numba thread pool is
+    started then; see jit.kernel): the same compiled loops, so the same bits either way."""
+
+    def __init__(self, serial: bool):
         from . import kernels
-        import numba
-        threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-        serial = threads == 1
-        if not serial:
-            numba.set_num_threads(threads)
         for name in ("gate_forward", "conv_forward", "backward"):
             fn = getattr(kernels, name)
             setattr(self, name, fn.serial if serial else fn)
 
 
-def _kernels() -> _Kernels:
-    """The kernels (module/kernels.py, imported on first use) for this call's thread count."""
-    return _Kernels()
+_BY_MODE: dict[bool, _Kernels] = {}
+
+
+def _kernels(values: int) -> _Kernels:
+    """The kernels (module/kernels.py, imported on first use) for a call over this many values on
+    torch's thread count: serial on one thread or for a few values (a decode step)."""
+    import numba
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    serial = threads == 1 or values < SERIAL_BELOW
+    if not serial:
+        numba.set_num_threads(threads)
+    if serial not in _BY_MODE:
+        _BY_MODE[serial] = _Kernels(serial)
+    return _BY_MODE[serial]
 
 
 def _f32(x: float) -> float:
@@ -94,8 +103,8 @@ class FusedFn(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, kv, h, w1, w2, nw, cw, past, eps1, eps2, eps3, dilation, kind, keep_full):
-        kern = _kernels()
         b, t, m, d = h.shape
+        kern = _kernels(h.numel())
         n, conv = b * t, cw is not None
         kv2 = kv.detach().reshape(n, (m + 1) * d).contiguous()  # [n, (m+1) d]
         h3 = h.detach().reshape(n, m, d).contiguous()  # [n, m, d]
@@ -112,6 +121,7 @@ class FusedFn(torch.autograd.Function):
             nw, past = nw.detach().contiguous(), past.detach().contiguous()
             if keep_full:
                 full = kv.new_empty(b, past.shape[1] + t, m * d)  # [b, ctx + t, C]
+                full[:, :past.shape[1]] = past
             kern.conv_forward(kv2.numpy(), alpha.view(n, m).numpy(), stats.numpy(), nw.numpy(),
                               cwt.numpy(), past.numpy(), dilation, t, _chunk(b, t),
                               out.view(n, m, d).numpy(), full.numpy())
@@ -132,8 +142,8 @@ class FusedFn(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, gout, galpha):
-        kern = _kernels()
         kv2, h3, w1, w2, nw, cwt, past, stats, alpha = ctx.saved_tensors
+        kern = _kernels(h3.numel())
         b, t, m, d = ctx.shape
         n, conv = b * t, ctx.conv
         gout = (kv2.new_zeros(n, m, d) if gout is None

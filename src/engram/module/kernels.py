@@ -99,13 +99,10 @@ def gate_row(p, kv, h, w12, eps1, eps2, eps3, demo, conv, stats, alpha, out):
 
 
 @kernel(fastmath=True)
-def conv_input(kv, alpha, stats, nw, past, pos, p, xn):
-    """The conv's normalised input RMSNorm(alpha v) nw = v (alpha r) nw of sequence position pos
-    (flat position p) into xn [C]; for pos < 0, the saved past row (past [ctx, C])."""
+def conv_input(kv, alpha, stats, nw, p, xn):
+    """The conv's normalised input RMSNorm(alpha v) nw = v (alpha r) nw at flat position p into
+    xn [C]."""
     m, d = nw.shape
-    if pos < 0:
-        xn[:] = past[past.shape[0] + pos]
-        return
     v = kv[p, :d]
     for i in range(m):
         ar, g, x = alpha[p, i] * stats[p, i, 4], nw[i], xn[i * d:(i + 1) * d]
@@ -116,6 +113,15 @@ def conv_input(kv, alpha, stats, nw, past, pos, p, xn):
 @kernel()
 def pick(rows, slot, ok, zero):
     return rows[slot] if ok else zero
+
+
+@kernel()
+def input_row(ring, past, pos, ok, zero):
+    """The conv input of sequence position pos: row pos % len(ring) of the ring, or for pos < 0
+    the saved past (past [ctx, C]), read where it lies; the zero row where not ok (taps past K)."""
+    if not ok:
+        return zero
+    return past[past.shape[0] + pos] if pos < 0 else ring[pos % ring.shape[0]]
 
 
 @kernel()
@@ -140,20 +146,27 @@ def conv_silu_grad(x0, x1, x2, x3, w0, w1, w2, w3, gout, gy):
 
 @kernel()
 def inputs_at(kv, alpha, stats, nw, past, base, u, ctx, dil, kernel_size, scratch, zero):
-    """The conv inputs that output position u reads (positions u - ctx + j dil, j < K), computed
-    into scratch [4, C]; zero rows past K. base: the sequence's first flat position."""
+    """The conv inputs that output position u reads (positions u - ctx + j dil, j < K): computed
+    into scratch [4, C], or the past's rows; zero rows past K. base: the sequence's first flat
+    position."""
     for j in range(kernel_size):
         pos = u - ctx + j * dil
-        conv_input(kv, alpha, stats, nw, past, pos, base + pos, scratch[j])
-    return (pick(scratch, 0, kernel_size > 0, zero), pick(scratch, 1, kernel_size > 1, zero),
-            pick(scratch, 2, kernel_size > 2, zero), pick(scratch, 3, kernel_size > 3, zero))
+        if pos >= 0:
+            conv_input(kv, alpha, stats, nw, base + pos, scratch[j])
+    rows = []
+    for j in range(4):
+        pos = u - ctx + j * dil
+        rows.append(scratch[j] if j < kernel_size and pos >= 0
+                    else input_row(scratch, past, pos, j < kernel_size and pos < 0, zero))
+    return rows[0], rows[1], rows[2], rows[3]
 
 
 @kernel(parallel=True)
 def conv_forward(kv, alpha, stats, nw, cw, past, dil, t, chunk, out, full):
     """out [n, m, d] = alpha v + SiLU(y), y the depthwise causal conv (cw [K, C], K <= 4) of the
     normalised input, past [b, ctx, C] before t = 0; full [b, ctx + t, C] (if it has b rows) gets
-    the input buffer (past, then every position). y is not kept: the backward recomputes it.
+    every position's input behind the past (the caller copies the past in: numba's copy of a 2-d
+    slice is element by element). y is not kept: the backward recomputes it.
 
     Work items are chunks of one sequence's positions; each keeps the last ctx + 1 inputs in a
     ring of rows and sums the taps in registers (a sum over taps through memory, one tap at a
@@ -172,22 +185,21 @@ def conv_item(item, kv, alpha, stats, nw, cw, past, dil, t, chunk, out, full):
     zero = np.zeros(ch, F32)
     w0, w1, w2, w3 = weight_rows(cw, False, zero)
     bi, s = item // per_seq, (item % per_seq) * chunk
-    ring = np.empty((rows, ch), F32)  # the input at sequence position u in row (u + rows) % rows
-    for u in range(s - ctx, s):
-        conv_input(kv, alpha, stats, nw, past[bi], u, bi * t + u, ring[(u + rows) % rows])
-        if full.shape[0] == b and u < 0:
-            full[bi, u + ctx] = ring[(u + rows) % rows]
+    pb = past[bi]  # [ctx, C]: read in place, not copied into the ring (a decode step's cost)
+    ring = np.empty((rows, ch), F32)  # the input at sequence position u >= 0 in row u % rows
+    for u in range(max(0, s - ctx), s):
+        conv_input(kv, alpha, stats, nw, bi * t + u, ring[u % rows])
     for ti in range(s, min(t, s + chunk)):
         p = bi * t + ti
-        conv_input(kv, alpha, stats, nw, past[bi], ti, p, ring[ti % rows])
+        conv_input(kv, alpha, stats, nw, p, ring[ti % rows])
         if full.shape[0] == b:
             full[bi, ti + ctx] = ring[ti % rows]
         # tap j reads sequence position ti - ctx + j dil
-        u0 = ti - ctx + rows  # + rows: the slot of a negative position
-        x0 = pick(ring, u0 % rows, kernel_size > 0, zero)
-        x1 = pick(ring, (u0 + dil) % rows, kernel_size > 1, zero)
-        x2 = pick(ring, (u0 + 2 * dil) % rows, kernel_size > 2, zero)
-        x3 = pick(ring, (u0 + 3 * dil) % rows, kernel_size > 3, zero)
+        u0 = ti - ctx
+        x0 = input_row(ring, pb, u0, kernel_size > 0, zero)
+        x1 = input_row(ring, pb, u0 + dil, kernel_size > 1, zero)
+        x2 = input_row(ring, pb, u0 + 2 * dil, kernel_size > 2, zero)
+        x3 = input_row(ring, pb, u0 + 3 * dil, kernel_size > 3, zero)
         v = kv[p, :d]
         for i in range(m):
             lo, hi = i * d, (i + 1) * d
@@ -239,29 +251,30 @@ def backward_item(item, kv, h, w12, nw, cw, past, gout, galpha, stats, alpha, de
                                        kernel_size, scratch, zero)
             conv_silu_grad(x0, x1, x2, x3, w0, w1, w2, w3, gout[bi * t + u].reshape(ch),
                            ring[u % rows])
-        for u in range(e - ctx, e):
-            conv_input(kv, alpha, stats, nw, past[bi], u, bi * t + u, xring[(u + rows) % rows])
+        for u in range(max(0, e - ctx), e):
+            conv_input(kv, alpha, stats, nw, bi * t + u, xring[u % rows])
     for ti in range(e - 1, s - 1, -1):
         p = bi * t + ti
         row, v, grow = kv[p], kv[p, :d], gkv[p]
         if conv:
-            conv_input(kv, alpha, stats, nw, past[bi], ti - ctx, p - ctx,
-                       xring[(ti - ctx + rows) % rows])
-            u0 = ti - ctx + rows  # + rows: the slot of a negative position
+            if ti >= ctx:
+                conv_input(kv, alpha, stats, nw, p - ctx, xring[(ti - ctx) % rows])
+            u0, pb = ti - ctx, past[bi]
+            x0 = input_row(xring, pb, u0, kernel_size > 0, zero)
+            x1 = input_row(xring, pb, u0 + dil, kernel_size > 1, zero)
+            x2 = input_row(xring, pb, u0 + 2 * dil, kernel_size > 2, zero)
+            x3 = input_row(xring, pb, u0 + 3 * dil, kernel_size > 3, zero)
             gy = ring[ti % rows]
-            conv_silu_grad(xring[u0 % rows], xring[(u0 + dil) % rows] if kernel_size > 1
-                           else zero, xring[(u0 + 2 * dil) % rows] if kernel_size > 2 else zero,
-                           xring[(u0 + 3 * dil) % rows] if kernel_size > 3 else zero,
-                           w0, w1, w2, w3, gout[p].reshape(ch), gy)
+            conv_silu_grad(x0, x1, x2, x3, w0, w1, w2, w3, gout[p].reshape(ch), gy)
             # the flipped kernel: position ti + k dil gets tap K-1-k's weight
-            x0 = pick(ring, ti % rows, kernel_size > 0, zero)
-            x1 = pick(ring, (ti + dil) % rows, kernel_size > 1, zero)
-            x2 = pick(ring, (ti + 2 * dil) % rows, kernel_size > 2, zero)
-            x3 = pick(ring, (ti + 3 * dil) % rows, kernel_size > 3, zero)
+            g0 = pick(ring, ti % rows, kernel_size > 0, zero)
+            g1 = pick(ring, (ti + dil) % rows, kernel_size > 1, zero)
+            g2 = pick(ring, (ti + 2 * dil) % rows, kernel_size > 2, zero)
+            g3 = pick(ring, (ti + 3 * dil) % rows, kernel_size > 3, zero)
             for c in range(ch):
-                gxn[c] = x0[c] * f0[c] + x1[c] * f1[c] + x2[c] * f2[c] + x3[c] * f3[c]
+                gxn[c] = g0[c] * f0[c] + g1[c] * f1[c] + g2[c] * f2[c] + g3[c] * f3[c]
             for j in range(kernel_size):  # the weight's gradient: gy times the input tap j read
-                aj, xn = acw[j], xring[(ti - ctx + j * dil + rows) % rows]
+                aj, xn = acw[j], input_row(xring, pb, u0 + j * dil, True, zero)
                 for c in range(ch):
                     aj[c] += gy[c] * xn[c]
         gv = grow[:d]  # the value's gradient, summed over branches (W_V is shared)
