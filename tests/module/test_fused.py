@@ -23,13 +23,13 @@ def _module(m=4, d=40, gate="demo", kernel_size=4, dilation=3, c=48, fused_kv=Fa
     return mod
 
 
-def _run(mod, h, mem, kernels, state=None, seed=1):
+def _run(mod, h, mem, kernels, state=None, seed=1, alive=None):
     """Y, alpha and the gradients of a random loss on both (the gate's gradient too)."""
     mod.kernels = kernels
     mod.zero_grad(set_to_none=True)
     h = h.detach().requires_grad_()
     mem = mem.detach().requires_grad_()
-    y, a = mod(h, memory=mem, state=state, return_gate=True)
+    y, a = mod(h, memory=mem, state=state, return_gate=True, alive=alive)
     g = torch.Generator().manual_seed(seed)
     ((y * torch.randn(y.shape, generator=g)).sum()
      + (a * torch.randn(a.shape, generator=g)).sum()).backward()
@@ -59,6 +59,32 @@ def test_equals_torch_path(m, d, gate, kernel_size, dilation, fused_kv, b, t):
     if m == 1:
         h = h[:, :, 0]
     _close(_run(mod, h, mem, True), _run(mod, h, mem, False))
+
+
+@pytest.mark.parametrize("kernel_size", [4, 0])
+def test_alive_mask_equals_torch_path(kernel_size):
+    mod = _module(kernel_size=kernel_size)
+    h, mem = torch.randn(3, 21, 4, 40), torch.randn(3, 21, 48)
+    alive = torch.ones(3, 21, dtype=torch.bool)
+    alive[1, :6] = False  # left padding
+    alive[2, 9:12] = False  # a gap (a trigger table's span)
+    _close(_run(mod, h, mem, True, alive=alive), _run(mod, h, mem, False, alive=alive))
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_left_padding_is_invisible(kernels):
+    """A left-padded row's real positions get what the row gets alone: padding feeds the conv the
+    zeros it sees before a sequence start."""
+    mod = _module()
+    mod.kernels = kernels
+    h, mem = torch.randn(2, 15, 4, 40), torch.randn(2, 15, 48)
+    alive = torch.ones(2, 15, dtype=torch.bool)
+    alive[1, :5] = False
+    with torch.no_grad():
+        padded = mod(h, memory=mem, alive=alive)
+        alone = mod(h[1:, 5:], memory=mem[1:, 5:])
+    torch.testing.assert_close(padded[1:, 5:], alone, rtol=1e-5, atol=1e-6)
+    assert padded[1, :5].abs().max() == 0  # no residual at padding (SiLU(conv(0)) = 0 there)
 
 
 def test_kernels_run_and_differ_in_rounding_only():
@@ -120,7 +146,7 @@ def test_falls_back_to_torch_path(case):
     h, mem = torch.randn(2, 11, 4, 40), torch.randn(2, 11, 48)
     if case == "float64":
         mod, h, mem = mod.double(), h.double(), mem.double()
-    if case == "hooked":  # a hook on the conv (models/hf.py's padding mask) must see its input
+    if case == "hooked":  # a hook on the conv must see its input
         seen = []
         mod.short_conv.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))
     got = _run(mod, h, mem, case != "off")

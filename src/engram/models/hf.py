@@ -141,8 +141,6 @@ class EngramRuntime:
             self.engrams[lid] = eng
             self._handles.append(layer.register_forward_pre_hook(partial(self._layer_hook, lid),
                                                                  with_kwargs=True))
-            if eng.short_conv is not None:
-                self._handles.append(eng.short_conv.register_forward_pre_hook(self._conv_hook))
         self._handles.append(self.base.register_forward_pre_hook(self._stack_hook, with_kwargs=True))
         self._handles.append(self.base.register_forward_hook(self._stack_done, with_kwargs=True))
 
@@ -214,18 +212,13 @@ class EngramRuntime:
                                "model (or its decoder stack), not a layer alone")
         h = args[0] if args else kwargs["hidden_states"]  # [b, t, d]
         state = call.convs[layer_id] if call.convs is not None else None
-        y = self.engrams[layer_id](h, call.ids[layer_id].to(h.device), state=state)  # [b, t, d]
+        # Dead positions (padding) feed the conv zeros, what it sees before a sequence start.
+        alive = None if call.alive is None else call.alive.to(h.device)
+        y = self.engrams[layer_id](h, call.ids[layer_id].to(h.device), state=state,
+                                   alive=alive)  # [b, t, d]
         if args:
             return (h + y, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": h + y}
-
-    def _conv_hook(self, module: nn.Module, args: tuple):
-        call = self._call
-        if call is None or call.alive is None:
-            return None
-        # Dead positions feed zeros, exactly what the causal conv sees before the sequence start.
-        x = args[0] * call.alive[:, :, None, None].to(args[0])  # [b, t, m, d]
-        return (x, *args[1:])
 
     # -- state per cache --------------------------------------------------------------------------
     def _bind(self, cache: Any, state: SequenceState) -> None:

@@ -146,7 +146,6 @@ class TriggerTable(nn.Module):
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         self.kind, self.tanh_gate, self.hidden_size = kind, tanh_gate, hidden_size
-        self._alive: torch.Tensor | None = None
         if kind == "plain":
             self.values = nn.Parameter(torch.empty(num_keys, hidden_size))
             self.scale = nn.Parameter(torch.empty(hidden_size))
@@ -158,8 +157,6 @@ class TriggerTable(nn.Module):
             # span is a handful of tokens (the LM paper's dilation N spans whole n-grams).
             self.engram = Engram(None, None, d_mem, hidden_size, gate="paper",
                                  kernel_size=kernel_size, dilation=1, conv_init="zero")
-            if self.engram.short_conv is not None:
-                self.engram.short_conv.register_forward_pre_hook(self._mask_conv)
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -187,19 +184,9 @@ class TriggerTable(nn.Module):
             if self.tanh_gate:
                 y = y * torch.tanh(self.gate)
         else:
-            self._alive = alive
-            try:
-                y = self.engram(hidden, memory=e)  # [b, t, d]
-            finally:
-                self._alive = None
+            # The conv runs over the span only: positions outside it feed zeros.
+            y = self.engram(hidden, memory=e, alive=alive)  # [b, t, d]
         return y * alive[..., None].to(y.dtype)
-
-    def _mask_conv(self, module: nn.Module, args: tuple):
-        # The conv runs over the span only: positions outside it feed zeros (as before a sequence).
-        if self._alive is None:
-            return None
-        x = args[0] * self._alive[:, :, None, None].to(args[0])  # [b, t, m, d]
-        return (x, *args[1:])
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, hidden={self.hidden_size}, tanh_gate={self.tanh_gate}"

@@ -136,8 +136,13 @@ class Engram(nn.Module):
 
     def forward(self, hidden: torch.Tensor, ids: torch.Tensor | None = None, *,
                 memory: torch.Tensor | None = None, state: EngramState | None = None,
-                return_gate: bool = False):
-        """hidden [b, t, d] or [b, t, m, d] -> Y of the same shape (and alpha [b, t, m])."""
+                return_gate: bool = False, alive: torch.Tensor | None = None):
+        """hidden [b, t, d] or [b, t, m, d] -> Y of the same shape (and alpha [b, t, m]).
+
+        ``alive`` [b, t] (bool or 0/1): positions outside the sequence (padding, a trigger's span)
+        contribute V~ = 0, so they add no value residual and feed the short conv zeros, exactly
+        what it sees before a sequence start; alpha itself is returned unmasked.
+        """
         flat = hidden.dim() == 3
         if flat and self.hc_mult != 1:
             raise ValueError(f"hc_mult={self.hc_mult}: pass hidden as [b, t, m, d]")
@@ -149,6 +154,8 @@ class Engram(nn.Module):
         if e.shape != (*h.shape[:2], self.d_mem):
             raise ValueError(f"memory must be {(*h.shape[:2], self.d_mem)}, got {tuple(e.shape)}")
         e = e.to(h.dtype)
+        if alive is not None and alive.shape != h.shape[:2]:
+            raise ValueError(f"alive must be {tuple(h.shape[:2])}, got {tuple(alive.shape)}")
         if self.gate_value is not None:
             v = F.linear(e, *self.value_weights())  # [b, t, d]
             alpha = v.new_full(h.shape[:3], self.gate_value)  # [b, t, m]
@@ -156,7 +163,7 @@ class Engram(nn.Module):
         else:
             kv = F.linear(e, *self.kv_weights())  # [b, t, (m+1)*d]: value and all keys, one GEMM
             if self._kernels_fit(kv, h):
-                y, alpha = self._fused(kv, h, state)
+                y, alpha = self._fused(kv, h, state, alive)
                 y = y.squeeze(2) if flat else y
                 return (y, alpha) if return_gate else y
             # Context-aware gate (paper eq. 4): the hidden state, which has seen the whole
@@ -166,6 +173,8 @@ class Engram(nn.Module):
             w2 = torch.stack([n.weight for n in self.norm2])  # [m, d]
             vt, alpha = GateFn.apply(kv, h, w1, w2, self.norm1[0].eps, self.norm2[0].eps,
                                      self.gate)
+        if alive is not None:
+            vt = vt * alive[:, :, None, None].to(vt.dtype)  # [b, t, m, d]
         y = vt if self.short_conv is None else self.short_conv(vt, state, residual=True)  # V~ + conv
         y = y.squeeze(2) if flat else y
         return (y, alpha) if return_gate else y
@@ -176,26 +185,28 @@ class Engram(nn.Module):
         sc = self.short_conv
         if sc is None:
             return fused_kernels.fits(kv, h)
-        # A hook on the short conv (models/hf.py's padding mask, models/trigger.py's) must see its
-        # input, which only the torch path computes as a tensor of its own.
+        # A user's hook on the short conv must see its input, which only the torch path computes
+        # as a tensor of its own (padding goes in as ``alive``, not as a hook).
         hooked = bool(sc._forward_pre_hooks or sc._forward_hooks)
         return not hooked and fused_kernels.fits(kv, h, kernel_size=sc.kernel_size)
 
-    def _fused(self, kv: torch.Tensor, h: torch.Tensor, state: EngramState | None):
+    def _fused(self, kv: torch.Tensor, h: torch.Tensor, state: EngramState | None,
+               alive: torch.Tensor | None):
         """The gate and conv after the GEMM as compiled kernels (module/fused.py): Y, alpha."""
+        live = h.new_ones(h.shape[:2]) if alive is None else alive.to(h.dtype)  # [b, t]
         w1 = torch.stack([n.weight for n in self.norm1])  # [m, d]
         w2 = torch.stack([n.weight for n in self.norm2])  # [m, d]
         eps = torch.finfo(h.dtype).eps  # nn.RMSNorm's eps=None
         eps1, eps2 = (eps if n.eps is None else n.eps for n in (self.norm1[0], self.norm2[0]))
         sc = self.short_conv
         if sc is None:
-            y, alpha, _ = fused_kernels.FusedFn.apply(kv, h, w1, w2, None, None, None, eps1, eps2,
-                                                      0.0, 1, self.gate, False)
+            y, alpha, _ = fused_kernels.FusedFn.apply(kv, h, w1, w2, None, None, None, live, eps1,
+                                                      eps2, 0.0, 1, self.gate, False)
             return y, alpha
         eps3 = eps if sc.norms[0].eps is None else sc.norms[0].eps
         y, alpha, full = fused_kernels.FusedFn.apply(
-            kv, h, w1, w2, sc.norm_weight(), sc.conv.weight, sc.past(h, state), eps1, eps2, eps3,
-            sc.dilation, self.gate, state is not None)
+            kv, h, w1, w2, sc.norm_weight(), sc.conv.weight, sc.past(h, state), live, eps1, eps2,
+            eps3, sc.dilation, self.gate, state is not None)
         sc.remember(full, state)
         return y, alpha
 

@@ -90,30 +90,34 @@ class FusedFn(torch.autograd.Function):
     """kv [b, t, (m+1) d] (value, then each branch's key), h [b, t, m, d], key/hidden norm weights
     w1, w2 [m, d], conv norm weight nw [m, d] and conv weight cw [C, 1, K] (both None without the
     conv), past [b, ctx, C] (the conv's normalised inputs before t = 0; zeros at a sequence start)
-    -> Y = alpha v + SiLU(conv(RMSNorm(alpha v) nw)) [b, t, m, d], alpha [b, t, m], and, with
+    and live [b, t] (1, or 0 at padding: V~ = alpha live v, so padding feeds zeros to the conv)
+    -> Y = V~ + SiLU(conv(RMSNorm(V~) nw)) [b, t, m, d], alpha [b, t, m], and, with
     ``keep_full``, the conv's input buffer full [b, ctx + t, C] (no grad; the caller keeps its tail
     as the decode state; else an empty tensor).
     """
 
     @staticmethod
-    def forward(ctx, kv, h, w1, w2, nw, cw, past, eps1, eps2, eps3, dilation, kind, keep_full):
+    def forward(ctx, kv, h, w1, w2, nw, cw, past, live, eps1, eps2, eps3, dilation, kind,
+                keep_full):
         with _LOCK:
-            return FusedFn._forward(ctx, kv, h, w1, w2, nw, cw, past, eps1, eps2, eps3, dilation,
-                                    kind, keep_full)
+            return FusedFn._forward(ctx, kv, h, w1, w2, nw, cw, past, live, eps1, eps2, eps3,
+                                    dilation, kind, keep_full)
 
     @staticmethod
-    def _forward(ctx, kv, h, w1, w2, nw, cw, past, eps1, eps2, eps3, dilation, kind, keep_full):
+    def _forward(ctx, kv, h, w1, w2, nw, cw, past, live, eps1, eps2, eps3, dilation, kind,
+                 keep_full):
         b, t, m, d = h.shape
         kern = _kernels(h.numel())
         n, conv = b * t, cw is not None
         kv2 = kv.detach().reshape(n, (m + 1) * d).contiguous()  # [n, (m+1) d]
         h3 = h.detach().reshape(n, m, d).contiguous()  # [n, m, d]
         w12 = (w1 * w2).detach().contiguous()
+        live = live.detach().reshape(n).to(torch.float32).contiguous()  # [n]
         stats, alpha = kv.new_empty(n, m, 5), kv.new_empty(b, t, m)
         out = kv.new_empty(b, t, m, d)
         grad = any(ctx.needs_input_grad)
         kern.gate_forward(kv2.numpy(), h3.numpy(), w12.numpy(), _f32(eps1), _f32(eps2),
-                          _f32(eps3), kind == "demo", conv, stats.numpy(),
+                          _f32(eps3), kind == "demo", conv, live.numpy(), stats.numpy(),
                           alpha.view(n, m).numpy(), out.view(n, m, d).numpy())
         full = kv.new_empty(0, 0, 0)
         if conv:
@@ -122,14 +126,14 @@ class FusedFn(torch.autograd.Function):
             if keep_full:
                 full = kv.new_empty(b, past.shape[1] + t, m * d)  # [b, ctx + t, C]
                 full[:, :past.shape[1]] = past
-            kern.conv_forward(kv2.numpy(), alpha.view(n, m).numpy(), stats.numpy(), nw.numpy(),
-                              cwt.numpy(), past.numpy(), dilation, t, _chunk(b, t),
-                              out.view(n, m, d).numpy(), full.numpy())
+            kern.conv_forward(kv2.numpy(), alpha.view(n, m).numpy(), live.numpy(),
+                              stats.numpy(), nw.numpy(), cwt.numpy(), past.numpy(), dilation, t,
+                              _chunk(b, t), out.view(n, m, d).numpy(), full.numpy())
         else:  # the backward's conv part sees no taps
             cwt, past, nw = kv.new_empty(0, m * d), kv.new_empty(b, 0, m * d), w12
         ctx.mark_non_differentiable(full)
         if grad:
-            ctx.save_for_backward(kv2, h3, w1, w2, nw, cwt, past, stats, alpha)
+            ctx.save_for_backward(kv2, h3, w1, w2, nw, cwt, past, stats, alpha, live)
             ctx.conv, ctx.dilation, ctx.kind, ctx.shape = conv, dilation, kind, (b, t, m, d)
             ctx.kv_shape = kv.shape
         ctx.set_materialize_grads(False)
@@ -142,7 +146,7 @@ class FusedFn(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, gout, galpha):
-        kv2, h3, w1, w2, nw, cwt, past, stats, alpha = ctx.saved_tensors
+        kv2, h3, w1, w2, nw, cwt, past, stats, alpha, live = ctx.saved_tensors
         kern = _kernels(h3.numel())
         b, t, m, d = ctx.shape
         n, conv = b * t, ctx.conv
@@ -157,10 +161,11 @@ class FusedFn(torch.autograd.Function):
         acc_cw = kv2.new_zeros(items, *cwt.shape)  # [items, K, C]
         kern.backward(kv2.numpy(), h3.numpy(), (w1 * w2).contiguous().numpy(), nw.numpy(),
                       cwt.numpy(), past.numpy(), gout.numpy(), galpha.numpy(), stats.numpy(),
-                      alpha.view(n, m).numpy(), ctx.kind == "demo", conv, ctx.dilation, t, chunk,
-                      gkv.numpy(), gh.numpy(), acc_w12.numpy(), acc_nw.numpy(), acc_cw.numpy())
+                      alpha.view(n, m).numpy(), live.numpy(), ctx.kind == "demo", conv,
+                      ctx.dilation, t, chunk, gkv.numpy(), gh.numpy(), acc_w12.numpy(),
+                      acc_nw.numpy(), acc_cw.numpy())
         gnw = acc_nw.sum(0) if conv else None
         gcw = acc_cw.sum(0).t().unsqueeze(1) if conv else None  # [C, 1, K]
         gw12 = acc_w12.sum(0)  # [m, d]
         return (gkv.view(ctx.kv_shape), gh.view(b, t, m, d), gw12 * w2, gw12 * w1, gnw, gcw,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)

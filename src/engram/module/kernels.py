@@ -59,15 +59,15 @@ def gate_of(s, demo):
 
 
 @kernel(parallel=True)
-def gate_forward(kv, h, w12, eps1, eps2, eps3, demo, conv, stats, alpha, out):
-    """kv [n, (m+1) d] (value, keys), h [n, m, d] -> stats [n, m, 5], alpha [n, m]; without the
-    conv, out [n, m, d] = alpha v."""
+def gate_forward(kv, h, w12, eps1, eps2, eps3, demo, conv, live, stats, alpha, out):
+    """kv [n, (m+1) d] (value, keys), h [n, m, d], live [n] (0 at padding: V~ = alpha live v) ->
+    stats [n, m, 5], alpha [n, m]; without the conv, out [n, m, d] = alpha live v."""
     for p in numba.prange(h.shape[0]):
-        gate_row(p, kv, h, w12, eps1, eps2, eps3, demo, conv, stats, alpha, out)
+        gate_row(p, kv, h, w12, eps1, eps2, eps3, demo, conv, live, stats, alpha, out)
 
 
 @kernel(fastmath=True)
-def gate_row(p, kv, h, w12, eps1, eps2, eps3, demo, conv, stats, alpha, out):
+def gate_row(p, kv, h, w12, eps1, eps2, eps3, demo, conv, live, stats, alpha, out):
     """gate_forward at position p (each parallel kernel calls a per-item function, which its
     serial twin calls too: both run the same compiled loops, so the same bits)."""
     n, m, d = h.shape
@@ -90,6 +90,7 @@ def gate_row(p, kv, h, w12, eps1, eps2, eps3, demo, conv, stats, alpha, out):
         alpha[p, i] = a
         st = stats[p, i]
         st[0], st[1], st[2], st[3] = rk, rh, dot, s
+        a = a * live[p]  # V~ = alpha v, zero at padding
         # RMSNorm(alpha v) = alpha v / sqrt(alpha^2 mean(v^2) + eps): no pass of its own
         st[4] = F32(1.0) / math.sqrt(a * a * sv * inv_d + eps3) if conv else F32(0.0)
         if not conv:
@@ -99,13 +100,13 @@ def gate_row(p, kv, h, w12, eps1, eps2, eps3, demo, conv, stats, alpha, out):
 
 
 @kernel(fastmath=True)
-def conv_input(kv, alpha, stats, nw, p, xn):
+def conv_input(kv, alpha, live, stats, nw, p, xn):
     """The conv's normalised input RMSNorm(alpha v) nw = v (alpha r) nw at flat position p into
-    xn [C]."""
+    xn [C] (alpha times live[p]: zero at padding)."""
     m, d = nw.shape
     v = kv[p, :d]
     for i in range(m):
-        ar, g, x = alpha[p, i] * stats[p, i, 4], nw[i], xn[i * d:(i + 1) * d]
+        ar, g, x = alpha[p, i] * live[p] * stats[p, i, 4], nw[i], xn[i * d:(i + 1) * d]
         for c in range(d):
             x[c] = v[c] * ar * g[c]
 
@@ -145,14 +146,14 @@ def conv_silu_grad(x0, x1, x2, x3, w0, w1, w2, w3, gout, gy):
 
 
 @kernel()
-def inputs_at(kv, alpha, stats, nw, past, base, u, ctx, dil, kernel_size, scratch, zero):
+def inputs_at(kv, alpha, live, stats, nw, past, base, u, ctx, dil, kernel_size, scratch, zero):
     """The conv inputs that output position u reads (positions u - ctx + j dil, j < K): computed
     into scratch [4, C], or the past's rows; zero rows past K. base: the sequence's first flat
     position."""
     for j in range(kernel_size):
         pos = u - ctx + j * dil
         if pos >= 0:
-            conv_input(kv, alpha, stats, nw, base + pos, scratch[j])
+            conv_input(kv, alpha, live, stats, nw, base + pos, scratch[j])
     rows = []
     for j in range(4):
         pos = u - ctx + j * dil
@@ -162,7 +163,7 @@ def inputs_at(kv, alpha, stats, nw, past, base, u, ctx, dil, kernel_size, scratc
 
 
 @kernel(parallel=True)
-def conv_forward(kv, alpha, stats, nw, cw, past, dil, t, chunk, out, full):
+def conv_forward(kv, alpha, live, stats, nw, cw, past, dil, t, chunk, out, full):
     """out [n, m, d] = alpha v + SiLU(y), y the depthwise causal conv (cw [K, C], K <= 4) of the
     normalised input, past [b, ctx, C] before t = 0; full [b, ctx + t, C] (if it has b rows) gets
     every position's input behind the past (the caller copies the past in: numba's copy of a 2-d
@@ -172,11 +173,11 @@ def conv_forward(kv, alpha, stats, nw, cw, past, dil, t, chunk, out, full):
     ring of rows and sums the taps in registers (a sum over taps through memory, one tap at a
     time, is ~4x slower: the rows fall out of L1)."""
     for item in numba.prange(out.shape[0] // t * ((t + chunk - 1) // chunk)):
-        conv_item(item, kv, alpha, stats, nw, cw, past, dil, t, chunk, out, full)
+        conv_item(item, kv, alpha, live, stats, nw, cw, past, dil, t, chunk, out, full)
 
 
 @kernel(fastmath=True)
-def conv_item(item, kv, alpha, stats, nw, cw, past, dil, t, chunk, out, full):
+def conv_item(item, kv, alpha, live, stats, nw, cw, past, dil, t, chunk, out, full):
     """conv_forward's work item."""
     n, m, d = out.shape
     b, kernel_size, ctx, ch = n // t, cw.shape[0], past.shape[1], m * d
@@ -188,10 +189,10 @@ def conv_item(item, kv, alpha, stats, nw, cw, past, dil, t, chunk, out, full):
     pb = past[bi]  # [ctx, C]: read in place, not copied into the ring (a decode step's cost)
     ring = np.empty((rows, ch), F32)  # the input at sequence position u >= 0 in row u % rows
     for u in range(max(0, s - ctx), s):
-        conv_input(kv, alpha, stats, nw, bi * t + u, ring[u % rows])
+        conv_input(kv, alpha, live, stats, nw, bi * t + u, ring[u % rows])
     for ti in range(s, min(t, s + chunk)):
         p = bi * t + ti
-        conv_input(kv, alpha, stats, nw, p, ring[ti % rows])
+        conv_input(kv, alpha, live, stats, nw, p, ring[ti % rows])
         if full.shape[0] == b:
             full[bi, ti + ctx] = ring[ti % rows]
         # tap j reads sequence position ti - ctx + j dil
@@ -205,15 +206,15 @@ def conv_item(item, kv, alpha, stats, nw, cw, past, dil, t, chunk, out, full):
             lo, hi = i * d, (i + 1) * d
             a0, a1, a2, a3 = x0[lo:hi], x1[lo:hi], x2[lo:hi], x3[lo:hi]
             b0, b1, b2, b3 = w0[lo:hi], w1[lo:hi], w2[lo:hi], w3[lo:hi]
-            o, a = out[p, i], alpha[p, i]
+            o, a = out[p, i], alpha[p, i] * live[p]
             for c in range(d):
                 y = a0[c] * b0[c] + a1[c] * b1[c] + a2[c] * b2[c] + a3[c] * b3[c]
                 o[c] = a * v[c] + silu(y)
 
 
 @kernel(parallel=True)
-def backward(kv, h, w12, nw, cw, past, gout, galpha, stats, alpha, demo, conv, dil, t, chunk,
-             gkv, gh, acc_w12, acc_nw, acc_cw):
+def backward(kv, h, w12, nw, cw, past, gout, galpha, stats, alpha, live, demo, conv, dil, t,
+             chunk, gkv, gh, acc_w12, acc_nw, acc_cw):
     """The gradients of gate_forward + conv_forward (+ the residual) from gout [n, m, d] (and
     galpha [n, m]): gkv [n, (m+1) d], gh [n, m, d], and per work item the weight gradients'
     partial sums acc_w12 (of w1 w2), acc_nw [items, m, d], acc_cw [items, K, C] (zeroed by the
@@ -221,13 +222,13 @@ def backward(kv, h, w12, nw, cw, past, gout, galpha, stats, alpha, demo, conv, d
     the outputs at tau + (K-1-j) dil, so its gradient is the flipped kernel over a ring of SiLU'
     gout rows (zeros past t). Fixed items: the same bits on any thread count."""
     for item in numba.prange(acc_w12.shape[0]):
-        backward_item(item, kv, h, w12, nw, cw, past, gout, galpha, stats, alpha, demo, conv,
-                      dil, t, chunk, gkv, gh, acc_w12, acc_nw, acc_cw)
+        backward_item(item, kv, h, w12, nw, cw, past, gout, galpha, stats, alpha, live, demo,
+                      conv, dil, t, chunk, gkv, gh, acc_w12, acc_nw, acc_cw)
 
 
 @kernel(fastmath=True)
-def backward_item(item, kv, h, w12, nw, cw, past, gout, galpha, stats, alpha, demo, conv,
-                  dil, t, chunk, gkv, gh, acc_w12, acc_nw, acc_cw):
+def backward_item(item, kv, h, w12, nw, cw, past, gout, galpha, stats, alpha, live, demo,
+                  conv, dil, t, chunk, gkv, gh, acc_w12, acc_nw, acc_cw):
     """backward's work item."""
     n, m, d = h.shape
     kernel_size, ctx, ch = cw.shape[0], past.shape[1], m * d
@@ -247,18 +248,18 @@ def backward_item(item, kv, h, w12, nw, cw, past, gout, galpha, stats, alpha, de
     if conv:
         scratch = np.empty((4, ch), F32)
         for u in range(e, min(t, e + ctx)):  # the next item's first rows, recomputed
-            x0, x1, x2, x3 = inputs_at(kv, alpha, stats, nw, past[bi], bi * t, u, ctx, dil,
-                                       kernel_size, scratch, zero)
+            x0, x1, x2, x3 = inputs_at(kv, alpha, live, stats, nw, past[bi], bi * t, u, ctx,
+                                       dil, kernel_size, scratch, zero)
             conv_silu_grad(x0, x1, x2, x3, w0, w1, w2, w3, gout[bi * t + u].reshape(ch),
                            ring[u % rows])
         for u in range(max(0, e - ctx), e):
-            conv_input(kv, alpha, stats, nw, bi * t + u, xring[u % rows])
+            conv_input(kv, alpha, live, stats, nw, bi * t + u, xring[u % rows])
     for ti in range(e - 1, s - 1, -1):
         p = bi * t + ti
         row, v, grow = kv[p], kv[p, :d], gkv[p]
         if conv:
             if ti >= ctx:
-                conv_input(kv, alpha, stats, nw, p - ctx, xring[(ti - ctx) % rows])
+                conv_input(kv, alpha, live, stats, nw, p - ctx, xring[(ti - ctx) % rows])
             u0, pb = ti - ctx, past[bi]
             x0 = input_row(xring, pb, u0, kernel_size > 0, zero)
             x1 = input_row(xring, pb, u0 + dil, kernel_size > 1, zero)
@@ -282,9 +283,9 @@ def backward_item(item, kv, h, w12, nw, cw, past, gout, galpha, stats, alpha, de
         for i in range(m):
             st = stats[p, i]
             rk, rh, dot, sc, r = st[0], st[1], st[2], st[3], st[4]
-            a = alpha[p, i]
+            a = alpha[p, i] * live[p]  # V~ = alpha live v
             _, da = gate_of(sc, demo)
-            ga = galpha[p, i]
+            gav = F32(0.0)  # <dL/dV~, v>: alpha's gradient through V~, times live
             go = gout[p, i]
             if conv:
                 # RMSNorm backward, x = alpha v, u = x r: gx = r gu' - r^3 <gu', x> x / d with
@@ -300,11 +301,12 @@ def backward_item(item, kv, h, w12, nw, cw, past, gout, galpha, stats, alpha, de
                 for c in range(d):
                     g = r * gu[c] - coef * (a * v[c]) + go[c]  # + the residual
                     gv[c] += a * g
-                    ga += g * v[c]
+                    gav += g * v[c]
             else:
                 for c in range(d):
                     gv[c] += a * go[c]
-                    ga += go[c] * v[c]
+                    gav += go[c] * v[c]
+            ga = galpha[p, i] + gav * live[p]
             # the gate: s = r_k r_h <k, h w1 w2> / sqrt(d)
             gs = ga * da * inv_sqrt_d
             gdot = gs * rk * rh
