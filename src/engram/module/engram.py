@@ -162,15 +162,15 @@ class Engram(nn.Module):
             vt = alpha.unsqueeze(-1) * v.unsqueeze(2)  # [b, t, m, d]
         else:
             kv = F.linear(e, *self.kv_weights())  # [b, t, (m+1)*d]: value and all keys, one GEMM
-            if self._kernels_fit(kv, h):
-                y, alpha = self._fused(kv, h, state, alive)
-                y = y.squeeze(2) if flat else y
-                return (y, alpha) if return_gate else y
             # Context-aware gate (paper eq. 4): the hidden state, which has seen the whole
             # context, decides whether the static n-gram memory fits here; a collided or off-topic
             # row is damped.
             w1 = torch.stack([n.weight for n in self.norm1])  # [m, d]: each branch its own norms
             w2 = torch.stack([n.weight for n in self.norm2])  # [m, d]
+            if self._kernels_fit(kv, h):
+                y, alpha = self._fused(kv, h, w1, w2, state, alive)
+                y = y.squeeze(2) if flat else y
+                return (y, alpha) if return_gate else y
             vt, alpha = GateFn.apply(kv, h, w1, w2, self.norm1[0].eps, self.norm2[0].eps,
                                      self.gate)
         if alive is not None:
@@ -190,23 +190,19 @@ class Engram(nn.Module):
         hooked = bool(sc._forward_pre_hooks or sc._forward_hooks)
         return not hooked and fused_kernels.fits(kv, h, kernel_size=sc.kernel_size)
 
-    def _fused(self, kv: torch.Tensor, h: torch.Tensor, state: EngramState | None,
-               alive: torch.Tensor | None):
+    def _fused(self, kv: torch.Tensor, h: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+               state: EngramState | None, alive: torch.Tensor | None):
         """The gate and conv after the GEMM as compiled kernels (module/fused.py): Y, alpha."""
         live = h.new_ones(h.shape[:2]) if alive is None else alive.to(h.dtype)  # [b, t]
-        w1 = torch.stack([n.weight for n in self.norm1])  # [m, d]
-        w2 = torch.stack([n.weight for n in self.norm2])  # [m, d]
-        eps = torch.finfo(h.dtype).eps  # nn.RMSNorm's eps=None
-        eps1, eps2 = (eps if n.eps is None else n.eps for n in (self.norm1[0], self.norm2[0]))
+        eps1, eps2 = self.norm1[0].eps, self.norm2[0].eps
         sc = self.short_conv
         if sc is None:
             y, alpha, _ = fused_kernels.FusedFn.apply(kv, h, w1, w2, None, None, None, live, eps1,
                                                       eps2, 0.0, 1, self.gate, False)
             return y, alpha
-        eps3 = eps if sc.norms[0].eps is None else sc.norms[0].eps
         y, alpha, full = fused_kernels.FusedFn.apply(
             kv, h, w1, w2, sc.norm_weight(), sc.conv.weight, sc.past(h, state), live, eps1, eps2,
-            eps3, sc.dilation, self.gate, state is not None)
+            sc.norms[0].eps, sc.dilation, self.gate, state is not None)
         sc.remember(full, state)
         return y, alpha
 

@@ -81,16 +81,18 @@ def _kernels(values: int) -> _Kernels:
     return _BY_MODE[serial]
 
 
-def _f32(x: float) -> float:
+def _f32(eps: float | None) -> float:
+    """An RMSNorm eps as the kernels' float32 (None: float32's machine eps, as nn.RMSNorm)."""
     import numpy as np
-    return np.float32(x)
+    return np.float32(torch.finfo(torch.float32).eps if eps is None else eps)
 
 
 class FusedFn(torch.autograd.Function):
     """kv [b, t, (m+1) d] (value, then each branch's key), h [b, t, m, d], key/hidden norm weights
     w1, w2 [m, d], conv norm weight nw [m, d] and conv weight cw [C, 1, K] (both None without the
     conv), past [b, ctx, C] (the conv's normalised inputs before t = 0; zeros at a sequence start)
-    and live [b, t] (1, or 0 at padding: V~ = alpha live v, so padding feeds zeros to the conv)
+    and live [b, t] (1, or 0 at padding: V~ = alpha live v, so padding feeds zeros to the conv);
+    eps1-3 the key, hidden and conv norms' eps (None: float32's, as nn.RMSNorm's eps=None)
     -> Y = V~ + SiLU(conv(RMSNorm(V~) nw)) [b, t, m, d], alpha [b, t, m], and, with
     ``keep_full``, the conv's input buffer full [b, ctx + t, C] (no grad; the caller keeps its tail
     as the decode state; else an empty tensor).
@@ -133,7 +135,7 @@ class FusedFn(torch.autograd.Function):
             cwt, past, nw = kv.new_empty(0, m * d), kv.new_empty(b, 0, m * d), w12
         ctx.mark_non_differentiable(full)
         if grad:
-            ctx.save_for_backward(kv2, h3, w1, w2, nw, cwt, past, stats, alpha, live)
+            ctx.save_for_backward(kv2, h3, w1, w2, w12, nw, cwt, past, stats, alpha, live)
             ctx.conv, ctx.dilation, ctx.kind, ctx.shape = conv, dilation, kind, (b, t, m, d)
             ctx.kv_shape = kv.shape
         ctx.set_materialize_grads(False)
@@ -146,7 +148,7 @@ class FusedFn(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, gout, galpha):
-        kv2, h3, w1, w2, nw, cwt, past, stats, alpha, live = ctx.saved_tensors
+        kv2, h3, w1, w2, w12, nw, cwt, past, stats, alpha, live = ctx.saved_tensors
         kern = _kernels(h3.numel())
         b, t, m, d = ctx.shape
         n, conv = b * t, ctx.conv
@@ -159,7 +161,7 @@ class FusedFn(torch.autograd.Function):
         gkv, gh = torch.empty_like(kv2), torch.empty_like(h3)
         acc_w12, acc_nw = kv2.new_zeros(items, m, d), kv2.new_zeros(items, m, d)
         acc_cw = kv2.new_zeros(items, *cwt.shape)  # [items, K, C]
-        kern.backward(kv2.numpy(), h3.numpy(), (w1 * w2).contiguous().numpy(), nw.numpy(),
+        kern.backward(kv2.numpy(), h3.numpy(), w12.numpy(), nw.numpy(),
                       cwt.numpy(), past.numpy(), gout.numpy(), galpha.numpy(), stats.numpy(),
                       alpha.view(n, m).numpy(), live.numpy(), ctx.kind == "demo", conv,
                       ctx.dilation, t, chunk, gkv.numpy(), gh.numpy(), acc_w12.numpy(),

@@ -150,15 +150,14 @@ def inputs_at(kv, alpha, live, stats, nw, past, base, u, ctx, dil, kernel_size, 
     """The conv inputs that output position u reads (positions u - ctx + j dil, j < K): computed
     into scratch [4, C], or the past's rows; zero rows past K. base: the sequence's first flat
     position."""
-    for j in range(kernel_size):
-        pos = u - ctx + j * dil
-        if pos >= 0:
-            conv_input(kv, alpha, live, stats, nw, base + pos, scratch[j])
     rows = []
     for j in range(4):
         pos = u - ctx + j * dil
-        rows.append(scratch[j] if j < kernel_size and pos >= 0
-                    else input_row(scratch, past, pos, j < kernel_size and pos < 0, zero))
+        if j < kernel_size and pos >= 0:
+            conv_input(kv, alpha, live, stats, nw, base + pos, scratch[j])
+            rows.append(scratch[j])
+        else:
+            rows.append(input_row(scratch, past, pos, j < kernel_size, zero))
     return rows[0], rows[1], rows[2], rows[3]
 
 
