@@ -9,13 +9,21 @@ Everything runs interleaved in one process (one call of each variant per round, 
 from other processes hits all alike. Variants:
 
 - ``demo``: a plain port of the official demo's module (dense nn.Embedding with offsets, per-branch
-  key/norm loops, torch.stack, nn.Conv1d with symmetric padding then a slice), written here only.
+  key/norm loops, torch.stack, nn.Conv1d with symmetric padding then a slice), written here only;
+  its products go where torch sends them (MKL), as the official code's would.
+- ``demo_gemm``: the same port with its nn.Linear's through engram.gemm (the module's GEMM path), so
+  ``ours`` / ``demo_gemm`` compares the two modules at equal matrix-multiply speed.
 - ``ours``: engram.Engram as training builds it (sparse row gradient of the table; on CPU in
   float32 the gate and conv run as compiled kernels, module/fused.py).
 - ``ours_dense``: the same with a dense table gradient (like the demo's nn.Embedding).
 - ``ours_torch``: ``ours`` without the compiled kernels (``kernels=False``: the gate and conv as
   eager torch ops, GateFn + ConvFn; what other devices and dtypes run).
-- ``gemm``: the same module's GEMMs alone (value + 4 keys as one [c -> 5d] matmul with bias).
+- ``ours_mkl``: ``ours`` with every product through torch's default BLAS (``F.linear``; MKL),
+  whatever engram/gemm.py's backend: what the GEMM route buys (the same as ``ours`` where the
+  backend is ``torch``).
+- ``gemm``: the same module's GEMMs alone (value + 4 keys as one [c -> 5d] matmul with bias), as the
+  module runs them (engram.gemm.linear: oneDNN where the backend is ``onednn``).
+- ``gemm_mkl``: the same GEMMs through ``F.linear``.
 
 - ``compiled`` (with --compile only): the same computation written as plain torch ops (gate, norms,
   conv as shifted multiply-adds) and given to ``torch.compile`` (inductor, C++ on CPU), so inductor
@@ -33,6 +41,7 @@ not page-fault in again); --no_allocator_env measures without them. Both apply t
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -45,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engram import EngramConfig, EngramState, build_engram
+from engram import EngramConfig, EngramState, build_engram, gemm
 from engram.retrieval.primes import prime_table_sizes
 from engram.training.train import ALLOCATOR_ENV
 
@@ -160,7 +169,9 @@ def build(args):
     sd = {k.replace("table.weight", "embedding.weight"): v for k, v in ours.state_dict().items()}
     demo.load_state_dict(sd, strict=False)
     demo.embedding.weight.data.copy_(ours.table.weight.data)
-    return cfg, ids, {"demo": demo, "ours": ours, "ours_dense": ours_dense,
+    demo_gemm = copy.deepcopy(demo)
+    gemm.adopt(demo_gemm)
+    return cfg, ids, {"demo": demo, "demo_gemm": demo_gemm, "ours": ours, "ours_dense": ours_dense,
                       "ours_torch": ours_torch}
 
 
@@ -195,35 +206,44 @@ def main() -> None:
     gy = torch.randn(b, t, m, d)
     with torch.no_grad():
         ref = mods["demo"](h, ids)
-        for k in ("ours", "ours_dense", "ours_torch"):
+        for k in ("demo_gemm", "ours", "ours_dense", "ours_torch"):
             torch.testing.assert_close(mods[k](h, ids), ref, rtol=1e-4, atol=1e-4)
 
     e = torch.randn(b, t, cfg.d_mem, requires_grad=True)  # the gathered rows, for GEMM-only
     w, bias = (x.detach().requires_grad_() for x in mods["ours"].kv_weights())
 
-    def fwd_bwd(mod):
+    backends = {k: "torch" if k == "ours_mkl" else None for k in [*mods, "ours_mkl"]}
+    mods["ours_mkl"] = mods["ours"]
+
+    def fwd_bwd(name):
         def fn():
-            mod(h, ids).backward(gy)
-            mod.zero_grad(set_to_none=True)
+            with gemm.using(backends[name]):
+                mods[name](h, ids).backward(gy)
+            mods[name].zero_grad(set_to_none=True)
             h.grad = None
         return fn
 
-    def gemm_fwd_bwd():
-        F.linear(e, w, bias).backward(torch.ones(b, t, (m + 1) * d))
-        e.grad = w.grad = bias.grad = None
-
-    def fwd(mod):
+    def gemm_fwd_bwd(lin):
         def fn():
-            with torch.no_grad():
-                mod(h, ids)
+            lin(e, w, bias).backward(torch.ones(b, t, (m + 1) * d))
+            e.grad = w.grad = bias.grad = None
         return fn
 
-    def gemm_fwd():
-        with torch.no_grad():
-            F.linear(e, w, bias)
+    def fwd(name):
+        def fn():
+            with torch.no_grad(), gemm.using(backends[name]):
+                mods[name](h, ids)
+        return fn
 
-    train_fns = {k: fwd_bwd(v) for k, v in mods.items()} | {"gemm": gemm_fwd_bwd}
-    fwd_fns = {k: fwd(v) for k, v in mods.items()} | {"gemm": gemm_fwd}
+    def gemm_fwd(lin):
+        def fn():
+            with torch.no_grad():
+                lin(e, w, bias)
+        return fn
+
+    lins = {"gemm": gemm.linear, "gemm_mkl": F.linear}
+    train_fns = {k: fwd_bwd(k) for k in mods} | {k: gemm_fwd_bwd(v) for k, v in lins.items()}
+    fwd_fns = {k: fwd(k) for k in mods} | {k: gemm_fwd(v) for k, v in lins.items()}
     compile_s = {}
     if args.compile:
         ours = mods["ours"]
@@ -262,21 +282,28 @@ def main() -> None:
             ours(h1, i1, state=EngramState(conv=state.conv))
 
         def decode_gemm():
-            F.linear(e1, *ours.kv_weights())
+            gemm.linear(e1, *ours.kv_weights())
         dec = interleaved({"ours": decode, "gemm": decode_gemm}, args.decode_rounds, 10)
 
     res = {
         "config": vars(args) | {"d_mem": cfg.d_mem, "table_rows": ours.table.num_rows},
         "allocator_env": {k: os.environ.get(k) for k in ALLOCATOR_ENV},
+        "cpu": gemm.cpu_model(), "gemm_backend": gemm.backend(),
         "load_avg": {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
         "fwd_bwd_tokens_per_s": {k: n / v for k, v in tb.items()},
         "fwd_tokens_per_s": {k: n / v for k, v in tf.items()},
         "fwd_bwd_ours_over_demo": tb["demo"] / tb["ours"],
         "fwd_bwd_ours_time_over_gemm": tb["ours"] / tb["gemm"],
         "fwd_ours_over_demo": tf["demo"] / tf["ours"],
+        "same_gemms_ours_over_demo": {"fwd_bwd": tb["demo_gemm"] / tb["ours"],
+                                      "fwd": tf["demo_gemm"] / tf["ours"],
+                                      "fwd_bwd_mkl": tb["demo"] / tb["ours_mkl"]},
         "fwd_ours_time_over_gemm": tf["ours"] / tf["gemm"],
         "kernels_speedup": {"fwd_bwd": tb["ours_torch"] / tb["ours"],
                             "fwd": tf["ours_torch"] / tf["ours"]},
+        "gemm_route_speedup": {"fwd_bwd": tb["ours_mkl"] / tb["ours"],
+                               "fwd": tf["ours_mkl"] / tf["ours"],
+                               "gemm_alone_fwd_bwd": tb["gemm_mkl"] / tb["gemm"]},
         "decode_step_ms": {k: v * 1e3 for k, v in dec.items()},
         "goals": {"fwd_bwd_over_demo>=3": tb["demo"] / tb["ours"] >= 3,
                   "fwd_bwd_over_gemm<=1.3": tb["ours"] / tb["gemm"] <= 1.3,
@@ -297,8 +324,15 @@ def main() -> None:
           f"{res['fwd_ours_over_demo']:.2f}x (goal >= 2); ours time / GEMMs alone: fwd+bwd "
           f"{res['fwd_bwd_ours_time_over_gemm']:.2f}x (goal <= 1.3), fwd "
           f"{res['fwd_ours_time_over_gemm']:.2f}x")
+    sg = res["same_gemms_ours_over_demo"]
+    print(f"ours / demo port at equal GEMMs: fwd+bwd {sg['fwd_bwd']:.2f}x (both on the GEMM route), "
+          f"{sg['fwd_bwd_mkl']:.2f}x (both on MKL), fwd {sg['fwd']:.2f}x")
     print(f"compiled kernels vs the torch path (ours_torch): fwd+bwd "
           f"{res['kernels_speedup']['fwd_bwd']:.2f}x, fwd {res['kernels_speedup']['fwd']:.2f}x")
+    print(f"GEMM route ({res['gemm_backend']}) vs F.linear (MKL): ours fwd+bwd "
+          f"{res['gemm_route_speedup']['fwd_bwd']:.2f}x, fwd {res['gemm_route_speedup']['fwd']:.2f}x; "
+          f"the GEMMs alone fwd+bwd {res['gemm_route_speedup']['gemm_alone_fwd_bwd']:.2f}x; CPU: "
+          f"{res['cpu']}")
     print(f"decode step (t=1, batch {b}): ours {dec['ours'] * 1e3:.3f} ms, its GEMM alone "
           f"{dec['gemm'] * 1e3:.3f} ms")
     if args.profile:

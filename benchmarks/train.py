@@ -8,7 +8,9 @@
    backward, clip, AdamW + RowAdam. Figure: Engram tokens/s / dense tokens/s (the cost of the
    memory at equal FLOPs; goal close to 1). Also the same Engram model with the module's gate and
    conv on the torch path (``engram_torch``, ``Engram.kernels = False``): what the compiled
-   kernels (module/fused.py) buy at these shapes.
+   kernels (module/fused.py) buy at these shapes. Where engram/gemm.py's backend is oneDNN, also
+   dense and Engram with every product through torch's default BLAS (``dense_mkl``,
+   ``engram_mkl``): what the GEMM route buys, and the Engram / dense ratio without it.
 2. Memory. Each variant again, alone in a fresh process: peak RSS after model + corpus, and after
    training steps (gradients and optimiser state included).
 3. Optimiser. RowAdam step time with a table of 1M vs 50M rows at the same batch (see
@@ -40,7 +42,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engram import Engram
+from engram import Engram, gemm
 from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.training.corpus import build_corpus
 from engram.training.optim import clip_grad_norm_
@@ -74,9 +76,10 @@ def configs(batch: int, seq: int, moe: bool = False) -> dict[str, TrainConfig]:
     return {k: v for k, v in variant_configs(base, corpus.vocab_size).items() if moe or k != "moe"}
 
 
-def step(run, i: int) -> None:
+def step(run, i: int, backend: str | None = None) -> None:
     run.step = i  # hashing included: batch i and its hash ids are built inside the step
-    train_step(run)
+    with gemm.using(backend):
+        train_step(run)
 
 
 def throughput(cfgs: dict[str, TrainConfig], steps: int, warmup: int) -> dict:
@@ -86,11 +89,14 @@ def throughput(cfgs: dict[str, TrainConfig], steps: int, warmup: int) -> dict:
         for mod in runs["engram_torch"].model.modules():
             if isinstance(mod, Engram):
                 mod.kernels = False
+    if gemm.backend() != "torch":  # the same models with every product through F.linear (MKL)
+        for name in [k for k in ("dense", "engram") if k in cfgs]:
+            runs[f"{name}_mkl"] = build_run(cfgs[name])
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in tqdm(range(warmup + steps), desc="train steps (interleaved)"):
         for name, run in runs.items():
             t0 = time.perf_counter()
-            step(run, i)
+            step(run, i, "torch" if name.endswith("_mkl") else None)
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
     cfg = next(iter(cfgs.values()))
@@ -222,10 +228,16 @@ def main() -> None:
     res = {"config": vars(args), "allocator_env": {k: os.environ.get(k) for k in ALLOCATOR_ENV},
            "load_avg": {"before": load_before, "after_throughput": os.getloadavg(),
                         "cpus": os.cpu_count()},
+           "cpu": gemm.cpu_model(), "gemm_backend": gemm.backend(),
            "throughput": speed, "engram_over_dense_tokens_per_s":
                speed["engram"]["tokens_per_s"] / speed["dense"]["tokens_per_s"],
            "engram_module_kernels_speedup":
                speed["engram"]["tokens_per_s"] / speed["engram_torch"]["tokens_per_s"]}
+    if "dense_mkl" in speed:
+        res["gemm_route_speedup"] = {k: speed[k]["tokens_per_s"] / speed[f"{k}_mkl"]["tokens_per_s"]
+                                     for k in ("dense", "engram")}
+        res["engram_over_dense_tokens_per_s_mkl"] = (speed["engram_mkl"]["tokens_per_s"]
+                                                     / speed["dense_mkl"]["tokens_per_s"])
     if args.breakdown_steps:
         all_cfgs = configs(args.batch, args.seq, moe=True)
         res["breakdown_cpu_ms"] = bd = breakdown(all_cfgs, args.breakdown_steps, 2)
@@ -258,6 +270,11 @@ def main() -> None:
     print(f"Engram / dense tokens/s at equal activated parameters: "
           f"{res['engram_over_dense_tokens_per_s']:.3f} (the module's compiled kernels: "
           f"{res['engram_module_kernels_speedup']:.3f}x the torch path's tokens/s)")
+    if "gemm_route_speedup" in res:
+        r = res["gemm_route_speedup"]
+        print(f"GEMM route ({res['gemm_backend']}) vs F.linear (MKL): dense {r['dense']:.2f}x, "
+              f"Engram {r['engram']:.2f}x tokens/s; Engram / dense with MKL "
+              f"{res['engram_over_dense_tokens_per_s_mkl']:.3f}; CPU: {res['cpu']}")
     if not args.skip_optim:
         res["optimizer"] = optim_bench.run(steps=args.optim_steps)
         o = res["optimizer"]

@@ -29,7 +29,7 @@ def test_help_lists_every_field_with_default(capsys, command, configs):
         for f in dataclasses.fields(cls):
             assert f"--{f.name}" in text, f"{command} --help lacks --{f.name}"
     assert "default: 480" in text or command == "train"  # the studies' steps
-    assert "two seeds give the noise estimate" in text or command != "compare"
+    assert "the noise estimate; rounding alone moves a run" in text or command != "compare"
 
 
 def test_field_comments_come_from_the_source():

@@ -241,7 +241,9 @@ def _version() -> str:
 def top_parser() -> argparse.ArgumentParser:
     p = new_parser("engram", "Engram conditional memory for language models. "
                    "`engram COMMAND --help` lists a command's options.\n\ncommands:\n"
-                   + "\n".join(f"  {k:<17} {v}" for k, v in COMMANDS.items()))
+                   + "\n".join(f"  {k:<17} {v}" for k, v in COMMANDS.items())
+                   + "\n\nenvironment:\n  ENGRAM_GEMM       float32 CPU matrix products: auto "
+                   "(default; oneDNN on AMD x86, torch's MKL elsewhere), torch, onednn")
     p.add_argument("--version", action="version", version=f"engram {_version()}")
     p.add_argument("command", nargs="?", choices=list(COMMANDS), metavar="COMMAND")
     return p

@@ -37,6 +37,10 @@ def test_compare_end_to_end_writes_results(tmp_path):
     assert ("King James Bible" in report) == ("kjv" in TINY.sources)
     assert ("People's Daily" in report) == ("peoples-daily" in TINY.sources)
     assert 0 < summary["gates"]["mean"] < 1
+    # Results say which machine and which GEMM path produced them (rounding differs between them).
+    from engram import gemm
+    assert summary["machine"] == {"cpu": gemm.cpu_model(), "gemm": gemm.backend()}
+    assert f"matrix products through {gemm.backend()}" in report
 
 
 def test_allocation_sweep_keeps_total_and_active_params():

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..gemm import Linear, adopt, linear
 from ..module import Engram, EngramState
 
 
@@ -40,8 +41,8 @@ class Attention(nn.Module):
     def __init__(self, dim: int, n_head: int):
         super().__init__()
         self.dim, self.n_head, self.head_dim = dim, n_head, dim // n_head
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.proj = nn.Linear(dim, dim, bias=False)
+        self.qkv = Linear(dim, 3 * dim, bias=False)
+        self.proj = Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, pos: int = 0) -> torch.Tensor:
@@ -76,9 +77,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w1 = Linear(dim, hidden, bias=False)
+        self.w3 = Linear(dim, hidden, bias=False)
+        self.w2 = Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -103,7 +104,7 @@ class MoE(nn.Module):
         super().__init__()
         self.dim, self.n_routed, self.n_shared, self.top_k = dim, n_routed, n_shared, top_k
         self.d_expert, self.aux_loss_coef = d_expert, aux_loss_coef
-        self.router = nn.Linear(dim, n_routed, bias=False)
+        self.router = Linear(dim, n_routed, bias=False)
         self.w1 = nn.Parameter(torch.empty(n_routed, d_expert, dim))  # [E, f, d] gate
         self.w3 = nn.Parameter(torch.empty(n_routed, d_expert, dim))  # [E, f, d] up
         self.w2 = nn.Parameter(torch.empty(n_routed, dim, d_expert))  # [E, d, f] down
@@ -135,7 +136,7 @@ class MoE(nn.Module):
         # unbind, not w1[i]: each w1[i]'s backward would fill and add a whole [E, f, d] zero tensor
         # (E times per step); unbind's backward stacks the E expert grads once.
         w1, w3, w2 = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)
-        out = [F.linear(F.silu(F.linear(c, w1[i])) * F.linear(c, w3[i]), w2[i])
+        out = [linear(F.silu(linear(c, w1[i])) * linear(c, w3[i]), w2[i])
                for i, c in enumerate(chunks)]
         ys = torch.cat(out) * weights.flatten()[order].unsqueeze(-1).to(x.dtype)  # [n*k, d]
         y = x.new_zeros(n, self.dim).index_add_(0, token, ys)  # [n, d]
@@ -233,8 +234,9 @@ class AdaptiveHead(nn.Module):
 
     def __init__(self, dim: int, vocab_size: int, cutoffs: tuple[int, ...], div_value: float):
         super().__init__()
-        self.asm = nn.AdaptiveLogSoftmaxWithLoss(dim, vocab_size, list(cutoffs),
-                                                 div_value=div_value, head_bias=False)
+        # adopt: its head and tail projections take the package's GEMM path (engram/gemm.py)
+        self.asm = adopt(nn.AdaptiveLogSoftmaxWithLoss(dim, vocab_size, list(cutoffs),
+                                                       div_value=div_value, head_bias=False))
         self.register_buffer("rank", torch.arange(vocab_size))  # [V] model id -> class index
 
     @torch.no_grad()

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..gemm import Linear
 from ..module import Engram, EngramState, build_engram
 from ..tables.store import TableStore
 from .layers import AdaptiveHead, Block, MoE, SwiGLU, rope_tables
@@ -118,7 +119,7 @@ class EngramLM(nn.Module):
             self.head = AdaptiveHead(config.d_model, config.vocab_size, config.head_cutoffs,
                                      config.head_div)
         else:
-            self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+            self.head = Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
         cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_base)

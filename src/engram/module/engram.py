@@ -12,9 +12,9 @@ passes the gathered memory vectors directly, so the table itself can live anywhe
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..gemm import linear
 from ..retrieval.config import EngramConfig
 from ..retrieval.primes import head_offsets, prime_table_sizes
 from ..tables.store import MemoryTable, TableStore
@@ -157,11 +157,11 @@ class Engram(nn.Module):
         if alive is not None and alive.shape != h.shape[:2]:
             raise ValueError(f"alive must be {tuple(h.shape[:2])}, got {tuple(alive.shape)}")
         if self.gate_value is not None:
-            v = F.linear(e, *self.value_weights())  # [b, t, d]
+            v = linear(e, *self.value_weights())  # [b, t, d]
             alpha = v.new_full(h.shape[:3], self.gate_value)  # [b, t, m]
             vt = alpha.unsqueeze(-1) * v.unsqueeze(2)  # [b, t, m, d]
         else:
-            kv = F.linear(e, *self.kv_weights())  # [b, t, (m+1)*d]: value and all keys, one GEMM
+            kv = linear(e, *self.kv_weights())  # [b, t, (m+1)*d]: value and all keys, one GEMM
             # Context-aware gate (paper eq. 4): the hidden state, which has seen the whole
             # context, decides whether the static n-gram memory fits here; a collided or off-topic
             # row is damped.

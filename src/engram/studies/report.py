@@ -138,12 +138,24 @@ def corpus_name(corpus: dict[str, Any]) -> str:
     return " + ".join(names) + (f", first {cap:,} characters of each" if cap else "")
 
 
+def _paired(gains: list[float]) -> str:
+    """', mean +- sd, positive in k of n seeds' for two or more paired gains."""
+    if len(gains) < 2:
+        return ""
+    mean = sum(gains) / len(gains)
+    sd = (sum((g - mean) ** 2 for g in gains) / (len(gains) - 1)) ** 0.5
+    return (f" (mean {mean:+.4f} +- {sd:.4f} sd; positive in {sum(g > 0 for g in gains)} of "
+            f"{len(gains)} seeds)")
+
+
 def write_report(summary: dict[str, Any], path: Path) -> None:
     runs = summary["runs"]
     lines = ["# engram compare", "",
              f"Corpus: {summary['corpus']['train_tokens']:,} train / "
              f"{summary['corpus']['val_tokens']:,} validation tokens ({corpus_name(summary['corpus'])}), model "
              f"vocabulary {summary['corpus']['vocab']:,} ids; wall time {summary['wall_s']:.0f} s.", "",
+             *([f"Machine: {m['cpu'] or 'unknown CPU'}; matrix products through {m['gemm']} "
+                "(engram/gemm.py, ENGRAM_GEMM).", ""] if (m := summary.get("machine")) else []),
              "| run | val loss (mean) | per seed | seed spread | total params | active params | "
              "table params | tokens | tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
@@ -162,7 +174,8 @@ def write_report(summary: dict[str, Any], path: Path) -> None:
               f"{'' if ratio is None else f'{ratio:.1f}x '}the largest seed-to-seed spread "
               f"({verdict} run-to-run noise).",
               f"- Paired by seed (same batch order): Engram's gain over dense is "
-              f"{', '.join(f'{g:+.4f}' for g in summary.get('engram_gain_per_seed', []))} nats.",
+              f"{', '.join(f'{g:+.4f}' for g in summary.get('engram_gain_per_seed', []))} nats"
+              f"{_paired(summary.get('engram_gain_per_seed', []))}.",
               f"- Engram vs MoE at equal total parameters: Engram is "
               f"{'better' if vs_moe > 0 else 'worse'} by {abs(vs_moe):.4f} nats.",
               "- The tables are the only extra parameters of the Engram model and are updated "
