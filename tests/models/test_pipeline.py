@@ -51,21 +51,36 @@ def _images(pipe, prompts, seed=0):
                 output_type="pt").images
 
 
+def _conditioning(pipe, prompts):
+    """The text conditioning the UNet sees: [prompts, tokens, width]."""
+    with torch.no_grad():
+        return pipe.encode_prompt(prompts, "cpu", 1, False)[0]
+
+
+def assert_same_image(a, b):
+    """Bit-identical conditioning need not give bit-identical images: on some CPUs (seen on an AMD
+    EPYC, in the VAE's attention) MKL's sgemm rounds the same product differently from call to
+    call, so the same pipeline on the same inputs moves a pixel by ~1 ulp."""
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["plain", "engram"])
 def test_pipeline_uses_tables_and_leaves_other_prompts_bit_identical(pipe, kind):
     prompts = ["a photo of Zorblax", "a bold handwritten seven"]
-    base = _images(pipe, prompts)
+    base, cond = _images(pipe, prompts), _conditioning(pipe, prompts)
     rts = inject_pipeline(pipe, ["Zorblax"], TriggerOptions(kind=kind))
     assert list(rts) == ["text_encoder"] and rts["text_encoder"].options.site == "last"
     torch.manual_seed(3)
     with torch.no_grad():
         for p in pipeline_parameters(rts):
             p.add_(torch.randn_like(p))
-    out = _images(pipe, prompts)
-    assert torch.equal(out[1], base[1])
-    assert not torch.equal(out[0], base[0])
+    out, new = _images(pipe, prompts), _conditioning(pipe, prompts)
+    assert torch.equal(new[1], cond[1]) and not torch.equal(new[0], cond[0])
+    assert_same_image(out[1], base[1])
+    assert (out[0] - base[0]).abs().max() > 1e-3
     eject_pipeline(pipe)
-    assert torch.equal(_images(pipe, prompts), base)
+    assert torch.equal(_conditioning(pipe, prompts), cond)
+    assert_same_image(_images(pipe, prompts), base)
 
 
 def test_training_moves_only_the_tables(pipe):
@@ -121,11 +136,21 @@ def test_sd3_pipeline_reads_hidden_minus_two_and_t5(new_tokenizer):
                                     tokenizer_2=tok, text_encoder_3=enc3, tokenizer_3=tok)
     pipe.set_progress_bar_config(disable=True)
 
+    prompts = ["a photo of Zorblax", "a bold handwritten seven"]
+
     def images():
-        return pipe(["a photo of Zorblax", "a bold handwritten seven"], num_inference_steps=2,
-                    height=16, width=16, generator=torch.Generator().manual_seed(0),
-                    max_sequence_length=12, output_type="pt").images
-    base = images()
+        return pipe(prompts, num_inference_steps=2, height=16, width=16,
+                    generator=torch.Generator().manual_seed(0), max_sequence_length=12,
+                    output_type="pt").images
+
+    def conditioning():  # embeds, negative embeds, pooled, negative pooled
+        with torch.no_grad():
+            out = pipe.encode_prompt(prompts, prompts, prompts, device="cpu",
+                                     num_images_per_prompt=1, do_classifier_free_guidance=False,
+                                     max_sequence_length=12)
+        return out[0], out[2]
+
+    base, cond = images(), conditioning()
     rts = inject_pipeline(pipe, ["Zorblax"])
     assert {k: rt.options.site for k, rt in rts.items()} == {
         "text_encoder": "hidden:-2", "text_encoder_2": "hidden:-2", "text_encoder_3": "last"}
@@ -133,4 +158,8 @@ def test_sd3_pipeline_reads_hidden_minus_two_and_t5(new_tokenizer):
         for p in pipeline_parameters(rts):
             p.add_(torch.randn_like(p))
     out = images()
-    assert torch.equal(out[1], base[1]) and not torch.equal(out[0], base[0])
+    (embeds, pooled), (embeds0, pooled0) = conditioning(), cond
+    assert torch.equal(embeds[1], embeds0[1]) and torch.equal(pooled[1], pooled0[1])
+    assert not torch.equal(embeds[0], embeds0[0])
+    assert_same_image(out[1], base[1])
+    assert (out[0] - base[0]).abs().max() > 1e-3

@@ -106,9 +106,12 @@ def test_equals_torch_adam_when_every_row_is_touched(betas):
         ref_opt.step()
     torch.testing.assert_close(sparse_table.weight, dense_table.weight, rtol=0, atol=1e-6)
     m, v, t = row_opt.row_state(sparse_table.weight, torch.arange(rows))
-    torch.testing.assert_close(m, ref_opt.state[dense_table.weight]["exp_avg"], rtol=0, atol=1e-7)
+    # A few ulps, not 0: the gradients are equal, but torch's Adam rounds its moment update alike
+    # only where it vectorises alike (seen 1 ulp apart, at 1 element of 35, on an AVX-512 AMD EPYC).
+    torch.testing.assert_close(m, ref_opt.state[dense_table.weight]["exp_avg"], rtol=1e-6,
+                               atol=1e-7)
     ref_v = ref_opt.state[dense_table.weight]["exp_avg_sq"]
-    torch.testing.assert_close(v, ref_v, rtol=0, atol=1e-7)
+    torch.testing.assert_close(v, ref_v, rtol=1e-6, atol=1e-7)
     assert (t == 8).all()
 
 
