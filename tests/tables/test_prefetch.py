@@ -13,7 +13,7 @@ from engram import EngramConfig, EngramLM, MemoryTable, ModelConfig, NgramHasher
 from engram.serving.loader import load_dense_state
 from engram.tables.cache import CachedTable
 from engram.tables.prefetch import PrefetchTable, prefetch_batch, wrap_prefetch
-from engram.tables.tiers import open_tables
+from engram.tables.tiers import PinnedTable, open_tables
 from engram.training.export import export_tables
 
 LOOKUP = np.arange(300) % 250
@@ -125,4 +125,22 @@ def test_unmatched_lookups_fall_back_and_old_prefetches_are_dropped():
         table.prefetch(torch.tensor([r]))
     assert table.stats.dropped == 1 and len(table._pending) == 2
     assert (table.stats.sync, table.stats.used, table.stats.prefetched) == (2, 1, 4)
+    table.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("store_device", ["cpu", "cuda"])
+def test_prefetch_to_cuda_from_host_and_device_pinned_tables(store_device):
+    """A PinnedTable on "cuda" (its default with CUDA) copies rows to the device itself; the
+    prefetcher used to pin those device rows, which raises."""
+    weight = torch.randn(5000, 8)
+    table = PrefetchTable(PinnedTable(weight, device=store_device), device="cuda")
+    rows = [torch.randint(0, 5000, (4, 64, 6)) for _ in range(6)]
+    table.prefetch(rows[0])
+    for i, r in enumerate(rows):
+        if i + 1 < len(rows):
+            table.prefetch(rows[i + 1])
+        out = table.lookup(r)
+        assert out.is_cuda and torch.equal(out.cpu(), weight[r])
+    assert table.stats.used == len(rows) and table.stats.sync == 0
     table.close()

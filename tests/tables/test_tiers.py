@@ -83,7 +83,8 @@ def test_tier_equals_memory_table_on_random_and_real_text_ids(tier, exported, or
         batches = [real, torch.randint(0, oracle.num_rows, (3, 7, CFG.num_heads), generator=g),
                    real[:, :5], torch.tensor([0, oracle.num_rows - 1, 5, 5]), real]
         for i, rows in enumerate(batches):  # repeated: cache state and windows change in between
-            got = _lookup(store, rows, prefetch=i % 2 == 0)
+            # .cpu(): with CUDA a PinnedTable's rows come back on the device
+            got = _lookup(store, rows, prefetch=i % 2 == 0).cpu()
             assert torch.equal(got, oracle.lookup(rows).detach()), (tier, lid, i)
         with pytest.raises(IndexError, match="row ids must be in"):
             store.lookup(torch.tensor([oracle.num_rows]))

@@ -5,6 +5,7 @@ sharded checkpoint consolidated back to one process) must reach its losses, up t
 order. Faults are real: a rank is SIGKILLed or SIGSTOPped mid-run.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -14,13 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engram.training.checkpoint import CheckpointError
 from engram.training.corpus import DataConfig, build_corpus
 from engram.training.dist_checkpoint import consolidate, latest_distributed
 from engram.training.distributed import train_distributed
-from engram.training.process_group import _spawned, free_port, spawn_local
+from engram.training.process_group import _spawned, free_port, init_distributed, spawn_local
 from engram.training.train import TrainConfig, train
 
 # batch_size 6 splits over 2 and 3 ranks; min_lr_ratio=1 makes the schedule independent of
@@ -169,3 +171,30 @@ def test_sharded_init_is_the_same_at_every_world_size(tmp_path, corpus):
     spawn_local(_train_worker, 2, _cfg(tmp_path / "w2", steps=2), corpus, 30, None, "sharded")
     spawn_local(_train_worker, 3, _cfg(tmp_path / "w2", steps=4), corpus, 30, None, "sharded")
     _assert_same_run(_metrics(tmp_path / "w2"), _metrics(tmp_path / "w1"))
+
+
+class _Joined(Exception):
+    pass
+
+
+@pytest.mark.parametrize("gpus, backend", [(1, "gloo"), (3, "nccl")])
+def test_ranks_share_gpus_only_over_gloo(monkeypatch, gpus, backend):
+    """With CUDA, a 3-rank job on fewer than 3 GPUs (the tests above, on a 1-GPU machine) must not
+    take NCCL: set_device(LOCAL_RANK) fails past the last GPU. CUDA is faked here."""
+    devices, joined = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+
+    def init(backend, **kw):
+        joined.append(backend)
+        raise _Joined
+    monkeypatch.setattr(dist, "init_process_group", init)
+    for k, v in dict(RANK=2, WORLD_SIZE=3, LOCAL_RANK=2, LOCAL_WORLD_SIZE=3,
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=1).items():
+        monkeypatch.setenv(k, str(v))
+    warns = pytest.warns(RuntimeWarning, match="1 GPU") if gpus == 1 else contextlib.nullcontext()
+    with pytest.raises(_Joined), warns:
+        init_distributed()
+    assert joined == [backend] and devices == ([2] if backend == "nccl" else [])

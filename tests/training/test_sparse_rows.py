@@ -99,3 +99,12 @@ def test_row_adam_kernel_resumes_from_a_state_dict():
         opt2.step()
     assert opt2.kernel_steps == 3
     assert torch.equal(resumed, full)
+
+
+def test_kernels_refuse_tensors_off_the_cpu():
+    """A table on CUDA (meta here: no GPU in CI) must take the torch twin: the kernels read
+    tensors through .numpy()."""
+    for t in (torch.zeros(4, 2, device="meta"), torch.zeros(4, 2).bfloat16(),
+              torch.zeros(4, 2, requires_grad=True)):
+        assert not sparse_rows.fits(t)
+    assert sparse_rows.fits(torch.zeros(4, 2))

@@ -14,7 +14,15 @@ from engram.models.layers import AdaptiveHead
 from engram.options import parse_overrides
 from engram.training.checkpoint import CheckpointError, latest_checkpoint
 from engram.training.corpus import DataConfig, build_corpus
-from engram.training.train import TrainConfig, build_run, check_same_config, lr_at, train
+from engram.training.train import (
+    TrainConfig,
+    build_run,
+    check_same_config,
+    evaluate,
+    lr_at,
+    train,
+    train_step,
+)
 
 TINY = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, seq_len=32, batch_size=4,
             table_size=997, n_embed_per_ngram=32, n_head_per_ngram=2, engram_layers=(0,),
@@ -92,6 +100,37 @@ def test_bad_configs_raise(tmp_path, corpus):
         train(_cfg(tmp_path, "y", steps=1, n_head_per_ngram=0), corpus, progress=False)
     with pytest.raises(ValueError, match="steps"):
         TrainConfig(steps=0)
+
+
+class _DeviceProbe(torch.nn.Module):
+    """Stands in for a model moved to an accelerator: its first parameter sits on the meta device,
+    and it records where its inputs arrive."""
+
+    def __init__(self):
+        super().__init__()
+        self.where = torch.nn.Parameter(torch.empty(1, device="meta"))
+        self.w = torch.nn.Parameter(torch.ones(()))  # on the CPU: the loss's graph
+        self.seen = []
+
+    def forward(self, tokens, hash_ids):
+        self.seen.append({tokens.device.type, *(v.device.type for v in hash_ids.values())})
+        return tokens
+
+    def token_nll(self, out, targets):
+        return torch.zeros(targets.shape)
+
+    def loss(self, out, targets):
+        return self.w * 2.0
+
+
+def test_batches_follow_a_model_moved_to_another_device(corpus):
+    """Batches and hash ids are made on the CPU; training and evaluation hand them to the model
+    on its own device (evaluate did not: a model on CUDA got CPU tokens)."""
+    run = build_run(TrainConfig(**TINY), corpus)
+    run.model = probe = _DeviceProbe()
+    train_step(run)
+    evaluate(run)
+    assert probe.seen and all(s == {"meta"} for s in probe.seen), probe.seen
 
 
 def test_adaptive_head_follows_the_corpus(corpus):

@@ -127,10 +127,13 @@ def nine_hasher_from_files(table_dir: str | Path, config: Any, hasher: NgramHash
 
 def open_tier(table_dir: str | Path, config: Any, hasher: NgramHasher, tier: str, *,
               counts: dict[int, Any] | None = None, cache_fraction: float = 0.0,
-              prefetch: bool = False, verify: bool = True) -> dict[int, Any]:
+              prefetch: bool = False, verify: bool = True,
+              device: torch.device | str = "cpu") -> dict[int, Any]:
     """``{layer: store}`` for the table files in ``table_dir`` on ``tier`` (not "memory"),
     optionally behind a hot cache (``counts``: each layer's row frequencies on training text) and
     background prefetch. Files of another config, layer or hash profile are refused here.
+    ``device``: where the model runs; the pinned tier copies looked-up rows there (its own
+    default, the GPU when there is one, would hand a CPU model rows on the GPU).
 
     With an Engram-Nine hasher (``NineHasher``) each table set's cold and hot files go on the tier,
     each behind its own cache (``counts[layer]`` = (cold, hot) from ``NineHasher.count_reads``) and
@@ -154,7 +157,7 @@ def open_tier(table_dir: str | Path, config: Any, hasher: NgramHasher, tier: str
             parts.update({("hot", lid): t for lid, t in open_tables(
                 table_dir, config, hasher, "hot", verify=verify).items()})
         if tier == "pinned":
-            parts = {k: PinnedTable(t) for k, t in parts.items()}
+            parts = {k: PinnedTable(t, device=device) for k, t in parts.items()}
     if cache_fraction > 0:
         if counts is None:
             raise ValueError("a hot cache needs the training text's row counts")

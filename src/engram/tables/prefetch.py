@@ -99,12 +99,17 @@ class PrefetchTable:
     def _fetch(self, store: TableStore, rows: torch.Tensor,
                device: torch.device | None) -> tuple[torch.Tensor, Any]:
         """Rows [u] from ``store`` -> (values [u, e] on ``device``, CUDA event or None)."""
-        vals = store.lookup(rows)
         if device is None or device.type != "cuda" or self._stream is None:
+            vals = store.lookup(rows)
             return (vals if device is None else vals.to(device)), None
-        staging = vals if vals.is_pinned() else vals.pin_memory()
+        # The store's lookup runs on the side stream too: a store that copies to the device itself
+        # (a PinnedTable on "cuda", PinnedTable's default with CUDA) then copies there, and the
+        # event below covers its copy; pinning such rows (already on the device) would raise.
         with torch.cuda.stream(self._stream):
-            dev = staging.to(device, non_blocking=True)
+            vals = store.lookup(rows)
+            if vals.device.type == "cpu" and not vals.is_pinned():
+                vals = vals.pin_memory()
+            dev = vals.to(device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         return dev, event

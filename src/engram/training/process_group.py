@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -42,7 +43,7 @@ def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> Di
         if missing:
             raise DistributedError(f"{', '.join(missing)} not set: launch with torchrun "
                                    "(torchrun --nproc-per-node N -m engram.training.distributed ...)")
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = backend or default_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         # The timeout bounds the rendezvous and every collective: a dead or hung peer is an error.
@@ -53,6 +54,20 @@ def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> Di
                 torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
                 dist.new_group(backend=dist.get_backend(), timeout=to),
                 dist.new_group(backend="gloo", timeout=to), timeout_s, owns)
+
+
+def default_backend() -> str:
+    """NCCL when each of this machine's ranks has a GPU of its own, else gloo: NCCL cannot share
+    one GPU between ranks, and set_device(LOCAL_RANK) fails past the last GPU (a 3-process job on
+    a 1-GPU machine, as the tests spawn)."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", int(os.environ.get("LOCAL_RANK", 0)) + 1))
+    if torch.cuda.device_count() < local:
+        warnings.warn(f"{local} ranks on this machine, {torch.cuda.device_count()} GPU(s): "
+                      "joining over gloo on the CPU", RuntimeWarning, stacklevel=3)
+        return "gloo"
+    return "nccl"
 
 
 def free_port() -> int:

@@ -26,7 +26,7 @@ from ..models.model import EngramLM, ModelConfig
 from ..retrieval.compress import Compression, build_compression
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
-from .batches import TokenBatches, val_batches
+from .batches import Batch, TokenBatches, val_batches
 from .checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -243,13 +243,25 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None) -> Run:
     return Run(cfg, corpus, hasher, model, batches, optim)
 
 
+def _device(run: Run) -> torch.device:
+    return next(run.model.parameters()).device
+
+
+def _to(batch: Batch, device: torch.device) -> Batch:
+    """Batches (and their hash ids) are made on the CPU; a model moved to a GPU (gpu_check) gets
+    them there."""
+    return batch if device.type == "cpu" else batch.to(device)
+
+
 @torch.no_grad()
 def evaluate(run: Run, full: bool = False) -> float:
     """Mean next-token cross entropy (nats) over the fixed validation sweep (all of it if full)."""
     run.model.eval()
     total, count = 0.0, 0
+    device = _device(run)
     for b in val_batches(run.corpus.val, run.cfg.batch_size, run.cfg.seq_len, run.corpus,
                          run.hasher, max_batches=None if full else run.cfg.eval_batches):
+        b = _to(b, device)
         total += float(run.model.token_nll(run.model(b.inputs, b.hash_ids), b.targets).sum())
         count += b.targets.numel()
     run.model.train()
@@ -332,10 +344,9 @@ def _log(run: Run, record: dict) -> None:
 def train_step(run: Run) -> float:
     """One optimiser step at ``run.step`` (its micro-batches, clip, update); returns the loss."""
     cfg, loss_sum = run.cfg, 0.0
-    device = next(run.model.parameters()).device
+    device = _device(run)
     for micro in range(cfg.grad_accum):
-        b = run.batches.batch(run.step * cfg.grad_accum + micro)
-        b = b if device.type == "cpu" else b.to(device)  # a model moved to a GPU (gpu_check)
+        b = _to(run.batches.batch(run.step * cfg.grad_accum + micro), device)
         loss = run.model.loss(run.model(b.inputs, b.hash_ids), b.targets) / cfg.grad_accum
         loss.backward()
         loss_sum += float(loss.detach())
