@@ -1,17 +1,17 @@
 """Dense float32 matrix multiplies on CPU through oneDNN, where torch's default BLAS is slow.
 
 torch's CPU wheel multiplies float32 matrices with MKL, which dispatches its fast kernels by CPU
-vendor: on an AMD EPYC (Zen 5, AVX-512, 2 cores) its sgemm ran 1.7-2.5x slower than oneDNN's,
-which ships in the same wheel, at every shape this package trains with (benchmarks/gemm_backends.py;
-recorded in benchmarks/results/gemm_backends.json). ``linear`` sends a float32 CPU product to oneDNN when
-the backend says so, forward and backward, and to ``F.linear`` otherwise.
+vendor: on an AMD EPYC (Zen 5, AVX-512, 2 cores) oneDNN, which ships in the same wheel, ran
+1.45-2.5x faster on one thread at every shape this package trains with (benchmarks/
+gemm_backends.py; benchmarks/results/gemm_backends.json). ``linear`` sends a float32 CPU product
+to oneDNN when the backend says so, forward and backward, and to ``F.linear`` otherwise.
 
 Backends (``ENGRAM_GEMM`` or :func:`set_backend`): ``torch`` (always ``F.linear``), ``onednn``
 (oneDNN for every product of at least ``MIN_MACS`` multiply-adds), ``auto`` (the default: oneDNN
-on AMD x86 processors, ``torch`` elsewhere, because on Intel processors MKL is already fast and
-oneDNN was not measured here). The choice is deterministic per machine, never timed at run time.
+on AMD x86 processors, ``torch`` elsewhere: MKL's dispatch favours Intel's, and oneDNN was not
+measured on one here). The choice is deterministic per machine, never timed at run time.
 Results agree with MKL's to float32 rounding (summation order differs), not to the bit; oneDNN's
-are bit-identical from call to call and on 1 or 2 threads (tested).
+are bit-identical from call to call, and on 1 or 2 threads on the AMD EPYC measured (tested).
 
 Shape legend:
     n rows (tokens: every leading dimension of x flattened), i in features, o out features.
