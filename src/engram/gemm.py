@@ -36,31 +36,29 @@ _chosen: str | None = None  # set_backend's choice; None: ENGRAM_GEMM, else "aut
 _resolved: dict[str, str] = {}
 
 
-def cpu_vendor(cpuinfo: str | None = None) -> str:
-    """The x86 vendor id ('AuthenticAMD', 'GenuineIntel', ...) from /proc/cpuinfo's text, or ''."""
-    if cpuinfo is None:
+def _cpuinfo(field: str, text: str | None = None) -> str:
+    """The first value of ``field`` in /proc/cpuinfo's text (or ``text``), or ''."""
+    if text is None:
         try:
             with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read(1 << 16)
+                text = f.read(1 << 16)
         except OSError:
             return ""
-    for line in cpuinfo.splitlines():
+    for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "vendor_id":
+        if key.strip() == field:
             return value.strip()
     return ""
 
 
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The x86 vendor id ('AuthenticAMD', 'GenuineIntel', ...), or ''."""
+    return _cpuinfo("vendor_id", cpuinfo)
+
+
 def cpu_model() -> str:
     """The processor's model name (recorded beside timings and results), or ''."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    return _cpuinfo("model name") or platform.processor()
 
 
 def _onednn_available() -> bool:
@@ -105,8 +103,12 @@ def set_backend(name: str | None) -> str | None:
 
 
 @contextmanager
-def using(name: str):
-    """The backend ``name`` inside the block (benchmarks and tests compare the two)."""
+def using(name: str | None):
+    """The backend ``name`` inside the block (benchmarks and tests compare the two); None leaves
+    the backend as it is."""
+    if name is None:
+        yield
+        return
     previous = set_backend(name)
     try:
         yield
