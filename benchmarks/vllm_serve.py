@@ -28,7 +28,6 @@ import torch
 from engram import EngramConfig, EngramLM, ModelConfig, NgramHasher, build_compression
 from engram.serving.generate import GenerationConfig, Generator
 from engram.serving.hf_export import export_hf, export_model
-from engram.tables.cache import count_rows
 from engram.training.process_group import free_port
 
 TIERS = {"memory": {}, "file+cache+prefetch": {"tier": "file", "cache_fraction": 0.05,
@@ -48,7 +47,7 @@ def random_export(out: Path, seed: int = 0):
     for e in model.engrams().values():
         torch.nn.init.normal_(e.short_conv.conv.weight, std=0.3)
     hasher = NgramHasher(ecfg, build_compression())
-    counts = count_rows(hasher, torch.as_tensor(g.choice(vocab, 50_000)))
+    counts = hasher.count_reads(torch.as_tensor(g.choice(vocab, 50_000)))
     export_model(model, hasher, vocab, out, counts=counts, tag="random")
     return model, hasher, vocab
 

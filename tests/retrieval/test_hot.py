@@ -118,3 +118,49 @@ def test_index_state_round_trip(hasher, stream):
     assert torch.equal(again.lookup(keys), idx.lookup(keys)) and again.equals(idx)
     with pytest.raises(ValueError, match="hot index state"):
         HotIndex.from_state_dict({"kind": "mphf"})
+
+
+# -- the Hasher interface: what callers ask of either hasher --------------------------------------
+
+def test_read_counts_of_both_hashers_agree(hasher, stream):
+    """An empty hot index reads exactly the plain tables; with hot slots, every hot read replaces
+    the K cold reads of its order (so cold + K * hot = the plain reads), each counted once."""
+    plain = hasher.count_reads(stream, window=777)  # windows cut through n-grams
+    empty = NineHasher(hasher, HotIndex.build(torch.zeros(0, dtype=torch.long), "exact"),
+                       shared=False)
+    assert empty.parts == hasher.parts == ("cold",) and empty.owners == hasher.owners
+    for lid, counts in empty.count_reads(stream, window=1000).items():
+        assert list(counts) == ["cold"] and torch.equal(counts["cold"], plain[lid]["cold"])
+        assert empty.table_shape(lid) == hasher.table_shape(lid)
+    nine = NineHasher(hasher, build_hot_index(hasher, stream, 15), shared=True)
+    assert nine.parts == ("cold", "hot") and nine.owners == [0] and nine.owner(2) == 0
+    reads = nine.count_reads(stream, window=1000)
+    assert reads[0] is reads[2]  # a shared set: one pair of counts
+    k = hasher.config.n_head_per_ngram
+    assert int(reads[0]["hot"].sum()) > 0
+    assert (int(reads[0]["cold"].sum()) + k * int(reads[0]["hot"].sum())
+            == int(plain[0]["cold"].sum()) == len(stream) * hasher.num_heads)
+    assert nine.table_shape(2, "hot") == (nine.index.num_slots, k * hasher.config.head_dim)
+    with pytest.raises(ValueError, match="no 'hot' tables"):
+        hasher.table_shape(0, "hot")
+
+
+def test_checkpoint_state_round_trip(hasher, stream):
+    """A Nine run's checkpoint carries its hot index; a plain one carries nothing; the hasher a
+    checkpoint was trained with comes back from its state and the plain hasher."""
+    from engram.retrieval.hot import checkpoint_hasher
+
+    assert hasher.checkpoint_state() == {}
+    assert checkpoint_hasher(hasher, {"model": {}}, shared=True) is hasher
+    nine = NineHasher(hasher, build_hot_index(hasher, stream, 15), shared=True)
+    state = {"model": {}, **nine.checkpoint_state()}
+    back = checkpoint_hasher(hasher, state, shared=True)
+    assert isinstance(back, NineHasher) and back.index.digest() == nine.index.digest()
+    assert back.profile(2, "hot") == nine.profile(0, "hot")  # the stamp names the index
+    other = NineHasher(hasher, build_hot_index(hasher, stream, 5), shared=True)
+    with pytest.raises(ValueError, match="another hot index"):
+        checkpoint_hasher(other, state, shared=True)
+    other.load_checkpoint_state(state)  # resuming: the saved index replaces the rebuilt one
+    assert other.index.equals(nine.index) and checkpoint_hasher(other, state, True) is other
+    with pytest.raises(ValueError, match="no hot index"):
+        other.load_checkpoint_state({"model": {}})

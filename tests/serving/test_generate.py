@@ -1,6 +1,6 @@
 """Generation: batched incremental decoding == recomputing the full sequence every step (left-padded
 prompts of different lengths, both profiles, tables in memory or behind file + cache + prefetch);
-stop ids, sampling, errors; the CLI on a real (tiny) trained run."""
+stop ids, sampling, errors; the CLI on a real (tiny) trained run, on every registered tier."""
 
 import json
 
@@ -11,6 +11,7 @@ import torch
 from engram import EngramConfig, EngramLM, ModelConfig, NgramHasher
 from engram.serving.generate import GenerationConfig, Generator, cli_generate
 from engram.serving.loader import load_dense_state
+from engram.tables.registry import REGISTRY
 from engram.tables.cache import CachedTable
 from engram.tables.prefetch import wrap_prefetch
 from engram.tables.tiers import open_tables
@@ -126,8 +127,9 @@ def test_cli_generates_from_a_trained_run_on_every_tier(tmp_path, capsys):
     base = ["--run", str(run), "--prompt", "In the beginning God created", "--prompt", "And God",
             "--max-new-tokens", "6", "--no-stop"]
     outputs = {}
-    for tier, extra in (("memory", []), ("file", ["--cache-fraction", "0.05", "--prefetch"]),
-                        ("pinned", [])):
+    # memory: the checkpoint's tables; every other tier from table files, behind cache + prefetch
+    for tier in [t for t, tt in REGISTRY.items() if tt.missing() is None]:
+        extra = ["--cache-fraction", "0.05", "--prefetch"]
         js = tmp_path / f"{tier}.json"
         assert cli_generate(base + ["--tier", tier, "--json", str(js), *extra]) == 0
         result = json.loads(js.read_text())
@@ -135,7 +137,7 @@ def test_cli_generates_from_a_trained_run_on_every_tier(tmp_path, capsys):
         outputs[tier] = result["tokens"]
         printed = capsys.readouterr().out
         assert all(c in printed for c in result["continuations"])
-    assert all(o == outputs["memory"] for o in outputs.values())
+    assert all(o == outputs["memory"] for o in outputs.values()) and len(outputs) >= 6
     assert (run / "tables" / "layer0.table").exists()
     assert cli_generate(["--run", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "no checkpoint" in capsys.readouterr().err

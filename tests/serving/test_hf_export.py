@@ -1,5 +1,6 @@
-"""engram export-hf: a model written once, loaded back on every tier, serves the same greedy tokens
-as `engram generate` through the paged path; broken or foreign tables are refused at load."""
+"""engram export-hf: a model written once, loaded back on every registered tier, serves the same
+greedy tokens as `engram generate` through the paged path; broken or foreign tables are refused at
+load."""
 
 import json
 import shutil
@@ -14,7 +15,7 @@ from engram import EngramConfig, EngramLM, ModelConfig, NgramHasher
 from engram.serving.generate import GenerationConfig, Generator
 from engram.serving.hf_export import build_export_model, export_model, load_dense, read_export
 from engram.serving.paged import PagedLM
-from engram.tables.cache import count_rows
+from engram.tables.registry import REGISTRY, TIERS
 from engram.tables.tablefile import TableFileError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,7 +36,7 @@ def random_model(deepseek, seed=0, d_model=64, n_head=2):
         torch.nn.init.normal_(e.short_conv.conv.weight, std=0.3)
     hasher = NgramHasher(ecfg, deepseek)
     stream = torch.as_tensor(g.choice(vocab, 5000))
-    return model, hasher, vocab, count_rows(hasher, stream)
+    return model, hasher, vocab, hasher.count_reads(stream)
 
 
 def prompts(vocab, n, seed=1, lo=1, hi=40):
@@ -63,9 +64,12 @@ def load(out, **serving):
     return PagedLM(model, hasher, vocab, raw_vocab, unknown_id=0)
 
 
-@pytest.mark.parametrize("serving", [{}, {"tier": "file", "cache_fraction": 0.05, "prefetch": True},
-                                     {"tier": "shared"}])
+@pytest.mark.parametrize("serving", [{}] + [{"tier": t} for t in TIERS]
+                         + [{"tier": "file", "cache_fraction": 0.05, "prefetch": True}])
 def test_every_tier_serves_generate_s_tokens(exported, serving):
+    why = REGISTRY[serving.get("tier", "memory")].missing()
+    if why:
+        pytest.skip(f"tier {serving['tier']} cannot open on this machine: {why}")
     out, model, hasher, vocab = exported
     paged = load(out, **serving)
     ps = prompts(vocab, 10)
@@ -186,7 +190,8 @@ def test_export_hf_of_a_nine_run_serves_generate_s_tokens(tmp_path, capsys, shar
           ("In the beginning God created the heaven and the earth.", "And God said", "And")]
     assert any(bool((i[..., -2:] >= 0).any()) for i in served.hasher.hash([ps[0]]).values())
     want = reference(served.model, served.hasher, served.vocab, ps, 5)
-    for serving in ({}, {"tier": "memory"}, {"tier": "shared", "cache_fraction": 0.0}):
+    for serving in ({}, {"tier": "memory"}, {"tier": "shared", "cache_fraction": 0.0},
+                    {"tier": "pool"}, {"tier": "sharded", "cache_fraction": 0.05}):
         paged = load(tmp_path / "hf", **serving)
         assert paged.hasher.index.equals(served.hasher.index)
         eng = MiniEngine(paged, block_size=4, chunk=3)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory):
     out = tmp_path_factory.mktemp("pool")
-    pc = PoolBudgetConfig(out_dir=str(out), tiers=("memory", "dax", "file_cold"), reps=3,
+    pc = PoolBudgetConfig(out_dir=str(out), tiers=("memory", "pool", "file_cold"), reps=3,
                           batch=2, prefill_len=64, decode_context=16, cache_fraction=0.0,
                           inject_us=(0.0, 100_000.0), inflight=1_000_000,  # one round trip
                           pool_path=str(out / "pool"))
@@ -40,7 +40,7 @@ def test_windows_and_injected_latency_move_the_verdict(summary, mode):
     t = m["t_exec_us"]
     for lid, lay in m["layers"].items():
         assert lay["window_us"] == pytest.approx(t["embed"] + sum(t["blocks"][:lid]))
-        assert lay["tiers"]["memory"]["fits"] and lay["tiers"]["dax"]["fits"]
+        assert lay["tiers"]["memory"]["fits"] and lay["tiers"]["pool"]["fits"]
         be = lay["break_even"]["pool"]
         lat0, lat1 = be["latency_us"]
         assert lat0 < lay["window_us"] < lat1  # 0 injected: fits; 100 ms injected: does not

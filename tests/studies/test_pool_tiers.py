@@ -1,6 +1,6 @@
-"""The pool budget's tiers: every tier (the DAX pool, cold files, the caches, Mooncake when it is
-available) returns the in-memory rows of a step; injected latency adds its round trips and
-changes no row; the break-even is read off a sweep correctly."""
+"""The pool budget's tiers: every name it offers (each registered tier, the evicted file, the
+caches; Mooncake when it is available) returns the in-memory rows of a step; injected latency adds
+its round trips and changes no row; the break-even is read off a sweep correctly."""
 
 import math
 import time
@@ -10,9 +10,17 @@ import pytest
 import torch
 
 from engram.studies.pool_steps import build_setup, step_rows, steps
-from engram.studies.pool_tiers import DelayedTable, Tier, break_even, build_tiers, time_reads
+from engram.studies.pool_tiers import (
+    TIERS,
+    DelayedTable,
+    Tier,
+    break_even,
+    build_tiers,
+    split_name,
+    time_reads,
+)
 from engram.tables.cache import count_rows
-from engram.tables.mooncake import mooncake_missing
+from engram.tables.registry import REGISTRY
 from engram.training.train import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -25,21 +33,12 @@ def setup():
 
 
 def test_every_tier_returns_memory_rows(setup, tmp_path):
-    names = ["memory", "shared", "dax", "file", "file_cold", "file_cold_cache"]
-    client = services = None
-    if mooncake_missing() is None:
-        from engram.studies.pool_tiers import MOONCAKE_KEY
-        from engram.tables.mooncake import MooncakeServices, publish_table
-
-        services = MooncakeServices(segment_bytes=64 << 20, log_dir=tmp_path / "mc")
-        client = services.connect()
-        for lid, e in setup.model.engrams().items():
-            publish_table(client, f"{MOONCAKE_KEY}/L{lid}", e.table.weight.detach())
-        names += ["mooncake", "mooncake_cache"]
+    names = tuple(t for t in TIERS if REGISTRY[split_name(t)[0]].missing() is None)
+    assert {"memory", "pool", "file_cold_cache", "sharded_cache"} <= set(names)
+    counts = count_rows(setup.hasher, setup.corpus.train)
+    tiers = build_tiers(setup, names, tmp_path / "t", pool_path=str(tmp_path / "pool"),
+                        cache_fraction=0.05, counts=counts)
     try:
-        counts = count_rows(setup.hasher, setup.corpus.train)
-        tiers = build_tiers(setup, tuple(names), tmp_path / "t", pool_path=str(tmp_path / "pool"),
-                            cache_fraction=0.05, counts=counts, client=client)
         assert set(tiers) == set(names)
         rows = step_rows(setup, steps(setup, "prefill", 2, 32, 8, 3))
         with torch.no_grad():
@@ -54,9 +53,10 @@ def test_every_tier_returns_memory_rows(setup, tmp_path):
         for lid, r in reads.items():
             assert r["rows"] == rows[0][lid].numel() and 0 < r["misses"] <= r["distinct"]
     finally:
-        if services is not None:
-            client.close()
-            services.close()
+        for tier in tiers.values():
+            tier.close()
+    with pytest.raises(ValueError, match="unknown tier 'memory_cold'"):
+        split_name("memory_cold")
 
 
 def test_injected_latency_adds_round_trips(setup):

@@ -12,7 +12,7 @@ import torch
 import engram.tables.pool as tp
 from engram import EngramConfig, MemoryTable, NgramHasher, rows_per_layer
 from engram.tables.pool import PoolRegion, load_pool, write_pool
-from engram.tables.tablefile import TableFileError, hash_profile, table_path, write_table
+from engram.tables.tablefile import TableFileError, table_path, write_table
 from engram.tables.tiers import FileTable
 
 CFG = EngramConfig(engram_vocab_size=[2003, 3001], max_ngram_size=3, n_embed_per_ngram=64,
@@ -38,7 +38,7 @@ def exported(tmp_path_factory, oracles, hasher):
     for lid, t in oracles.items():
         for dtype in ("fp32", "fp8"):
             write_table(table_path(d / dtype, lid), t.weight.detach(), layer_id=lid, config=CFG,
-                        profile=hash_profile(hasher, lid), dtype=dtype, tag="v1")
+                        profile=hasher.profile(lid), dtype=dtype, tag="v1")
     return d
 
 

@@ -13,6 +13,7 @@ from engram import EngramConfig, EngramLM, MemoryTable, ModelConfig, NgramHasher
 from engram.serving.loader import load_dense_state
 from engram.tables.cache import CachedTable
 from engram.tables.prefetch import PrefetchTable, prefetch_batch, wrap_prefetch
+from engram.tables.store import SplitLookup
 from engram.tables.tiers import PinnedTable, open_tables
 from engram.training.export import export_tables
 
@@ -125,6 +126,26 @@ def test_unmatched_lookups_fall_back_and_old_prefetches_are_dropped():
         table.prefetch(torch.tensor([r]))
     assert table.stats.dropped == 1 and len(table._pending) == 2
     assert (table.stats.sync, table.stats.used, table.stats.prefetched) == (2, 1, 4)
+    table.close()
+
+
+def test_a_split_lookup_reads_only_its_misses_in_the_background():
+    """A cache is a SplitLookup: the prefetch takes its hits at once and the worker reads only the
+    distinct misses from the cache's source (here a cache that holds nothing, counting reads)."""
+    memory = MemoryTable(200, 4)
+    source = CachedTable(memory, 0)  # every row asked of it is fetched from memory
+    cache = CachedTable(source, 30, hot_rows=torch.arange(20))
+    assert isinstance(cache, SplitLookup) and not isinstance(memory, SplitLookup)
+    table = PrefetchTable(cache)
+    warm = source.stats.lookups  # the static rows, read once when the cache was built
+    rows = torch.tensor([[3, 150, 150, 7], [151, 3, 19, 20]])
+    table.prefetch(rows)
+    assert torch.equal(table.lookup(rows), memory.lookup(rows).detach())
+    assert source.stats.lookups - warm == 3  # rows 20, 150, 151: the rest were held
+    assert (table.stats.used, table.stats.sync) == (1, 0)
+    table.prefetch(rows)  # now all held: no read at all
+    assert torch.equal(table.lookup(rows), memory.lookup(rows).detach())
+    assert source.stats.lookups - warm == 3 and table.stats.used == 2
     table.close()
 
 

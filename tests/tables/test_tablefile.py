@@ -13,7 +13,6 @@ from engram import EngramConfig, EngramLM, MemoryTable, NgramHasher
 from engram.tables.tablefile import (
     TableFileError,
     check_compatible,
-    hash_profile,
     read_header,
     table_path,
     verify,
@@ -48,7 +47,7 @@ CFG_ROWS = NgramHasher(CFG, LOOKUP).num_rows(0)
 
 
 def _write(path, w, hasher, dtype="fp32", **kw):
-    return write_table(path, w, layer_id=0, config=CFG, profile=hash_profile(hasher, 0),
+    return write_table(path, w, layer_id=0, config=CFG, profile=hasher.profile(0),
                        dtype=dtype, **kw)
 
 
@@ -80,7 +79,7 @@ def test_round_trip_equals_memory_table(tmp_path, hasher, weight, dtype):
         assert torch.allclose(stored, weight, rtol=0.07, atol=tol)
     h = read_header(path)
     assert (h.layer_id, h.num_rows, h.dim, h.dtype) == (0, weight.shape[0], 64 // 4, dtype)
-    assert h.engram_config == CFG.to_dict() and h.hash_profile == hash_profile(hasher, 0)
+    assert h.engram_config == CFG.to_dict() and h.hash_profile == hasher.profile(0)
     assert h.data_offset % 4096 == 0 and len(h.chunks) == -(-weight.shape[0] // 50)
     assert header == h
 
@@ -174,7 +173,7 @@ def test_mismatched_config_hash_profile_or_layer_is_refused(tmp_path, hasher, we
     # the same compression map reached another way (a fingerprint-less array) still matches
     FileTable(path, expect=(CFG, 0, NgramHasher(CFG, LOOKUP.copy())))
     small = write_table(tmp_path / "s.table", weight[:10], layer_id=0, config=CFG)
-    with pytest.raises(TableFileError, match="10 x 16, layer 0 needs"):
+    with pytest.raises(TableFileError, match="10 x 16, the cold table of layer 0 needs"):
         check_compatible(small, CFG, 0)
 
 
@@ -267,11 +266,11 @@ def test_nine_hot_tier_files_carry_their_index(tmp_path):
     plain = NgramHasher(cfg, np.arange(300) % 250)
     nine = NineHasher(plain, HotIndex.build(torch.arange(30) * 7 + 1, bits=8), shared=True)
     other = NineHasher(plain, HotIndex.build(torch.arange(30) * 7 + 2, bits=8), shared=True)
-    assert hash_profile(nine, 2)["multipliers"] == hash_profile(plain, 0)["multipliers"]
+    assert nine.profile(2)["multipliers"] == plain.profile(0)["multipliers"]
     cold = write_table(table_path(tmp_path, 0), torch.randn(rows_per_layer(cfg)[0], 4),
-                       layer_id=0, config=cfg, profile=hash_profile(nine, 0))
+                       layer_id=0, config=cfg, profile=nine.profile(0))
     hot = write_table(table_path(tmp_path, 0, "hot"), torch.randn(30, 16), layer_id=0, config=cfg,
-                      profile=hash_profile(nine, 0, "hot"))
+                      profile=nine.profile(0, "hot"))
     check_compatible(cold, cfg, 0, nine)
     check_compatible(hot, cfg, 0, nine, "hot")
     with pytest.raises(TableFileError, match="from an Engram-Nine run; this model has no hot"):
@@ -281,7 +280,7 @@ def test_nine_hot_tier_files_carry_their_index(tmp_path):
     with pytest.raises(TableFileError, match="tier: file 'hot' vs model 'cold'"):
         check_compatible(dataclasses.replace(hot, num_rows=cold.num_rows, dim=4), cfg, 0, nine)
     with pytest.raises(TableFileError, match="from a plain \\(no hot tier\\) run; this model has a"):
-        check_compatible(dataclasses.replace(cold, hash_profile=hash_profile(plain, 0)), cfg, 0,
+        check_compatible(dataclasses.replace(cold, hash_profile=plain.profile(0)), cfg, 0,
                          nine)
     with pytest.raises(ValueError, match="NineHasher"):
         check_compatible(hot, cfg, 0, plain, "hot")

@@ -1,5 +1,8 @@
-"""Every tier returns the in-memory store's rows (random and real-text ids); exact cache accounting
-against a plain LRU; row frequencies; two processes share one pool without a second copy."""
+"""Every tier returns the in-memory store's rows (random and real-text ids): each tier of the
+registry (engram.tables.registry: a new tier is tested by registering it), bare and behind the hot
+cache and prefetch, and variants of the file tier; a tier that cannot open here says what is
+missing; exact cache accounting against a plain LRU; row frequencies; two processes share one pool
+without a second copy."""
 
 import multiprocessing as mp
 from collections import OrderedDict
@@ -10,7 +13,8 @@ import torch
 from engram import EngramConfig, MemoryTable, NgramHasher, build_engram, rows_per_layer
 from engram.tables.cache import CachedTable, count_rows, hot_rows, zipf_exponent
 from engram.tables.prefetch import PrefetchTable
-from engram.tables.tablefile import hash_profile, table_path, write_table
+from engram.tables.registry import REGISTRY, TIERS, open_parts_on
+from engram.tables.tablefile import table_path, write_table
 from engram.tables.tiers import FileTable, PinnedTable, SharedPool, memory_status
 from engram.training.corpus import DataConfig, build_corpus
 
@@ -44,18 +48,16 @@ def exported(tmp_path_factory, oracles, hasher):
     d = tmp_path_factory.mktemp("tables")
     for lid, t in oracles.items():
         write_table(table_path(d, lid), t.weight.detach(), layer_id=lid, config=CFG,
-                    profile=hash_profile(hasher, lid), chunk_rows=1000)
+                    profile=hasher.profile(lid), chunk_rows=1000)
     return d
 
 
-TIERS = {
-    "file": lambda d, lid, h: FileTable(table_path(d, lid), expect=(CFG, lid, h)),
+# Configurations the registry's tiers do not open with (the registry's are tested above).
+VARIANTS = {
     "file-windowed": lambda d, lid, h: FileTable(table_path(d, lid), window_bytes=8192,
                                                  max_windows=2),
     "file-io-threads": lambda d, lid, h: FileTable(table_path(d, lid), io_threads=3,
                                                    min_split_rows=16),
-    "pinned": lambda d, lid, h: PinnedTable(FileTable(table_path(d, lid))),
-    "shared-pool": lambda d, lid, h: SharedPool(d, CFG, h).store(lid),
     "cached": lambda d, lid, h: CachedTable(FileTable(table_path(d, lid)), 300,
                                             hot_rows=torch.arange(0, 2000, 20)),
     "cached-lru-only": lambda d, lid, h: CachedTable(FileTable(table_path(d, lid)), 64),
@@ -70,24 +72,54 @@ def _lookup(store, rows, prefetch):
     return store.lookup(rows)
 
 
-@pytest.mark.parametrize("tier", sorted(TIERS))
-def test_tier_equals_memory_table_on_random_and_real_text_ids(tier, exported, oracles, hasher,
-                                                              text):
+def _equals_oracle(tier, store, lid, oracle, hasher, text):
     raw = torch.from_numpy(text.val[:4 * 96].astype("int64")).view(4, 96)
     ids = hasher.hash(raw)  # {layer: [4, 96, H]} local per head (demo-v1 profile)
     g = torch.Generator().manual_seed(1)
+    assert (store.num_rows, store.dim) == (oracle.num_rows, oracle.dim)
+    real = build_engram(CFG, lid, 32, table=None).rows(ids[lid])  # global rows [4, 96, H]
+    batches = [real, torch.randint(0, oracle.num_rows, (3, 7, CFG.num_heads), generator=g),
+               real[:, :5], torch.tensor([0, oracle.num_rows - 1, 5, 5]), real]
+    for i, rows in enumerate(batches):  # repeated: cache state and windows change in between
+        # .cpu(): with CUDA a PinnedTable's rows come back on the device
+        got = _lookup(store, rows, prefetch=i % 2 == 0).cpu()
+        assert torch.equal(got, oracle.lookup(rows).detach()), (tier, lid, i)
+    with pytest.raises(IndexError):  # a clear error, never a row of another id
+        store.lookup(torch.tensor([oracle.num_rows]))
+
+
+@pytest.mark.parametrize("front", ["bare", "cache+prefetch"])
+@pytest.mark.parametrize("tier", TIERS)
+def test_every_registered_tier_equals_memory_table(tier, front, exported, oracles, hasher, text):
+    why = REGISTRY[tier].missing()
+    if why:
+        pytest.skip(f"tier {tier} cannot open on this machine: {why}")
+    opened = open_parts_on(tier, exported, CFG, hasher)
+    try:
+        assert sorted(opened.parts) == [("cold", lid) for lid in sorted(oracles)]
+        for (_, lid), store in opened.parts.items():
+            if front != "bare":
+                store = PrefetchTable(CachedTable(store, 300, hot_rows=torch.arange(0, 2000, 20)))
+            _equals_oracle(tier, store, lid, oracles[lid], hasher, text)
+    finally:
+        opened.close()
+
+
+def test_unknown_or_unavailable_tiers_are_clear_errors(exported, hasher, monkeypatch):
+    with pytest.raises(ValueError, match="tier must be one of .*'memory'.*got 'nvme'"):
+        open_parts_on("nvme", exported, CFG, hasher)
+    monkeypatch.setenv("PATH", "/nonexistent")  # Mooncake's services are not on this PATH
+    with pytest.raises(RuntimeError, match="'mooncake' cannot open on this machine: "
+                                           "mooncake_master not on PATH"):
+        open_parts_on("mooncake", exported, CFG, hasher)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variants_equal_memory_table_on_random_and_real_text_ids(variant, exported, oracles,
+                                                                 hasher, text):
     for lid, oracle in oracles.items():
-        store = TIERS[tier](exported, lid, hasher)
-        assert (store.num_rows, store.dim) == (oracle.num_rows, oracle.dim)
-        real = build_engram(CFG, lid, 32, table=None).rows(ids[lid])  # global rows [4, 96, H]
-        batches = [real, torch.randint(0, oracle.num_rows, (3, 7, CFG.num_heads), generator=g),
-                   real[:, :5], torch.tensor([0, oracle.num_rows - 1, 5, 5]), real]
-        for i, rows in enumerate(batches):  # repeated: cache state and windows change in between
-            # .cpu(): with CUDA a PinnedTable's rows come back on the device
-            got = _lookup(store, rows, prefetch=i % 2 == 0).cpu()
-            assert torch.equal(got, oracle.lookup(rows).detach()), (tier, lid, i)
-        with pytest.raises(IndexError, match="row ids must be in"):
-            store.lookup(torch.tensor([oracle.num_rows]))
+        _equals_oracle(variant, VARIANTS[variant](exported, lid, hasher), lid, oracle, hasher,
+                       text)
 
 
 def _reference_lru(capacity, static, batches):

@@ -8,13 +8,26 @@ with a :class:`HotColdStore` and global ids (the ids carry the hot slots after t
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from ..module import Engram
+from ..retrieval.hashing import Hasher
+from ..retrieval.hot import NineHasher
 from ..retrieval.primes import prime_table_sizes
 from ..tables.hotcold import HotColdStore
 from .model import EngramLM
 from .model_config import ModelConfig
+
+
+def build_lm(config: ModelConfig, hasher: Hasher | None,
+             tables: dict[int, Any] | None = None) -> EngramLM:
+    """The model ``hasher``'s ids are for: an Engram-Nine LM for a NineHasher (its hot slots and
+    sharing), else :class:`EngramLM`; ``tables``: outside stores (``engram.tables.registry``)."""
+    if isinstance(hasher, NineHasher):
+        return build_nine_lm(config, hasher.index.num_slots, hasher.shared, tables=tables or None)
+    return EngramLM(config, tables or None)
 
 
 def build_nine_lm(config: ModelConfig, hot_slots: int, shared: bool = True,

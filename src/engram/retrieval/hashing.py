@@ -14,7 +14,8 @@ never leaks into another position's ids, and a left-padded row hashes like the u
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -24,6 +25,72 @@ from .config import EngramConfig
 from .primes import head_offsets, prime_table_sizes
 
 _INT64_MAX = np.iinfo(np.int64).max
+# The table files of one table set: "cold" (hashed rows, one head each) and, for Engram-Nine
+# (engram.retrieval.hot), "hot" (collision-free rows of width K * d_head).
+PARTS = ("cold", "hot")
+
+
+class Hasher(Protocol):
+    """What every caller needs of a hasher, plain (:class:`NgramHasher`) or Engram-Nine
+    (``engram.retrieval.hot.NineHasher``), so no caller asks which one it holds.
+
+    A *table set* is the tables one layer reads; ``owner`` names the layer whose set another layer
+    reads (the Nine paper shares one set between layers), ``parts`` the table files of a set.
+    """
+
+    config: EngramConfig
+    layer_ids: list[int]
+    compression: Compression
+
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def owners(self) -> list[int]:
+        """The layers that own a table set (one table file per part each)."""
+        ...
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The table files of each set, a subset of :data:`PARTS` ("cold" first)."""
+        ...
+
+    def owner(self, layer_id: int) -> int:
+        """The layer whose table set ``layer_id`` reads."""
+        ...
+
+    def hash(self, input_ids: Any, attention_mask: Any = None) -> dict[int, torch.Tensor]: ...
+
+    def hash_compressed(self, xc: torch.Tensor) -> dict[int, torch.Tensor]: ...
+
+    def stream(self, batch_size: int, device: torch.device | str = "cpu") -> HashStream: ...
+
+    def count_reads(self, tokens: Any, window: int = 1 << 15
+                    ) -> dict[int, dict[str, torch.Tensor]]:
+        """``{layer: {part: counts [rows of the part]}}``: how often each row is read over a raw
+        token stream (a hot cache's static part); layers sharing a set share one dict."""
+        ...
+
+    def table_shape(self, layer_id: int, part: str = "cold") -> tuple[int, int]:
+        """(rows, width) of the ``part`` table of ``layer_id``'s set."""
+        ...
+
+    def profile(self, layer_id: int, part: str = "cold") -> dict[str, Any]:
+        """The stamp a table file carries: everything that decides which row an n-gram reads."""
+        ...
+
+    def profile_mismatch(self, theirs: dict[str, Any] | None, layer_id: int,
+                         part: str = "cold") -> str | None:
+        """Why a file stamped ``theirs`` cannot serve this hasher's ``part`` (None: it can)."""
+        ...
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Entries this hasher adds to a training checkpoint's state (the Nine hot index)."""
+        ...
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Take back what :meth:`checkpoint_state` saved, from a checkpoint's state."""
+        ...
 
 
 def layer_multipliers(config: EngramConfig, compressed_vocab: int) -> dict[int, np.ndarray]:
@@ -87,6 +154,67 @@ class NgramHasher:
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
+
+    # -- table sets: every layer owns its own, with one part (see Hasher) --------------------------
+    @property
+    def owners(self) -> list[int]:
+        return list(self.layer_ids)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return PARTS[:1]
+
+    def owner(self, layer_id: int) -> int:
+        self._check_layer(layer_id)
+        return layer_id
+
+    def table_shape(self, layer_id: int, part: str = "cold") -> tuple[int, int]:
+        self._check_part(part)
+        return self.num_rows(layer_id), self.config.head_dim
+
+    def profile(self, layer_id: int, part: str = "cold") -> dict[str, Any]:
+        """Compression map, multipliers and head table sizes; the compression map is identified by
+        its content, so the same map reached two ways matches."""
+        self._check_part(part)
+        comp = self.compression
+        return {
+            "profile": self.config.profile,
+            "compression_sha256": hashlib.sha256(comp.lookup.tobytes()).hexdigest()[:32],
+            "compressed_vocab": len(comp),
+            "pad": self.pad,
+            "multipliers": [int(m) for m in self.multipliers[layer_id]],
+            "table_sizes": self.table_sizes(layer_id),
+        }
+
+    def profile_mismatch(self, theirs: dict[str, Any] | None, layer_id: int,
+                         part: str = "cold") -> str | None:
+        if theirs is None:
+            return None  # a file written without a stamp: only its shape and config are checked
+        diff = profile_diff(self.profile(layer_id, part), theirs)
+        if diff == ["hot_tier"]:  # the only stamp key a plain profile lacks (retrieval/hot.py)
+            return "was exported from an Engram-Nine run; this model has no hot tier"
+        return hashed_differently(diff)
+
+    def count_reads(self, tokens: Any, window: int = 1 << 15
+                    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Each global row's reads over a raw token stream [n], hashed in windows through
+        :meth:`stream` so n-grams across window edges count exactly as in one pass."""
+        toks = torch.as_tensor(np.asarray(tokens), dtype=torch.long).reshape(-1)
+        counts = {lid: torch.zeros(self.num_rows(lid), dtype=torch.long) for lid in self.layer_ids}
+        offsets = {lid: torch.tensor(self.offsets(lid)) for lid in self.layer_ids}
+        stream = self.stream(1)
+        for a in range(0, toks.numel(), window):
+            ids = stream.step(toks[None, a:a + window])  # {layer: [1, w, H]}
+            for lid in self.layer_ids:
+                rows = ids[lid] if self.config.global_row_ids else ids[lid] + offsets[lid]
+                counts[lid] += torch.bincount(rows.reshape(-1), minlength=counts[lid].numel())
+        return {lid: {"cold": c} for lid, c in counts.items()}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {}  # everything it needs comes from its config and the tokenizer
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        pass
 
     # -- hashing ------------------------------------------------------------------------------------
     def hash(self, input_ids: Any, attention_mask: Any = None,
@@ -169,6 +297,11 @@ class NgramHasher:
         if layer_id not in self.primes:
             raise KeyError(f"layer {layer_id} has no Engram module (layer_ids={self.layer_ids})")
 
+    def _check_part(self, part: str) -> None:
+        if part not in self.parts:
+            raise ValueError(f"{type(self).__name__} has no {part!r} tables (its parts: "
+                             f"{self.parts}); a hot tier table needs an Engram-Nine NineHasher")
+
     def __repr__(self) -> str:
         c = self.config
         return (f"NgramHasher(profile={c.profile}, N={c.max_ngram_size}, K={c.n_head_per_ngram}, "
@@ -207,6 +340,22 @@ class HashStream:
     def reorder(self, index: torch.Tensor) -> None:
         """Follow a beam search or batch compaction: keep rows ``index`` of the history."""
         self.history = self.history.index_select(0, index.to(self.history.device))
+
+
+def profile_diff(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """The stamp keys whose values differ (or that only one side has)."""
+    return sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+
+
+def hashed_differently(diff: list[str]) -> str | None:
+    return None if not diff else (f"was hashed differently (hash profile differs in {diff}): "
+                                  "its rows would be read under other n-grams")
+
+
+def differences(file: dict[str, Any], model: dict[str, Any]) -> str:
+    """"key: file X vs model Y, ..." for every key whose value differs."""
+    return ", ".join(f"{k}: file {file.get(k)!r} vs model {model.get(k)!r}"
+                     for k in sorted(set(file) | set(model)) if file.get(k) != model.get(k))
 
 
 def _as_tensor(x: Any) -> torch.Tensor:

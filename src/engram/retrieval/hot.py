@@ -26,7 +26,15 @@ import numpy as np
 import torch
 
 from .compress import DEAD
-from .hashing import HashStream, NgramHasher, _as_tensor
+from .hashing import (
+    PARTS,
+    HashStream,
+    NgramHasher,
+    _as_tensor,
+    differences,
+    hashed_differently,
+    profile_diff,
+)
 from .mphf import (
     build_mphf,
     check_keys,
@@ -190,11 +198,6 @@ class HotIndex:
         return h.hexdigest()[:32]
 
 
-def is_nine(hasher: Any) -> bool:
-    """Whether ``hasher`` is an Engram-Nine :class:`NineHasher` (hot slots behind the cold rows)."""
-    return getattr(hasher, "index", None) is not None
-
-
 def build_hot_index(hasher: NgramHasher, tokens: Any, n_hot: int, kind: str = "mphf",
                     bits: int = 16, engine: str = "torch", seed: int = 0) -> HotIndex:
     """Count the stream's n-grams and index the top ``n_hot`` of each order."""
@@ -260,12 +263,55 @@ class NineHasher:
             raise ValueError(f"layer {layer_id} is not an Engram layer {self.layer_ids}")
         return self.layer_ids[0] if self.shared else layer_id
 
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """Cold rows, and hot rows when the index has slots (an empty index writes no hot file)."""
+        return PARTS if self.index.num_slots else PARTS[:1]
+
+    def table_shape(self, layer_id: int, part: str = "cold") -> tuple[int, int]:
+        """Cold: the owner's hashed rows [R, e]; hot: one row per slot [S, K * e]."""
+        self._check_part(part)
+        if part == "cold":
+            return self.hasher.table_shape(self.owner(layer_id))
+        return self.index.num_slots, self.config.n_head_per_ngram * self.config.head_dim
+
+    def profile(self, layer_id: int, part: str = "cold") -> dict[str, Any]:
+        """The owner's plain stamp plus the hot tier: the index's content hash, its slot count,
+        which part the file holds and the layers that read the set (section 4); a shared set is
+        hashed with its first layer's multipliers."""
+        self._check_part(part)
+        owner = self.owner(layer_id)
+        prof = self.hasher.profile(owner)
+        prof["hot_tier"] = {"tier": part, "index": self.index.digest(),
+                            "slots": self.index.num_slots, "kind": self.index.kind,
+                            "fingerprint_bits": self.index.bits,
+                            "layers": [lid for lid in self.layer_ids if self.owner(lid) == owner]}
+        return prof
+
+    def profile_mismatch(self, theirs: dict[str, Any] | None, layer_id: int,
+                         part: str = "cold") -> str | None:
+        """Like NgramHasher's, but a file without a stamp is refused too: the stamp names the hot
+        index its rows were trained for."""
+        mine, theirs = self.profile(layer_id, part), theirs or {}
+        diff = profile_diff(mine, theirs)
+        if diff == ["hot_tier"] and "hot_tier" in theirs:
+            return (f"belongs to another Engram-Nine hot tier "
+                    f"({differences(theirs['hot_tier'], mine['hot_tier'])}); re-export the "
+                    "tables of this run")
+        if diff == ["hot_tier"]:
+            return "was exported from a plain (no hot tier) run; this model has a hot tier"
+        return hashed_differently(diff)
+
+    def _check_part(self, part: str) -> None:
+        if part not in self.parts:
+            raise ValueError(f"this NineHasher has no {part!r} tables (its parts: {self.parts})")
+
     def count_reads(self, tokens: Any, window: int = 1 << 15
-                    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """``{layer: (cold counts [R], hot counts [S])}``: how often each row of each tier is read
-        over a raw token stream [n] (a cold row only by an order the hot tier did not serve); the
-        serving cache's static part (``engram.tables.cache.build_cache``). Shared layers share one
-        pair."""
+                    ) -> dict[int, dict[str, torch.Tensor]]:
+        """``{layer: {"cold": counts [R], "hot": counts [S]}}``: how often each row of each part
+        is read over a raw token stream [n] (a cold row only by an order the hot tier did not
+        serve); the serving cache's static part (``engram.tables.cache.build_cache``). Shared
+        layers share one dict."""
         toks = torch.as_tensor(np.asarray(tokens), dtype=torch.long).reshape(-1)
         g, k, s = self.config.max_ngram_size - 1, self.config.n_head_per_ngram, self.index.num_slots
         counts = {o: (torch.zeros(self.hasher.num_rows(o), dtype=torch.long),
@@ -279,4 +325,39 @@ class NineHasher:
                 cold, hot = counts[o]
                 cold += torch.bincount(rows[slots < 0].reshape(-1), minlength=cold.numel())
                 hot += torch.bincount(slots[slots >= 0], minlength=s)
-        return {lid: counts[self.owner(lid)] for lid in self.layer_ids}
+        per_set = {o: dict(zip(self.parts, c)) for o, c in counts.items()}
+        return {lid: per_set[self.owner(lid)] for lid in self.layer_ids}
+
+    # -- the hot index in a training checkpoint --------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The hot tier's keys, MPHF and fingerprints: the index the hot rows were trained for."""
+        return {STATE_KEY: self.index.state_dict()}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        if STATE_KEY not in state:
+            raise ValueError("the checkpoint carries no hot index: not an Engram-Nine run")
+        self.index = HotIndex.from_state_dict(state[STATE_KEY])
+
+
+STATE_KEY = "hot_index"  # where a checkpoint's state keeps a Nine run's hot index
+
+
+def checkpoint_hasher(hasher: Any, state: dict[str, Any], shared: bool) -> Any:
+    """The hasher a checkpoint was trained with, from the plain one its config builds: a
+    :class:`NineHasher` over the saved hot index when ``state`` carries one, else ``hasher``. A
+    NineHasher given must hold the checkpoint's index and sharing."""
+    index = HotIndex.from_state_dict(state[STATE_KEY]) if STATE_KEY in state else None
+    if isinstance(hasher, NineHasher):
+        if index is None or index.digest() != hasher.index.digest() or hasher.shared != shared:
+            raise ValueError("the NineHasher given has another hot index or table sharing than "
+                             "the checkpoint")
+        return hasher
+    return hasher if index is None else NineHasher(hasher, index, shared=shared)
+
+
+def nine_config(hasher: Any) -> dict[str, Any] | None:
+    """What an export's config.json says of the hot tier (``engram_nine``): slots and sharing;
+    None for a plain hasher. The index itself travels in the table files."""
+    if not isinstance(hasher, NineHasher):
+        return None
+    return {"hot_slots": hasher.index.num_slots, "shared": hasher.shared}

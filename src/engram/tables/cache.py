@@ -112,6 +112,11 @@ class CachedTable:
         self._lock = threading.Lock()  # a prefetch worker and the caller may both look up
 
     # -- the store protocol ------------------------------------------------------------------------
+    @property
+    def source(self) -> TableStore:
+        """Where misses are read from (the SplitLookup protocol, engram.tables.store)."""
+        return self.inner
+
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         flat = check_rows(rows, self.num_rows).numpy()  # [n]
         uniq, inv = np.unique(flat, return_inverse=True)  # [u], [n]
@@ -124,7 +129,7 @@ class CachedTable:
     def prefetch(self, rows: torch.Tensor) -> None:
         self.inner.prefetch(rows)
 
-    # -- the two halves ----------------------------------------------------------------------------
+    # -- the two halves (engram.tables.store.SplitLookup) ------------------------------------------
     @torch.no_grad()
     def reserve(self, uniq: np.ndarray, n: int | None = None,
                 counts: np.ndarray | None = None) -> Reservation:
@@ -270,22 +275,10 @@ def build_cache(store: TableStore, counts: torch.Tensor, fraction: float,
 
 def count_rows(hasher: NgramHasher, tokens: Any, layers: list[int] | None = None,
                window: int = 1 << 15) -> dict[int, torch.Tensor]:
-    """``{layer: counts [r]}``: how often each global row is read over a raw token stream [n].
-
-    The stream is hashed in windows through ``hasher.stream`` so n-grams across window edges are
-    counted exactly as in one pass.
-    """
-    toks = torch.as_tensor(np.asarray(tokens), dtype=torch.long).reshape(-1)
-    layers = hasher.layer_ids if layers is None else list(layers)
-    counts = {lid: torch.zeros(hasher.num_rows(lid), dtype=torch.long) for lid in layers}
-    offsets = {lid: torch.tensor(hasher.offsets(lid)) for lid in layers}
-    stream = hasher.stream(1)
-    for a in range(0, toks.numel(), window):
-        ids = stream.step(toks[None, a:a + window])  # {layer: [1, w, H]}
-        for lid in layers:
-            rows = ids[lid] if hasher.config.global_row_ids else ids[lid] + offsets[lid]
-            counts[lid] += torch.bincount(rows.reshape(-1), minlength=counts[lid].numel())
-    return counts
+    """``{layer: counts [r]}``: how often each global row of a plain hasher's tables is read over a
+    raw token stream [n] (``hasher.count_reads``'s cold part, for ``layers`` or every layer)."""
+    reads = hasher.count_reads(tokens, window)
+    return {lid: reads[lid]["cold"] for lid in (hasher.layer_ids if layers is None else layers)}
 
 
 def hot_rows(counts: torch.Tensor, k: int) -> torch.Tensor:

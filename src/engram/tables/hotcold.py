@@ -10,6 +10,11 @@ read gets no gradient (RowAdam then leaves it, and its moments, alone).
 The store keeps the :class:`TableStore` contract of one head per row: ``lookup`` returns
 ``[..., H, e]``, a hot row split back into K heads, so the Engram module cannot tell the tiers apart.
 
+Served from table files, a table set is its parts (engram.retrieval.hashing.Hasher.parts) on any
+tier: :func:`assemble` and :func:`parts_of` go between the two views for every hasher, and the hot
+index travels beside the tables (:func:`write_index_files`), so callers never ask which hasher
+they hold.
+
 Shape legend: u positions (all leading dims), G orders, K heads per order, H = G * K, e head dim,
 S hot slots.
 """
@@ -19,13 +24,15 @@ from __future__ import annotations
 import json
 import zlib
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..files import publish
 from ..retrieval.config import EngramConfig
-from ..retrieval.hot import HotIndex
+from ..retrieval.hashing import Hasher, NgramHasher
+from ..retrieval.hot import HotIndex, NineHasher
 from .store import MemoryTable, TableStore
 from .tablefile import TableFileError, check_config
 
@@ -109,6 +116,93 @@ class HotColdStore(nn.Module):
     def extra_repr(self) -> str:
         return (f"cold={self.cold.num_rows}x{self.dim}, hot={self.hot_slots}x{self.k * self.dim}, "
                 f"orders={self.orders}, K={self.k}")
+
+
+# -- a table set as parts -------------------------------------------------------------------------
+
+def assemble(parts: dict[tuple[str, int], TableStore], config: EngramConfig,
+             hasher: Hasher) -> dict[int, TableStore]:
+    """``{layer: store}`` from each table set's parts ``{(part, owner layer): store}``: the cold
+    part itself for a plain hasher; one :class:`HotColdStore` per set over its cold and hot parts
+    for a NineHasher (the same object for every layer of a shared set)."""
+    sets = {lid: t for (part, lid), t in parts.items() if part == "cold"}
+    if isinstance(hasher, NineHasher):
+        sets = {lid: HotColdStore(t.num_rows, config.head_dim, config.max_ngram_size - 1,
+                                  config.n_head_per_ngram, hasher.index.num_slots, cold=t,
+                                  hot=parts.get(("hot", lid)))
+                for lid, t in sets.items()}
+    return {lid: sets[hasher.owner(lid)] for lid in config.layer_ids}
+
+
+def parts_of(store: TableStore, hasher: Hasher) -> dict[str, TableStore]:
+    """A table set's stores by part (the inverse of :func:`assemble`): a HotColdStore's cold and
+    hot tables, any other store as its set's cold part; refuses a store the hasher cannot read."""
+    if isinstance(store, HotColdStore) != isinstance(hasher, NineHasher):
+        raise ValueError(f"a {type(store).__name__} cannot be read through a "
+                         f"{type(hasher).__name__}: a Nine model's tables need its NineHasher "
+                         "(its hot index), a plain model's a plain NgramHasher")
+    if not isinstance(store, HotColdStore):
+        return {"cold": store}
+    return {"cold": store.cold, **({} if store.hot is None else {"hot": store.hot})}
+
+
+# -- the hot index beside the table files ---------------------------------------------------------
+
+def index_paths(directory: str | Path, hasher: Hasher) -> list[Path]:
+    """Each table set's hot index file (:func:`hot_path`); none for a plain hasher."""
+    if not isinstance(hasher, NineHasher):
+        return []
+    return [hot_path(directory, lid) for lid in hasher.owners]
+
+
+def write_index_files(directory: str | Path, hasher: Hasher, config: EngramConfig,
+                      tag: str = "") -> list[Path]:
+    """Publish the hot index beside each table set's files (none for a plain hasher), so a
+    server that has only the files (an ``engram export-hf`` directory) hashes like training."""
+    return [write_hot_tier(p, hasher.index, None, config, tag=tag)
+            for p in index_paths(directory, hasher)]
+
+
+def read_index_files(directory: str | Path, config: EngramConfig, hasher: NgramHasher,
+                     nine: dict[str, Any] | None) -> Hasher:
+    """The hasher an export's files serve: ``hasher`` itself, or with ``nine`` (config.json's
+    ``engram_nine``: hot slots and sharing, engram.retrieval.hot.nine_config) a NineHasher over
+    the hot index the files carry; refused when the table sets disagree or the slot count is not
+    config.json's."""
+    if not nine:
+        return hasher
+    index = _index_of(directory, config, config.layer_ids[:1] if nine["shared"]
+                      else config.layer_ids)
+    if index.num_slots != nine["hot_slots"]:
+        raise TableFileError(f"{directory}: the hot index has {index.num_slots} slots, "
+                             f"config.json says {nine['hot_slots']}")
+    return NineHasher(hasher, index, shared=nine["shared"])
+
+
+def check_index_files(directory: str | Path, config: EngramConfig, hasher: Hasher) -> None:
+    """Refuse index files beside the tables that are not ``hasher``'s hot index (tables of another
+    run, or an interrupted export); nothing to check for a plain hasher."""
+    if isinstance(hasher, NineHasher):
+        _index_of(directory, config, hasher.owners, expect=hasher.index)
+
+
+def _index_of(directory: str | Path, config: EngramConfig, owners: list[int],
+              expect: HotIndex | None = None) -> HotIndex:
+    """The one hot index every table set's file holds (and ``expect``, when given)."""
+    index = None
+    for lid in owners:
+        path = hot_path(directory, lid)
+        got, _ = read_hot_tier(path, config)
+        want = expect if expect is not None else index
+        if want is not None and got.digest() != want.digest():
+            raise TableFileError(
+                f"{path} holds another hot index ({got.num_slots} slots, digest {got.digest()}) "
+                f"than {'the checkpoint' if expect is not None else 'the first table set'} "
+                f"({want.num_slots} slots, digest {want.digest()}): tables of another run or an "
+                f"interrupted export; delete {directory} (or choose another table_dir) to "
+                "re-export")
+        index = index or got
+    return index
 
 
 # -- the hot tier on disk ----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,9 @@ class MooncakeServices:
         self.master_addr = f"127.0.0.1:{pr}"
         env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
         self.procs: list[subprocess.Popen] = []
+        # The services run in sessions of their own (they outlive a killed parent otherwise):
+        # stopped when this object goes or the interpreter exits, if close() was not called.
+        self._stop = weakref.finalize(self, _terminate, self.procs)
         try:
             self._spawn("master", ["mooncake_master", "--enable_http_metadata_server=true",
                                    "--http_metadata_server_host=127.0.0.1",
@@ -142,21 +146,49 @@ class MooncakeServices:
         return store
 
     def close(self) -> None:
-        for p in reversed(self.procs):  # only the processes this object started
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-        self.procs.clear()
+        self._stop()
 
     def __enter__(self) -> MooncakeServices:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _terminate(procs: list[subprocess.Popen]) -> None:
+    for p in reversed(procs):  # only the processes these services started
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    procs.clear()
+
+
+class MooncakeSession:
+    """Services on loopback and one client of them, closed together (client first): what the
+    ``mooncake`` tier of ``engram.tables.registry`` starts for one process's tables."""
+
+    def __init__(self, segment_bytes: int, log_dir: str | Path | None = None):
+        self.services = MooncakeServices(segment_bytes, log_dir)
+        try:
+            self.client = self.services.connect()
+        except BaseException:
+            self.services.close()
+            raise
+        self._close = weakref.finalize(self, _close_session, self.client, self.services)
+
+    def close(self) -> None:
+        self._close()
+
+
+def _close_session(client: Any, services: MooncakeServices) -> None:
+    try:
+        client.close()
+    finally:
+        services.close()
 
 
 def publish_table(store: Any, key: str, rows: torch.Tensor, *, object_bytes: int = 4 << 20) -> dict:
@@ -215,11 +247,13 @@ class MooncakeTable:
         buffer_rows: rows the registered receive buffer holds; larger lookups go in pieces.
         max_ranges: ranges per ``get_into_ranges`` call (batches over ~1024 can fail with
             "TCP lane queue-full" on this transport).
+        session: the :class:`MooncakeSession` ``store`` belongs to, kept alive by this table.
     """
 
     def __init__(self, store: Any, key: str, *, buffer_rows: int = 1 << 14,
-                 max_ranges: int = 512):
+                 max_ranges: int = 512, session: MooncakeSession | None = None):
         self.store, self.key, self.max_ranges = store, key, max_ranges
+        self.session = session  # kept alive while this table is (None: the caller owns it)
         n = store.get_size(f"{key}/meta")
         if n <= 0:
             raise FileNotFoundError(f"no Mooncake table under {key!r} (publish_table first)")

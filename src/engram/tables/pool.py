@@ -9,8 +9,9 @@ the tests use). Device DAX only allows ``mmap`` (no read/write calls) at its ali
 access goes through mappings of whole 2 MiB units.
 
 Layout: [0, 2 MiB) a header (magic, version, sequence number, size, directory length and crc32)
-and a JSON directory (per layer: the table file's header, where its rows and fp8 scales sit, their
-crc32); then each layer's rows, then its scales, each at a 2 MiB boundary.
+and a JSON directory (per table file, keyed like its name: "3" for layer 3's table, "3.hot" for
+an Engram-Nine hot part: the file's header, where its rows and fp8 scales sit, their crc32); then
+each table's rows, then its scales, each at a 2 MiB boundary.
 
 The sequence number is a seqlock: odd while rank 0 writes, even once the pool is complete. A
 reader refuses (or waits for) an odd number, and every lookup reads it before and after copying
@@ -40,9 +41,16 @@ import numpy as np
 import torch
 
 from ..retrieval.config import EngramConfig
-from ..retrieval.hashing import NgramHasher
+from ..retrieval.hashing import Hasher
 from . import tablefile
-from .tablefile import DTYPES, TableFileError, TableHeader, check_compatible, dequantize_fp8
+from .tablefile import (
+    DTYPES,
+    SUFFIX,
+    TableFileError,
+    TableHeader,
+    check_compatible,
+    dequantize_fp8,
+)
 from .tiers import check_rows
 
 ALIGN = 2 << 20  # device DAX maps in units of its alignment, 2 MiB by default
@@ -97,6 +105,21 @@ def _view(mm: mmap.mmap, dtype: torch.dtype, offset: int, rows: int, width: int)
 # -- writing (rank 0) ------------------------------------------------------------------------------
 
 Source = str | Path | torch.Tensor  # a table file, or fp32 rows [r, e]
+Key = int | tuple[str, int]  # a layer's (cold) table, or (part, owner layer) of a table set
+
+
+def _key(key: Key) -> tuple[str, int]:
+    return key if isinstance(key, tuple) else ("cold", int(key))
+
+
+def _name(part: str, layer_id: int) -> str:
+    """The directory key of a table: its file name's stem ("3", "3.hot")."""
+    return f"{int(layer_id)}{SUFFIX[part]}"
+
+
+def _parse(name: str) -> tuple[str, int]:
+    lid, _, part = name.partition(".")
+    return part or "cold", int(lid)
 
 
 def _source(src: Source, layer_id: int, config: EngramConfig | None,
@@ -125,10 +148,12 @@ def _source(src: Source, layer_id: int, config: EngramConfig | None,
     return asdict(head), read
 
 
-def write_pool(path: str | Path, sources: dict[int, Source], *, config: EngramConfig | None = None,
-               hasher: NgramHasher | None = None, chunk_bytes: int = 8 << 20,
+def write_pool(path: str | Path, sources: dict[Key, Source], *, config: EngramConfig | None = None,
+               hasher: Hasher | None = None, chunk_bytes: int = 8 << 20,
                on_chunk: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Fill the region at ``path`` with every layer's table (rank 0 only); -> the directory.
+    """Fill the region at ``path`` with every table (rank 0 only); -> the directory.
+
+    ``sources`` maps a layer (its cold table) or ``(part, owner layer)`` to a table file or rows.
 
     Marks the pool as being written first (odd sequence number, flushed), copies the rows, flushes
     them, writes the directory and only then the even sequence number: a reader never sees a
@@ -137,9 +162,10 @@ def write_pool(path: str | Path, sources: dict[int, Source], *, config: EngramCo
     """
     path = Path(path)
     entries, readers, off = {}, {}, ALIGN
-    for lid in sorted(sources):
-        prof = tablefile.hash_profile(hasher, lid) if hasher is not None else None
-        head, read = _source(sources[lid], int(lid), config, prof)
+    sources = {_key(k): src for k, src in sources.items()}
+    for part, lid in sorted(sources):
+        prof = hasher.profile(lid, part) if hasher is not None else None
+        head, read = _source(sources[(part, lid)], lid, config, prof)
         rb = head["dim"] * DTYPES[head["dtype"]][1]
         sw = 0 if head["scale_block"] is None else head["dim"] // head["scale_block"]
         e = {"header": head, "data_offset": off, "data_bytes": head["num_rows"] * rb,
@@ -147,7 +173,7 @@ def write_pool(path: str | Path, sources: dict[int, Source], *, config: EngramCo
         off = _up(off + e["data_bytes"], ALIGN)
         if e["scale_bytes"]:
             e["scale_offset"], off = off, _up(off + e["scale_bytes"], ALIGN)
-        entries[str(lid)], readers[str(lid)] = e, read
+        entries[_name(part, lid)], readers[_name(part, lid)] = e, read
     total = off
     is_dev = path.exists() and stat.S_ISCHR(os.stat(path).st_mode)
     fd = os.open(path, os.O_RDWR | (0 if is_dev else os.O_CREAT), 0o644)
@@ -202,15 +228,16 @@ def write_pool(path: str | Path, sources: dict[int, Source], *, config: EngramCo
 # -- reading (every rank) --------------------------------------------------------------------------
 
 class PoolRegion:
-    """A pool mapped read-only; ``store(layer)`` gives each layer's :class:`PoolTable`.
+    """A pool mapped read-only; ``store(layer)`` gives each layer's :class:`PoolTable`, ``parts``
+    every table by (part, owner layer).
 
     Refuses a pool being written; with ``wait_s`` it waits up to that long for rank 0 to finish
-    (the region may not even exist yet). ``verify`` checks every layer's crc32 on open; ``expect``
+    (the region may not even exist yet). ``verify`` checks every table's crc32 on open; ``expect``
     = (config, hasher or None) refuses tables exported for another config or hashing.
     """
 
     def __init__(self, path: str | Path, *, wait_s: float = 0.0, verify: bool = True,
-                 expect: tuple[EngramConfig, NgramHasher | None] | None = None,
+                 expect: tuple[EngramConfig, Hasher | None] | None = None,
                  out_dtype: torch.dtype = torch.float32):
         self.path = Path(path)
         deadline = time.monotonic() + wait_s
@@ -222,15 +249,16 @@ class PoolRegion:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.01)
-        self.tables: dict[int, PoolTable] = {}
+        self.parts: dict[tuple[str, int], PoolTable] = {}
         for key, e in self.directory["layers"].items():
-            head = TableHeader(**e["header"])
+            head, (part, lid) = TableHeader(**e["header"]), _parse(key)
             if expect is not None:
-                check_compatible(head, expect[0], int(key), expect[1],
+                check_compatible(head, expect[0], lid, expect[1], part,
                                  name=f"{self.path} layer {key}")
             if verify:
                 self._verify(key, e)
-            self.tables[int(key)] = PoolTable(self, head, e, out_dtype)
+            self.parts[(part, lid)] = PoolTable(self, head, e, out_dtype)
+        self.tables = {lid: t for (part, lid), t in self.parts.items() if part == "cold"}
         self.check(self.seq)  # a rewrite during the open is refused too
 
     def _open(self) -> None:
@@ -290,6 +318,7 @@ class PoolRegion:
         return self.size
 
     def close(self) -> None:
+        self.parts.clear()
         self.tables.clear()
 
 
@@ -325,16 +354,20 @@ class PoolTable:
 
 
 def load_pool(path: str | Path, table_dir: str | Path, config: EngramConfig,
-              hasher: NgramHasher | None = None, *, rank: int = 0, wait_s: float = 600.0,
+              hasher: Hasher | None = None, *, rank: int = 0, wait_s: float = 600.0,
               verify: bool = False) -> PoolRegion:
-    """The paper's SGLang start-up: rank 0 loads the exported tables into the pool (unless it
-    already holds these versions), every rank then maps it read-only."""
-    files = {lid: tablefile.table_path(table_dir, lid) for lid in config.layer_ids}
+    """The paper's SGLang start-up: rank 0 loads the exported tables (every part of every table
+    set of ``hasher``; each Engram layer's table without one) into the pool, unless it already
+    holds these versions; every rank then maps it read-only."""
+    owners = config.layer_ids if hasher is None else hasher.owners
+    parts = ("cold",) if hasher is None else hasher.parts
+    files = {(part, lid): tablefile.table_path(table_dir, lid, part)
+             for lid in owners for part in parts}
     if rank == 0:
         try:
             current = PoolRegion(path, verify=False)
-            tags = {int(k): e["header"]["tag"] for k, e in current.directory["layers"].items()}
-            stale = tags != {lid: tablefile.read_header(p).tag for lid, p in files.items()}
+            tags = {k: e["header"]["tag"] for k, e in current.directory["layers"].items()}
+            stale = tags != {_name(*k): tablefile.read_header(p).tag for k, p in files.items()}
             current.close()
         except (PoolError, FileNotFoundError):
             stale = True

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .store import TableStore
+from .store import SplitLookup, TableStore
 from .tiers import check_rows
 
 
@@ -43,11 +43,12 @@ class PrefetchStats:
 class PrefetchTable:
     """``inner`` with background gathers: ``prefetch(rows)`` starts one, ``lookup(rows)`` joins it.
 
-    ``prefetch`` de-duplicates the rows in the caller's thread; when ``inner`` is a cache
-    (:class:`engram.tables.cache.CachedTable`) it also looks them up there at once and hands only the
-    misses to a worker, which reads them from the tier behind the cache. A lookup whose rows match
-    no pending prefetch reads through ``inner`` directly, so results never depend on whether a
-    prefetch happened (tested: prefetched model output == in-memory output).
+    ``prefetch`` de-duplicates the rows in the caller's thread; when ``inner`` splits its lookup
+    (:class:`engram.tables.store.SplitLookup`: a :class:`engram.tables.cache.CachedTable`) it
+    reserves them there at once and hands only the misses to a worker, which reads them from the
+    inner store's source (the tier behind the cache). A lookup whose rows match no pending
+    prefetch reads through ``inner`` directly, so results never depend on whether a prefetch
+    happened (tested: prefetched model output == in-memory output).
 
     A serving structure: rows come back without autograd history.
 
@@ -67,7 +68,7 @@ class PrefetchTable:
         self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="engram-prefetch")
         self.device = None if device is None else torch.device(device)
         self.max_pending = max_pending
-        self._split = hasattr(inner, "reserve") and hasattr(inner, "complete")
+        self._split = isinstance(inner, SplitLookup)
         self._stream = (torch.cuda.Stream(self.device)
                         if self.device is not None and self.device.type == "cuda" else None)
         self._pending: deque[_Pending] = deque()
@@ -81,7 +82,8 @@ class PrefetchTable:
         uniq, inv = np.unique(flat.numpy(), return_inverse=True)  # [u], [n]
         if self._split:
             res = self.inner.reserve(uniq, flat.numel(), np.bincount(inv, minlength=uniq.size))
-            args = (self.inner.inner, res.miss_rows, self.inner.device) if res.miss.size else None
+            args = ((self.inner.source, res.miss_rows, self.inner.device)
+                    if res.miss_rows.numel() else None)
         else:
             res, args = None, (self.inner, torch.from_numpy(uniq), self.device)
         job = None if args is None else self.executor.submit(self._fetch, *args)
@@ -171,7 +173,7 @@ class PrefetchTable:
 class _Pending:
     rows: torch.Tensor  # [n] as asked
     inv: np.ndarray  # [n] position of each in the distinct rows
-    res: Any  # the cache's Reservation, or None
+    res: Any  # the SplitLookup's reservation, or None
     job: Future | None  # the background read (None: everything was a cache hit)
     args: tuple | None  # its arguments, to run it inline if no worker has started it
 

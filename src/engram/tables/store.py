@@ -3,15 +3,19 @@
 Row ids are known before the forward pass (they depend on token ids only), so a store can be told
 which rows are coming (``prefetch``) long before they are read (``lookup``). Every other tier (a
 memory-mapped file, pinned host memory, a shared pool, a cache in front of any of them) implements
-the same two calls and is tested against :class:`MemoryTable`.
+the same two calls and is tested against :class:`MemoryTable`. A store that holds some rows itself
+and reads the rest from another (a cache) may also split its lookup in two (:class:`SplitLookup`),
+so a prefetcher reads only the missing rows, in the background.
 
-Shape legend: r rows in the table, e row width (the head dim), ... any leading shape of row ids.
+Shape legend: r rows in the table, e row width (the head dim), ... any leading shape of row ids,
+u distinct rows asked for, m of them missing.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,6 +32,32 @@ class TableStore(Protocol):
 
     def prefetch(self, rows: torch.Tensor) -> None:
         """A hint that ``rows`` will be looked up soon; may start fetching them in the background."""
+        ...
+
+
+class Reserved(Protocol):
+    """The first half of a split lookup: what the store held is copied out already."""
+
+    miss_rows: torch.Tensor  # [m] rows still to read from the store's source (empty: none)
+
+
+@runtime_checkable
+class SplitLookup(TableStore, Protocol):
+    """``lookup`` in two halves around a read of the missing rows, which may run anywhere (a
+    prefetch worker): ``complete(r, source.lookup(r.miss_rows))`` with ``r = reserve(uniq)`` is
+    ``lookup(uniq)``. :class:`engram.tables.cache.CachedTable` is one; PrefetchTable uses it."""
+
+    source: TableStore  # where the missing rows are read from
+    device: torch.device  # where the store keeps rows (fetched rows are moved there)
+
+    def reserve(self, uniq: np.ndarray, n: int | None = None,
+                counts: np.ndarray | None = None) -> Reserved:
+        """Distinct ascending rows ``uniq`` [u] (asked ``counts`` times each, ``n`` in all, for
+        the store's statistics): take what is held now, name the rest."""
+        ...
+
+    def complete(self, reserved: Any, fetched: torch.Tensor | None) -> torch.Tensor:
+        """The missing rows' values [m, e] (None when none were missing) -> rows [u, e]."""
         ...
 
 

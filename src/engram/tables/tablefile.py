@@ -22,7 +22,6 @@ Shape legend: r rows, e row width (head dim), nb scale blocks per row (e / block
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -36,8 +35,7 @@ from typing import Any
 import torch
 
 from ..retrieval.config import EngramConfig
-from ..retrieval.hashing import NgramHasher
-from ..retrieval.hot import is_nine
+from ..retrieval.hashing import PARTS, Hasher, differences
 from ..retrieval.primes import rows_per_layer
 
 MAGIC = b"ENGRAMTB"
@@ -50,8 +48,9 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "fp8": (torch.float8_e4m3fn, 1),
 }
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-# What a table file holds: hashed rows of one head each, or Engram-Nine's hot rows [S, K * e].
-TIERS = ("cold", "hot")
+# File name suffix of each part of a table set (engram.retrieval.hashing.PARTS): hashed rows of
+# one head each, or Engram-Nine's hot rows [S, K * e].
+SUFFIX = {"cold": "", "hot": ".hot"}
 # Config fields that do not change which row an n-gram reads (or what it holds).
 _IGNORED_CONFIG = ("tokenizer_name_or_path",)
 
@@ -115,48 +114,24 @@ def _row_bytes(x: torch.Tensor) -> bytes:
     return x.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-# -- hash profile ----------------------------------------------------------------------------------
+# -- parts of a table set ---------------------------------------------------------------------
 
-def hash_profile(hasher: NgramHasher, layer_id: int, tier: str = "cold") -> dict[str, Any]:
-    """What decides which row an n-gram reads: compression map, multipliers, head table sizes.
-
-    The compression map is identified by its content, so the same map reached two ways matches.
-    An Engram-Nine hasher (``engram.retrieval.hot.NineHasher``) adds its hot tier: the index's
-    content hash, its slot count, which tier the file holds ("cold" hashed rows or "hot" rows of
-    width K * e) and the layers that read the table set (all of them when shared, arXiv 2601.16531
-    section 4); a shared set is hashed with its first layer's multipliers.
-    """
-    if tier not in TIERS:
-        raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
-    if is_nine(hasher):
-        index = hasher.index
-        owner = hasher.owner(layer_id)
-        prof = hash_profile(hasher.hasher, owner)
-        prof["hot_tier"] = {"tier": tier, "index": index.digest(), "slots": index.num_slots,
-                            "kind": index.kind, "fingerprint_bits": index.bits,
-                            "layers": [lid for lid in hasher.layer_ids
-                                       if hasher.owner(lid) == owner]}
-        return prof
-    if tier != "cold":
-        raise ValueError("a hot tier table needs an Engram-Nine hasher (NineHasher)")
-    comp = hasher.compression
-    return {
-        "profile": hasher.config.profile,
-        "compression_sha256": hashlib.sha256(comp.lookup.tobytes()).hexdigest()[:32],
-        "compressed_vocab": len(comp),
-        "pad": hasher.pad,
-        "multipliers": [int(m) for m in hasher.multipliers[layer_id]],
-        "table_sizes": hasher.table_sizes(layer_id),
-    }
+def _check_part(part: str) -> None:
+    if part not in PARTS:
+        raise ValueError(f"a table set's part is one of {PARTS}, got {part!r}")
 
 
 # -- writing ---------------------------------------------------------------------------------------
 
-def table_path(directory: str | Path, layer_id: int, tier: str = "cold") -> Path:
+def table_path(directory: str | Path, layer_id: int, part: str = "cold") -> Path:
     """``layer{id}.table``; Engram-Nine's hot rows beside it in ``layer{id}.hot.table``."""
-    if tier not in TIERS:
-        raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
-    return Path(directory) / f"layer{int(layer_id)}{'.hot' if tier == 'hot' else ''}.table"
+    _check_part(part)
+    return Path(directory) / f"layer{int(layer_id)}{SUFFIX[part]}.table"
+
+
+def table_paths(directory: str | Path, hasher: Hasher) -> list[Path]:
+    """Every table file of a run: one per part of each table set."""
+    return [table_path(directory, lid, part) for lid in hasher.owners for part in hasher.parts]
 
 
 RowSource = torch.Tensor | Callable[[int, int], torch.Tensor]
@@ -341,12 +316,6 @@ def verify(source: str | Path | int, header: TableHeader | None = None, *,
             os.close(fd)
 
 
-def differences(file: dict[str, Any], model: dict[str, Any]) -> str:
-    """"key: file X vs model Y, ..." for every key whose value differs."""
-    return ", ".join(f"{k}: file {file.get(k)!r} vs model {model.get(k)!r}"
-                     for k in sorted(set(file) | set(model)) if file.get(k) != model.get(k))
-
-
 def check_config(file_config: dict[str, Any], config: EngramConfig, name: str) -> None:
     """Refuse a file written for another Engram config, naming the fields that differ."""
     ours = {k: v for k, v in config.to_dict().items() if k not in _IGNORED_CONFIG}
@@ -357,38 +326,22 @@ def check_config(file_config: dict[str, Any], config: EngramConfig, name: str) -
 
 
 def check_compatible(header: TableHeader, config: EngramConfig, layer_id: int,
-                     hasher: NgramHasher | None = None, tier: str = "cold",
+                     hasher: Hasher | None = None, part: str = "cold",
                      name: str = "table file") -> None:
     """Refuse a file that would feed the model rows under other ids (or of another shape).
 
-    ``tier="hot"``: the file must hold Engram-Nine's hot rows for ``hasher``'s hot index.
+    ``part``: which table of ``hasher``'s set the file must hold (``Hasher.parts``); without a
+    hasher only a plain cold table's shape and config are checked.
     """
     if header.layer_id != layer_id:
         raise TableFileError(f"{name} holds layer {header.layer_id}, expected layer {layer_id}")
     check_config(header.engram_config, config, name)
-    if tier == "hot":
-        if not is_nine(hasher):
-            raise ValueError("checking a hot tier table needs the run's NineHasher")
-        want = (hasher.index.num_slots, config.n_head_per_ngram * config.head_dim)
-        what = "the hot tier"
-    else:
-        want = (rows_per_layer(config)[layer_id], config.head_dim)
-        what = f"layer {layer_id}"
+    _check_part(part)
+    want = ((rows_per_layer(config)[layer_id], config.head_dim) if hasher is None
+            else hasher.table_shape(layer_id, part))
     if (header.num_rows, header.dim) != want:
-        raise TableFileError(f"{name} is {header.num_rows} x {header.dim}, {what} needs "
-                             f"{want[0]} x {want[1]}")
-    # An Engram-Nine hasher needs the file's profile: it names the hot index the rows belong to.
-    if hasher is not None and (header.hash_profile is not None or is_nine(hasher)):
-        mine, theirs = hash_profile(hasher, layer_id, tier), header.hash_profile or {}
-        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-        if diff == ["hot_tier"] and "hot_tier" in mine and "hot_tier" in theirs:
-            detail = differences(theirs["hot_tier"], mine["hot_tier"])
-            raise TableFileError(f"{name} belongs to another Engram-Nine hot tier ({detail}); "
-                                 "re-export the tables of this run")
-        if diff == ["hot_tier"]:
-            kind = "an Engram-Nine" if "hot_tier" in theirs else "a plain (no hot tier)"
-            raise TableFileError(f"{name} was exported from {kind} run; this model "
-                                 f"has {'a' if 'hot_tier' in mine else 'no'} hot tier")
-        if diff:
-            raise TableFileError(f"{name} was hashed differently (hash profile differs in {diff}): "
-                                 "its rows would be read under other n-grams")
+        raise TableFileError(f"{name} is {header.num_rows} x {header.dim}, the {part} table of "
+                             f"layer {layer_id} needs {want[0]} x {want[1]}")
+    why = None if hasher is None else hasher.profile_mismatch(header.hash_profile, layer_id, part)
+    if why:
+        raise TableFileError(f"{name} {why}")

@@ -27,8 +27,7 @@ import numpy as np
 import torch
 
 from ..retrieval.config import EngramConfig
-from ..retrieval.hashing import NgramHasher
-from ..retrieval.hot import is_nine
+from ..retrieval.hashing import Hasher
 from .tablefile import (
     DTYPES,
     TableFileError,
@@ -132,8 +131,8 @@ class FileTable:
 
     Args:
         verify: check every chunk's crc32 on open (reads the whole file once).
-        expect: ``(config, layer_id, hasher or None)`` the file must match, or
-            ``(config, layer_id, nine_hasher, "hot")`` for an Engram-Nine hot rows file.
+        expect: ``(config, layer_id, hasher or None[, part])`` the file must match
+            (``tablefile.check_compatible``; part "hot" for an Engram-Nine hot rows file).
         window_bytes: map windows of this many bytes, at most ``max_windows`` at a time (None: the
             whole file at once); bounds the address space, e.g. under RLIMIT_AS.
         io_threads: split large gathers over this many threads, so the page faults of a cold
@@ -142,7 +141,7 @@ class FileTable:
 
     def __init__(self, path: str | Path, *, out_dtype: torch.dtype = torch.float32,
                  verify: bool = True,
-                 expect: tuple[EngramConfig, int, NgramHasher | None] | tuple | None = None,
+                 expect: tuple[EngramConfig, int, Hasher | None] | tuple | None = None,
                  window_bytes: int | None = None, max_windows: int = 4, io_threads: int = 1,
                  advice: str = "random", min_split_rows: int = 4096):
         self.path = Path(path)
@@ -332,31 +331,33 @@ class PinnedTable:
                 f"device={self.device})")
 
 
-def open_tables(directory: str | Path, config: EngramConfig, hasher: NgramHasher | None = None,
-                tier: str = "cold", **kwargs: Any) -> dict[int, FileTable]:
-    """``{layer: FileTable}`` for every Engram layer of ``config`` from an exported folder.
-
-    With an Engram-Nine hasher (``engram.retrieval.hot.NineHasher``): one per table set (keyed by
-    its first layer when shared), the cold tables or (``tier="hot"``) the hot rows [S, K * e],
-    checked against the hasher's hot index (none when the index has no slots).
-    """
-    nine = is_nine(hasher)
-    if tier == "hot" and not nine:
-        raise ValueError("hot tier tables need the run's NineHasher (its hot index)")
+def open_tables(directory: str | Path, config: EngramConfig, hasher: Hasher | None = None,
+                part: str = "cold", **kwargs: Any) -> dict[int, FileTable]:
+    """``{owner layer: FileTable}``: the ``part`` file of every table set (``hasher.owners``;
+    every Engram layer of ``config`` without a hasher) in an exported folder, each checked against
+    the hasher's stamp; empty when the sets have no such part (an empty Nine hot tier)."""
+    owners = config.layer_ids if hasher is None else hasher.owners
+    parts = ("cold",) if hasher is None else hasher.parts
     out = {}
-    owners = hasher.owners if nine else config.layer_ids  # one file per table set
-    for lid in owners if tier == "cold" or hasher.index.num_slots else []:
-        path = table_path(directory, lid, tier)
+    for lid in owners if part in parts else []:
+        path = table_path(directory, lid, part)
         if not path.exists():
-            what = "hot tier table" if tier == "hot" else "table file"
-            raise FileNotFoundError(f"no {what} for Engram layer {lid} at {path} "
+            raise FileNotFoundError(f"no {part} table file for Engram layer {lid} at {path} "
                                     "(export with engram.training.export.export_tables)")
-        out[lid] = FileTable(path, expect=(config, lid, hasher, tier), **kwargs)
+        out[lid] = FileTable(path, expect=(config, lid, hasher, part), **kwargs)
     return out
 
 
+def open_parts(directory: str | Path, config: EngramConfig, hasher: Hasher | None = None,
+               **kwargs: Any) -> dict[tuple[str, int], FileTable]:
+    """``{(part, owner layer): FileTable}``: every table file of a run (open_tables per part)."""
+    parts = ("cold",) if hasher is None else hasher.parts
+    return {(part, lid): t for part in parts
+            for lid, t in open_tables(directory, config, hasher, part, **kwargs).items()}
+
+
 class SharedPool:
-    """One read-only mapping of each layer's table file, shared by every process that opens it.
+    """One read-only mapping of each table file, shared by every process that opens it.
 
     Spec section 5 (pooled memory): the paper maps a CXL device; on one host the same pattern is a
     MAP_SHARED read-only mapping, whose pages live once in the page cache (or in tmpfs, e.g.
@@ -365,31 +366,27 @@ class SharedPool:
     """
 
     def __init__(self, directory: str | Path, config: EngramConfig,
-                 hasher: NgramHasher | None = None, *, verify: bool = False, **kwargs: Any):
+                 hasher: Hasher | None = None, *, verify: bool = False, **kwargs: Any):
         self.directory = Path(directory)
-        self.tables = open_tables(directory, config, hasher, verify=verify, **kwargs)
-        # Engram-Nine: each table set's hot rows, mapped the same way
-        self.hot_tables = (open_tables(directory, config, hasher, "hot", verify=verify, **kwargs)
-                           if is_nine(hasher) else {})
+        # {(part, owner layer): table}: every part of every table set, mapped the same way
+        self.parts = open_parts(directory, config, hasher, verify=verify, **kwargs)
+        self.tables = {lid: t for (part, lid), t in self.parts.items() if part == "cold"}
 
     def store(self, layer_id: int) -> FileTable:
         return self.tables[layer_id]
 
-    def _all(self) -> list[FileTable]:
-        return [*self.tables.values(), *self.hot_tables.values()]
-
     def warm(self) -> None:
         """Ask the kernel to read every table into the page cache (asynchronously)."""
-        for t in self._all():
+        for t in self.parts.values():
             os.posix_fadvise(t._fd, 0, 0, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
-        for t in self._all():
+        for t in self.parts.values():
             t.close()
 
     @property
     def nbytes(self) -> int:
-        return sum(t.header.file_size for t in self._all())
+        return sum(t.header.file_size for t in self.parts.values())
 
 
 def memory_status() -> dict[str, int]:

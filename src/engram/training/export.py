@@ -1,4 +1,4 @@
-"""Export a model's or a training run's Engram tables as table files (one per layer).
+"""Export a model's or a training run's Engram tables as table files (one per part of a table set).
 
 Lives in training, not tables: reading a run folder needs the run's TrainConfig and checkpoint format.
 """
@@ -9,113 +9,73 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..retrieval.config import EngramConfig
-from ..retrieval.hashing import NgramHasher
-from ..retrieval.hot import is_nine
-from ..tables.tablefile import hash_profile, table_path, write_table
+from ..retrieval.hashing import Hasher, NgramHasher
+from ..retrieval.hot import checkpoint_hasher
+from ..tables.hotcold import parts_of, write_index_files
+from ..tables.tablefile import table_path, write_table
 from .checkpoint import latest_checkpoint, load_checkpoint
 from .train import TrainConfig
 
+# A table set's entries in a model's state dict, after "blocks.{layer}.engram.table.": a plain
+# table's own weight is its cold part; a hot+cold store (tables/hotcold.py) names its parts.
+_STATE_PARTS = {"weight": "cold", "cold.weight": "cold", "hot.weight": "hot"}
+
 
 def export_tables(source: Any, directory: str | Path, *, dtype: str = "fp32",
-                  hasher: NgramHasher | None = None, tag: str = "", scale_block: int = 32,
+                  hasher: Hasher | None = None, tag: str = "", scale_block: int = 32,
                   progress: bool = False) -> dict[int, Path]:
-    """Write one table file per Engram layer of ``source`` into ``directory``; returns the paths.
+    """Write every table file of ``source`` into ``directory``; returns each layer's cold file.
 
     ``source`` is an EngramLM, or a checkpoint: a ``.safetensors`` file, a checkpoints folder, or a
-    run folder (``engram train --out_dir``) holding one. ``hasher`` fixes the hash profile; by
-    default it is the one training uses (the DeepSeek tokenizer's compression).
+    run folder (``engram train --out_dir``) holding one. ``hasher`` (``Hasher``) fixes the table
+    sets, their parts and the stamps; by default the one training uses (the DeepSeek tokenizer's
+    compression; a checkpoint's saved hot index). A Nine model needs its NineHasher.
 
-    Engram-Nine (arXiv 2601.16531): beside each table set's cold file ``layer{id}.table`` go its hot
-    rows [S, K*e] as a table file ``layer{id}.hot.table`` and the hot index (keys, MPHF,
-    fingerprints) as ``layer{id}.hot.safetensors``; every file carries the index's content hash. A
-    table set shared by several layers is written once, under its first layer (the returned
-    paths map every layer to the file it reads).
+    One file per part of each table set (``hasher.owners`` x ``hasher.parts``): ``layer{id}.table``
+    and, for Engram-Nine (arXiv 2601.16531), its hot rows [S, K*e] as ``layer{id}.hot.table`` and
+    the hot index (keys, MPHF, fingerprints) as ``layer{id}.hot.safetensors``; every file carries
+    the stamp (``hasher.profile``). A table set shared by several layers is written once, under
+    its first layer (the returned paths map every layer to the file it reads).
     """
-    config, weights, nine = _tables_of(source, getattr(hasher, "index", None))
-    if hasher is None:
-        from ..retrieval.compress import (
-            build_compression,  # loads the tokenizer: only when needed
-        )
-
-        hasher = NgramHasher(config, build_compression())
-    if nine is not None:
-        hasher = _nine_hasher(hasher, *nine[:2])
-    if tag == "" and not hasattr(source, "engrams"):
-        tag = Path(str(source)).name
-    kw = dict(config=config, dtype=dtype, scale_block=scale_block, tag=tag, progress=progress)
-    out = {}
-    for lid, w in weights.items():
-        out[lid] = table_path(directory, lid)
-        write_table(out[lid], w, num_rows=getattr(w, "num_rows", None), dim=getattr(w, "dim", None),
-                    layer_id=lid, profile=hash_profile(hasher, lid), **kw)
-    if nine is not None:
-        from ..tables.hotcold import hot_path, write_hot_tier
-
-        index, _, hot = nine
-        for lid, rows in hot.items():
-            if rows is not None:
-                write_table(table_path(directory, lid, "hot"), rows,
-                            num_rows=getattr(rows, "num_rows", None),
-                            dim=getattr(rows, "dim", None), layer_id=lid,
-                            profile=hash_profile(hasher, lid, "hot"), **kw)
-            write_hot_tier(hot_path(directory, lid), index, None, config, tag=tag)
-        return {lid: out[hasher.owner(lid)] for lid in config.layer_ids}
-    return out
+    config, sets, hasher, source_tag = _tables_of(source, hasher)
+    kw = dict(config=config, dtype=dtype, scale_block=scale_block, tag=tag or source_tag,
+              progress=progress)
+    for lid, parts in sets.items():
+        for part, rows in parts.items():
+            write_table(table_path(directory, lid, part), rows,
+                        num_rows=getattr(rows, "num_rows", None), dim=getattr(rows, "dim", None),
+                        layer_id=lid, profile=hasher.profile(lid, part), **kw)
+    write_index_files(directory, hasher, config, tag=kw["tag"])
+    return {lid: table_path(directory, hasher.owner(lid)) for lid in config.layer_ids}
 
 
-def export_nine(model: Any, index: Any, directory: str | Path, **kw: Any) -> dict[int, Path]:
-    """export_tables for an in-memory Nine model, whose hot index lives in its NineHasher."""
-    return export_tables(_WithIndex(model, index), directory, **kw)
+def _default_hasher(config: EngramConfig) -> NgramHasher:
+    from ..retrieval.compress import build_compression  # loads the tokenizer: only when needed
+
+    return NgramHasher(config, build_compression())
 
 
-class _WithIndex:
-    def __init__(self, model, index):
-        self.model, self.index = model, index
-        self.config, self.engrams = model.config, model.engrams
-
-
-def _nine_hasher(hasher: Any, index: Any, shared: bool) -> Any:
-    """The NineHasher the files are profiled with; a given one must hold the source's index."""
-    from ..retrieval.hot import NineHasher
-
-    if not is_nine(hasher):
-        return NineHasher(hasher, index, shared=shared)
-    if hasher.index.digest() != index.digest() or hasher.shared != shared:
-        raise ValueError("the NineHasher given has another hot index or table sharing than the "
-                         "tables being exported")
-    return hasher
-
-
-def _tables_of(source: Any, index: Any = None
-               ) -> tuple[EngramConfig, dict[int, Any], tuple | None]:
-    """(Engram config, {layer: weight tensor or a (start, stop) row function}, and for Engram-Nine
-    (hot index, shared, {layer: hot rows or None}), else None). A shared table set appears once,
-    under its first layer. ``index``: a Nine model's hot index (its NineHasher's), unless the
-    source carries one."""
-    if hasattr(source, "engrams"):  # an EngramLM
+def _tables_of(source: Any, hasher: Hasher | None
+               ) -> tuple[EngramConfig, dict[int, dict[str, Any]], Hasher, str]:
+    """(Engram config, {owner layer: {part: weight tensor or a (start, stop) row function}}, the
+    hasher, the source's default tag)."""
+    if isinstance(source, nn.Module):  # an EngramLM
         if source.config.engram is None:
             raise ValueError("this model has no Engram layers to export")
-        engrams = source.engrams()
-        shared = len({id(e.table) for e in engrams.values()}) == 1 < len(engrams)
-        weights, hot = {}, {}
-        for lid, eng in engrams.items():
-            table = eng.table
-            if table is None:
-                raise ValueError(f"layer {lid} has no table to export")
-            if shared and hasattr(table, "cold") and lid != next(iter(engrams)):
-                continue  # one shared hot+cold set: written once, under its first layer
-            if hasattr(table, "cold"):  # a hot+cold store: cold rows here, hot rows beside
-                index = getattr(source, "index", None) or index
-                if index is None:
-                    raise ValueError("a Nine model's tables need its hot index: pass its NineHasher "
-                                     "as hasher=, or export_nine(model, index, directory)")
-                hot[lid] = None if table.hot is None else _rows(table.hot)
-                table = table.cold
-            weights[lid] = _rows(table)
-        nine = (index, shared, hot) if hot else None
-        return source.config.engram, weights, nine
+        config, engrams = source.config.engram, source.engrams()
+        hasher = hasher or _default_hasher(config)
+        if any(e.table is None for e in engrams.values()):
+            raise ValueError(f"layers {[lid for lid, e in engrams.items() if e.table is None]} "
+                             "have no table to export")
+        if len({id(e.table) for e in engrams.values()}) != len(hasher.owners):
+            raise ValueError(f"the model has {len({id(e.table) for e in engrams.values()})} "
+                             f"table sets, the hasher {len(hasher.owners)}: another sharing")
+        return config, {lid: {part: _rows(t) for part, t in
+                              parts_of(engrams[lid].table, hasher).items()}
+                        for lid in hasher.owners}, hasher, ""
     path = Path(source)
     if path.is_dir():
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
@@ -131,17 +91,14 @@ def _tables_of(source: Any, index: Any = None
     config = tc.engram_config()
     if config is None:
         raise ValueError(f"checkpoint {path} is of a model without Engram")
-    model = state["model"]
-    if "hot_index" in state:  # Engram-Nine
-        from ..retrieval.hot import HotIndex
-
-        owners = config.layer_ids[:1] if tc.shared_tables else config.layer_ids
-        nine = (HotIndex.from_state_dict(state["hot_index"]), tc.shared_tables,
-                {lid: model.get(f"blocks.{lid}.engram.table.hot.weight") for lid in owners})
-        return config, {lid: model[f"blocks.{lid}.engram.table.cold.weight"]
-                        for lid in owners}, nine
-    return config, {lid: model[f"blocks.{lid}.engram.table.weight"]
-                    for lid in config.layer_ids}, None
+    hasher = checkpoint_hasher(hasher or _default_hasher(config), state, tc.shared_tables)
+    sets = {}
+    for lid in hasher.owners:
+        prefix = f"blocks.{lid}.engram.table."
+        found = {_STATE_PARTS[k[len(prefix):]]: v for k, v in state["model"].items()
+                 if k.startswith(prefix)}
+        sets[lid] = {part: found[part] for part in hasher.parts}
+    return config, sets, hasher, Path(str(source)).name  # the source as given
 
 
 def _rows(table: Any) -> Any:
@@ -158,4 +115,3 @@ class _StoreRows:
 
     def __call__(self, a: int, b: int) -> torch.Tensor:
         return self.store.lookup(torch.arange(a, b)).float().cpu()
-
