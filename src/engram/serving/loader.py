@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import InputNotFound, UserError
 from ..models.model import EngramLM
 from ..retrieval.hashing import NgramHasher
 from ..retrieval.hot import is_nine
@@ -52,11 +53,11 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
     from ..training.train import TrainConfig, build_model
 
     if tier not in TIERS:
-        raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        raise UserError(f"tier must be one of {TIERS}, got {tier!r}")
     run_dir = Path(run_dir)
     ckpt = latest_checkpoint(run_dir / "checkpoints") if run_dir.is_dir() else None
     if ckpt is None:
-        raise FileNotFoundError(f"no checkpoint under {run_dir}/checkpoints (train one with "
+        raise InputNotFound(f"no checkpoint under {run_dir}/checkpoints (train one with "
                                 f"`engram train --out_dir={run_dir}`)")
     state, meta, step = load_checkpoint(ckpt)
     cfg = TrainConfig(**meta["config"])
@@ -144,7 +145,7 @@ def open_tier(table_dir: str | Path, config: Any, hasher: NgramHasher, tier: str
     from ..tables.tiers import PinnedTable, SharedPool, open_tables
 
     if tier not in TIERS or tier == "memory":
-        raise ValueError(f"tier must be one of {TIERS[1:]} for table files, got {tier!r}")
+        raise UserError(f"tier must be one of {TIERS[1:]} for table files, got {tier!r}")
     nine = is_nine(hasher)
     if tier == "shared":
         pool = SharedPool(table_dir, config, hasher, verify=verify)
