@@ -83,6 +83,10 @@ class Launch:
     table_init: str = field(default="replicated", metadata={"choices": ("replicated", "sharded")})
     timeout: float = 300.0  # under torchrun only: seconds a collective waits for a dead/hung peer
 
+    def __post_init__(self) -> None:
+        if self.timeout <= 0:
+            raise UserError(f"timeout must be > 0 seconds, got {self.timeout}")
+
 
 @dataclass
 class Tables:
@@ -94,6 +98,10 @@ class Tables:
     prefetch: bool = False  # gather each step's rows in background threads
     table_dir: str | None = None  # table files of the file tiers; None: RUN_DIR/tables
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.cache_fraction < 1:
+            raise UserError(f"cache_fraction must be in [0, 1), got {self.cache_fraction}")
+
 
 @dataclass
 class Prompts:
@@ -101,6 +109,10 @@ class Prompts:
     stop: bool = True  # end a row at the end-of-text token (--no-stop: always max_new_tokens)
     json: str | None = None  # also write tokens and speeds here
     threads: int | None = None  # torch threads; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise UserError(f"threads must be >= 1 or None, got {self.threads}")
 
 
 @dataclass
