@@ -9,8 +9,9 @@ import pytest
 import engram
 
 SRC = Path(engram.__file__).parent
-# Lowest first. options, files, jit and gemm are the foundation every layer may use; the root re-exports.
-LAYERS = ["options", "files", "jit", "gemm", "retrieval", "tables", "module", "models", "training",
+# Lowest first. errors, schema, options, files, jit and gemm are the foundation every layer may use;
+# the root re-exports.
+LAYERS = ["errors", "schema", "options", "files", "jit", "gemm", "retrieval", "tables", "module", "models", "training",
           "serving", "studies", "cli", "__main__", "__init__"]
 
 

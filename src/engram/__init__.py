@@ -3,28 +3,49 @@
 The folders are layers, lowest first; a module imports its own layer or lower ones, never higher
 (tests/test_layers.py checks it): retrieval (token ids -> row ids) -> tables (where rows live) ->
 module (the Engram module, module/) -> models (reference LM, HF injection) -> training ->
-serving -> studies -> cli. This file re-exports the names most code needs.
+serving -> studies -> cli. This file re-exports the names most code needs, imported on first use
+(``from engram import EngramLM``), so that ``import engram.cli`` for ``engram --help`` and importing
+the light foundation modules do not import torch.
 """
 
-from .models.model import DecodeCache, EngramLM, ModelConfig, ModelOutput
-from .module import Engram, EngramState, ShortConv, build_engram
-from .retrieval.compress import DEAD, Compression, build_compression, default_tokenizer
-from .retrieval.config import EngramConfig
-from .retrieval.hashing import HashStream, NgramHasher
-from .retrieval.primes import prime_table_sizes, rows_per_layer
-from .tables.store import MemoryTable, TableStore
-from .training.optim import RowAdam, build_optimizers
+from __future__ import annotations
 
-try:
-    from importlib.metadata import version as _version
+import importlib
+from typing import Any
 
-    __version__ = _version("engram")
-except Exception:  # a source tree that was never installed
-    __version__ = "unknown"
+# name -> the module (under engram) that defines it
+_EXPORTS = {
+    "DecodeCache": "models.model", "EngramLM": "models.model", "ModelConfig": "models.model",
+    "ModelOutput": "models.model",
+    "Engram": "module", "EngramState": "module", "ShortConv": "module", "build_engram": "module",
+    "DEAD": "retrieval.compress", "Compression": "retrieval.compress",
+    "build_compression": "retrieval.compress", "default_tokenizer": "retrieval.compress",
+    "EngramConfig": "retrieval.config",
+    "HashStream": "retrieval.hashing", "NgramHasher": "retrieval.hashing",
+    "prime_table_sizes": "retrieval.primes", "rows_per_layer": "retrieval.primes",
+    "MemoryTable": "tables.store", "TableStore": "tables.store",
+    "RowAdam": "training.optim", "build_optimizers": "training.optim",
+}
 
-__all__ = [
-    "DEAD", "Compression", "DecodeCache", "Engram", "EngramConfig", "EngramLM", "EngramState",
-    "HashStream", "MemoryTable", "ModelConfig", "ModelOutput", "NgramHasher", "RowAdam",
-    "ShortConv", "TableStore", "build_compression", "build_engram", "build_optimizers",
-    "default_tokenizer", "prime_table_sizes", "rows_per_layer",
-]
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        try:
+            from importlib.metadata import version
+
+            value = version("engram")
+        except Exception:  # a source tree that was never installed
+            value = "unknown"
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    else:
+        raise AttributeError(f"module 'engram' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS, "__version__"])
+
+
+__all__ = sorted(_EXPORTS)

@@ -1,233 +1,345 @@
-"""The `engram` command line: one subcommand per job, each a thin wrapper over the library.
+"""The `engram` command line: every command declared once, in this file, by ``@command``.
 
-Only the chosen subcommand's modules are imported. Options come from the dataclass configs (:mod:`engram.options`): ``--help`` lists every
-field with its type, default and comment; ``--key value``, ``--key=value`` and ``--flag/--no-flag``
-all work; an unknown option names the closest known one.
+A command is a function decorated with ``@command(name, help, args=..., configs=..., reads=...,
+writes=...)``. The declaration says everything the command line needs: the one-line help, the
+positional arguments (:class:`Arg`), the config dataclasses whose fields are its options, in order
+(an earlier config owns an option name a later one also has; :class:`Config` adds a group title,
+fields to skip, a prefix), and which arguments and options are places it reads (``reads``) and
+writes (``writes``; recorded for the output checks every command will share, not enforced yet).
+The function receives the positional values, then one instance per config,
+and prints its result. Adding a command:
+
+    @command("eval", "loss of a trained run on any text", args=(RUN_DIR,),
+             configs=("engram.studies.evaluate:EvalConfig",), reads=("run_dir", "text"),
+             writes=("json",))
+    def _eval(run_dir: str, ec) -> None:
+        from .studies.evaluate import run_eval
+
+        print(json.dumps(run_eval(run_dir, ec)))
+
+A config whose module imports torch is named ``"module:Class"``; every config is read from its
+source (:mod:`engram.schema`), so ``engram --help`` and ``engram CMD --help`` import no torch, and a
+command's modules are imported only when it runs (import them inside the function). Options that
+exist only on the command line (the prompts, resume, where tables live) are dataclasses here, next
+to the commands that take them.
+
+Errors: :class:`engram.errors.UserError` (bad input) and argparse errors print one line,
+``engram CMD: error: MESSAGE``, and exit 2; any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
-import argparse
-import difflib
 import json
+import os
 import sys
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
-from .options import add_config, build, new_parser
+from .errors import UserError
+from .options import Arg, Command, Config, ConfigParser, new_parser
 
-# name -> one-line help, shown by `engram --help` without importing anything heavy.
-COMMANDS = {
-    "demo": "compress the DeepSeek tokenizer, hash a sentence, run the module (2 s)",
-    "train": "train one LM (dense, MoE or Engram) on the package corpus; torchrun for several",
-    "compare": "the main job: dense vs Engram vs MoE at matched parameters, seeds, report",
-    "sweep-allocation": "fixed total/active parameters; the sparse budget moves experts <-> tables",
-    "sweep-slots": "fixed backbone, Engram tables of growing size",
-    "generate": "continue prompts with a trained run, tables on any tier",
-    "finetune": "memory-only training of Engram injected into SmolLM2 vs LoRA",
-    "export-hf": "a trained run as a directory vLLM serves (`vllm serve OUT` with the plugin)",
-    "study-nine": "Engram-Nine: collision-free hot tier vs hashed tables at equal parameters",
-    "study-vision": "trigger tables vs LoRA binding a word to a digit in a small text-to-image model",
-    "eval": "loss of a trained run on any text; unseen tokens kept as context, counted",
-    "ablate": "which parts of Engram matter: placement, compression, gate, conv, keys, orders",
-    "analyze": "what the memory does: LogitLens, CKA, suppression, probes, gate statistics",
-    "pool-budget": "will each Engram layer's rows arrive within its prefetch window, per tier",
-}
+TRAIN = "engram.training.train:TrainConfig"
+GENERATION = "engram.serving.generate:GenerationConfig"
 
 
-def _demo(argv: list[str]) -> int:
+# -- declarations ----------------------------------------------------------------------------------
+
+COMMANDS: dict[str, Command] = {}  # name -> declaration, in `engram --help` order
+
+
+def command(name: str, help: str, *, args: Sequence[Arg] = (),
+            configs: Sequence[Config | type | str] = (), about: str = "",
+            reads: Sequence[str] = (), writes: Sequence[str] = ()):
+    """Declare the decorated function as ``engram NAME`` (see the module docstring)."""
+    def declare(run: Callable[..., int | None]) -> Callable[..., int | None]:
+        assert name not in COMMANDS, f"command {name!r} declared twice"
+        COMMANDS[name] = Command(name, help, run, tuple(args),
+                                 tuple(c if isinstance(c, Config) else Config(c) for c in configs),
+                                 about, tuple(reads), tuple(writes))
+        return run
+    return declare
+
+
+RUN_DIR = Arg("run_dir", "a folder written by `engram train --out_dir`")
+STUDY_BASE = Config(TRAIN, "TrainConfig options (the base of every run; the study's options "
+                    "above set each run's token budget)")
+
+
+# -- options only the command line has -------------------------------------------------------------
+
+@dataclass
+class DemoOptions:
+    text: str | None = None  # sentence to hash; None: a built-in one
+    table_size: int = 50_000  # table size per n-gram order; the official demo uses 646400
+    hidden_size: int = 256  # model width the module runs at
+    json: str | None = None  # also write ids, hashes and gates here
+
+
+@dataclass
+class Launch:
+    resume: bool = True  # continue from the newest checkpoint in out_dir (--no-resume refuses to)
+    # Under torchrun only: init every table row on every rank, or each rank only its own rows
+    # (tables larger than one machine).
+    table_init: str = field(default="replicated", metadata={"choices": ("replicated", "sharded")})
+    timeout: float = 300.0  # under torchrun only: seconds a collective waits for a dead/hung peer
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0:
+            raise UserError(f"timeout must be > 0 seconds, got {self.timeout}")
+
+
+@dataclass
+class Tables:
+    # Where table rows are read from.
+    tier: str = field(default="memory", metadata={"choices": "engram.tables.registry:TIERS"})
+    # Row type of the table files.
+    table_dtype: str = field(default="fp32", metadata={"choices": "engram.tables.tablefile:DTYPES"})
+    cache_fraction: float = 0.0  # hot cache of this fraction of each table's rows (file tiers)
+    prefetch: bool = False  # gather each step's rows in background threads
+    table_dir: str | None = None  # table files of the file tiers; None: RUN_DIR/tables
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.cache_fraction < 1:
+            raise UserError(f"cache_fraction must be in [0, 1), got {self.cache_fraction}")
+
+
+@dataclass
+class Prompts:
+    prompt: list[str]  # text to continue; repeat the option for a batch
+    stop: bool = True  # end a row at the end-of-text token (--no-stop: always max_new_tokens)
+    json: str | None = None  # also write tokens and speeds here
+    threads: int | None = None  # torch threads; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise UserError(f"threads must be >= 1 or None, got {self.threads}")
+
+
+@dataclass
+class Baselines:
+    # The dense run(s) on the same corpus, for LogitLens and CKA: one per RUN_DIR, same order.
+    baseline: tuple[str, ...] = ()
+
+
+# -- the commands ----------------------------------------------------------------------------------
+
+@command("demo", "compress the DeepSeek tokenizer, hash a sentence, run the module (2 s)",
+         configs=(DemoOptions,), writes=("json",))
+def _demo(o: DemoOptions) -> None:
     from .studies.demo import DEFAULT_TEXT, run_demo
 
-    p = new_parser("engram demo", COMMANDS["demo"])
-    p.add_argument("--text", default=DEFAULT_TEXT, help="sentence to hash [default: a built-in one]")
-    p.add_argument("--table_size", "--table-size", type=int, default=50_000,
-                   help="table size per n-gram order; the official demo uses 646400 "
-                   "[default: %(default)s]")
-    p.add_argument("--hidden_size", "--hidden-size", type=int, default=256,
-                   help="model width the module runs at [default: %(default)s]")
-    p.add_argument("--json", default=None, help="also write ids, hashes and gates here "
-                   "[default: none]")
-    a = p.parse_args(argv)
-    out = run_demo(text=a.text, table_size=a.table_size, hidden_size=a.hidden_size)
-    if a.json:
-        with open(a.json, "w") as f:
+    out = run_demo(text=o.text or DEFAULT_TEXT, table_size=o.table_size, hidden_size=o.hidden_size)
+    if o.json:
+        with open(o.json, "w") as f:
             json.dump(out, f)
-    return 0
 
 
-def _train(argv: list[str]) -> int:
-    import os
+@command("train", "train one LM (dense, MoE or Engram) on the package corpus; torchrun for several",
+         configs=(TRAIN, Config(Launch, "run options")), writes=("out_dir",),
+         about="Under torchrun (WORLD_SIZE > 1): DDP and row-sharded tables.")
+def _train(cfg, launch: Launch) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # launched by torchrun: sharded tables + DDP
+        from .training.distributed import train_distributed
 
-    from .training.distributed import cli_train_distributed, train_parser
-    from .training.train import TrainConfig, train
+        run = train_distributed(cfg, resume=launch.resume, table_init=launch.table_init,
+                                timeout_s=launch.timeout)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+    else:
+        from .training.train import train
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by torchrun: sharded tables + DDP
-        return cli_train_distributed(argv)
-    ns = train_parser().parse_args(argv)
-    cfg = build(TrainConfig, ns, 0)
-    run = train(cfg, resume=ns.resume)
+        run = train(cfg, resume=launch.resume)
     last = run.history[-1] if run.history else {}
-    print(json.dumps({"out_dir": cfg.out_dir, "step": run.step, **last}))
-    return 0
+    print(json.dumps({"out_dir": cfg.out_dir, "step": run.step,
+                      **({"world_size": world} if world > 1 else {}), **last}))
 
 
-def _study_parser(command: str, study_cls: type) -> argparse.ArgumentParser:
-    """A study's own options first; TrainConfig's for the fields the study does not set itself."""
+@command("compare", "the main job: dense vs Engram vs MoE at matched parameters, seeds, report",
+         configs=("engram.studies.compare:CompareConfig", STUDY_BASE), writes=("out_dir",))
+def _compare(cc, base) -> None:
+    from .studies.compare import run_compare
+
+    s = run_compare(cc, base)
+    print(" ".join(f"{k}: {v['val_loss']:.4f}" for k, v in s["runs"].items())
+          + f" | engram gain vs dense {s['engram_gain_vs_dense']:.4f} nats; "
+          f"wrote {cc.out_dir}/results.json, loss.png, report.md, gates.html")
+
+
+def _sweep(kind: str, sc, base) -> None:
+    from .studies.sweep import run_sweep
+
+    s = run_sweep(kind, sc, base)
+    print(" ".join(f"{p['name']}: {p['val_loss']:.4f}" for p in s["points"])
+          + f" | best {s['best']['name']}; wrote {sc.out_dir}")
+
+
+SWEEP = ("engram.studies.sweep:SweepConfig", STUDY_BASE)
+command("sweep-allocation", "fixed total/active parameters; the sparse budget moves experts <-> "
+        "tables", configs=SWEEP, writes=("out_dir",))(
+    lambda sc, base: _sweep("allocation", sc, base))
+command("sweep-slots", "fixed backbone, Engram tables of growing size", configs=SWEEP,
+        writes=("out_dir",))(lambda sc, base: _sweep("slots", sc, base))
+
+
+@command("generate", "continue prompts with a trained run, tables on any tier",
+         args=(Arg("run_dir", RUN_DIR.help, deprecated="--run"),),
+         configs=(Prompts, Tables, GENERATION),
+         reads=("run_dir", "table_dir"), writes=("json",),
+         about="GenerationConfig's prefetch (announce rows before each forward) stays on; "
+         "--prefetch is the tables' background gather.")
+def _generate(run_dir: str, o: Prompts, t: Tables, gen) -> None:
     import dataclasses
+    from pathlib import Path
 
-    from .training.train import TrainConfig
+    import torch
 
-    p = new_parser(f"engram {command}", COMMANDS[command] + ". The study's options set the token "
-                   "budget of every run; TrainConfig options set the rest of each run's config.")
-    add_config(p, study_cls, 0, f"{study_cls.__name__} options")
-    add_config(p, TrainConfig, 1, "TrainConfig options (the base of every run)",
-               skip=[f.name for f in dataclasses.fields(study_cls)])
-    return p
+    from .serving.generate import Generator
+    from .serving.loader import load_run
+    from .training.corpus import EOS_TOKEN
 
-
-def _run_study(argv: list[str], command: str, study_cls: type, run: Callable,
-               describe: Callable) -> int:
-    """Parse a study's and TrainConfig's options, run it, print a one-line summary."""
-    from .training.train import TrainConfig
-
-    ns = _study_parser(command, study_cls).parse_args(argv)
-    cfg = build(study_cls, ns, 0)
-    summary = run(cfg, build(TrainConfig, ns, 1))
-    print(describe(summary, cfg))
-    return 0
-
-
-def _compare(argv: list[str]) -> int:
-    from .studies.compare import CompareConfig, run_compare
-
-    return _run_study(argv, "compare", CompareConfig, run_compare, lambda s, cc: (
-        " ".join(f"{k}: {v['val_loss']:.4f}" for k, v in s["runs"].items())
-        + f" | engram gain vs dense {s['engram_gain_vs_dense']:.4f} nats; "
-        f"wrote {cc.out_dir}/results.json, loss.png, report.md, gates.html"))
-
-
-def _sweep(command: str) -> Callable[[list[str]], int]:
-    def run(argv: list[str]) -> int:
-        from .studies.sweep import SweepConfig, run_sweep
-
-        kind = command.split("-", 1)[1]
-        return _run_study(argv, command, SweepConfig, lambda sc, base: run_sweep(kind, sc, base),
-                          lambda s, sc: " ".join(f"{p['name']}: {p['val_loss']:.4f}"
-                                                 for p in s["points"])
-                          + f" | best {s['best']['name']}; wrote {sc.out_dir}")
-    return run
+    if o.threads:
+        torch.set_num_threads(o.threads)
+    served = load_run(run_dir, tier=t.tier, table_dir=t.table_dir, table_dtype=t.table_dtype,
+                      cache_fraction=t.cache_fraction, prefetch=t.prefetch)
+    tok = served.tokenizer
+    eos = tok.token_to_id(EOS_TOKEN)
+    if o.stop and eos is not None:
+        gen = dataclasses.replace(gen, stop_ids=(*gen.stop_ids, eos))
+    room = served.model.config.max_seq_len - max(0, gen.max_new_tokens - 1)
+    prompts, known = [], set(served.vocab.tolist())
+    for text in o.prompt:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        unknown = sorted({tok.decode([i]) for i in ids if i not in known})
+        if unknown:
+            raise UserError(f"prompt {text!r} has tokens the model never saw in training: "
+                            f"{unknown[:10]}")
+        if len(ids) > room:
+            print(f"engram generate: keeping the last {room} of {len(ids)} prompt tokens "
+                  f"(max_seq_len={served.model.config.max_seq_len})", file=sys.stderr)
+            ids = ids[-room:]
+        prompts.append(ids)
+    out = Generator(served.model, served.hasher, served.vocab, gen).generate(prompts)
+    texts = [tok.decode(t, skip_special_tokens=True) for t in out.tokens]
+    for i, text in enumerate(texts):
+        print(text if len(texts) == 1 else f"[{i}] {text}")
+    print(f"engram generate: {t.tier} tables; prefill {out.prefill_tok_s:.0f} tok/s, decode "
+          f"{out.decode_tok_s:.0f} tok/s ({served.checkpoint.name})", file=sys.stderr)
+    if o.json:
+        Path(o.json).write_text(json.dumps({
+            "prompts": o.prompt, "continuations": texts, "tokens": out.tokens,
+            "prefill_tok_s": out.prefill_tok_s, "decode_tok_s": out.decode_tok_s,
+            "checkpoint": str(served.checkpoint), "tier": t.tier}))
 
 
-def _generate(argv: list[str]) -> int:
-    from .serving.generate import cli_generate
+@command("finetune", "memory-only training of Engram injected into SmolLM2 vs LoRA",
+         configs=("engram.studies.finetune:FinetuneConfig",), reads=("model",), writes=("out_dir",),
+         about="Train only Engram injected into a frozen pretrained model (SmolLM2-135M) and LoRA "
+         "at the same trainable parameters; report fit and forgetting.")
+def _finetune(cfg) -> None:
+    from .studies.finetune import format_summary, run_finetune
 
-    return cli_generate(argv)
+    summary = run_finetune(cfg)
+    print(format_summary(summary))
+    print(f"wrote {cfg.out_dir}/results.json and finetune.png "
+          f"({summary['wall_seconds']:.0f}s in all)")
 
 
-def _finetune(argv: list[str]) -> int:
-    from .studies.finetune import cli_finetune
+@command("export-hf", "a trained run as a directory vLLM serves (`vllm serve OUT` with the plugin)",
+         args=(RUN_DIR, Arg("out_dir", "where to write config.json, weights, tables and "
+                            "tokenizer")),
+         configs=(Config(Tables, skip=("table_dir",)),),
+         reads=("run_dir",), writes=("out_dir",),
+         about="The tier is a default: vLLM's --hf-overrides "
+         "'{\"engram_serving\": {\"tier\": \"file\"}}' changes it.")
+def _export_hf(run_dir: str, out_dir: str, t: Tables) -> None:
+    from .serving.hf_export import export_hf
 
-    return cli_finetune(argv)
-
-
-def _export_hf(argv: list[str]) -> int:
-    from .serving.hf_export import SERVING_DEFAULTS, export_hf
-    from .serving.loader import TIERS
-    from .tables.tablefile import DTYPES
-
-    p = new_parser("engram export-hf", COMMANDS["export-hf"] + ". The tier is a default: "
-                   "vLLM's --hf-overrides '{\"engram_serving\": {\"tier\": \"file\"}}' changes it.")
-    p.add_argument("run_dir", help="folder written by `engram train --out_dir`")
-    p.add_argument("out_dir", help="where to write config.json, weights, tables and tokenizer")
-    p.add_argument("--tier", choices=TIERS, default=SERVING_DEFAULTS["tier"],
-                   help="where the server reads table rows from [default: %(default)s]")
-    p.add_argument("--table_dtype", "--table-dtype", default="fp32", choices=sorted(DTYPES),
-                   help="row type of the table files [default: %(default)s]")
-    p.add_argument("--cache_fraction", "--cache-fraction", type=float, default=0.0,
-                   help="hot cache of this fraction of each table's rows, file tiers "
-                   "[default: %(default)s]")
-    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=False,
-                   help="gather each step's rows in background threads [default: %(default)s]")
-    a = p.parse_args(argv)
-    out = export_hf(a.run_dir, a.out_dir, tier=a.tier, table_dtype=a.table_dtype,
-                    cache_fraction=a.cache_fraction, prefetch=a.prefetch)
+    out = export_hf(run_dir, out_dir, tier=t.tier, table_dtype=t.table_dtype,
+                    cache_fraction=t.cache_fraction, prefetch=t.prefetch)
     print(f"wrote {out}; serve with: vllm serve {out} --dtype float32")
-    return 0
 
 
-def _study_nine(argv: list[str]) -> int:
-    from .studies.nine import NineStudyConfig, run_nine_study
+@command("study-nine", "Engram-Nine: collision-free hot tier vs hashed tables at equal parameters",
+         configs=("engram.studies.nine:NineStudyConfig", STUDY_BASE), writes=("out_dir",))
+def _study_nine(sc, base) -> None:
+    from .studies.nine import run_nine_study
 
-    return _run_study(argv, "study-nine", NineStudyConfig, run_nine_study, lambda s, sc: (
-        " ".join(f"{k}: {v['val_loss_mean_sd'][0]:.4f}" for k, v in s["configs"].items())
-        + f"; wrote {sc.out_dir}/nine.json, report.md and plots"))
-
-
-def _study_vision(argv: list[str]) -> int:
-    from .studies.vision import cli_vision
-
-    return cli_vision(argv)
+    s = run_nine_study(sc, base)
+    print(" ".join(f"{k}: {v['val_loss_mean_sd'][0]:.4f}" for k, v in s["configs"].items())
+          + f"; wrote {sc.out_dir}/nine.json, report.md and plots")
 
 
-def _eval(argv: list[str]) -> int:
-    from .studies.evaluate import EvalConfig, run_eval
+@command("study-vision", "trigger tables vs LoRA binding a word to a digit in a small "
+         "text-to-image model", configs=("engram.studies.vision:VisionConfig",),
+         writes=("out_dir",))
+def _study_vision(cfg) -> None:
+    from .studies.vision import run_vision
 
-    p = new_parser("engram eval", COMMANDS["eval"])
-    p.add_argument("run_dir", metavar="RUN_DIR", help="an `engram train --out_dir` folder")
-    add_config(p, EvalConfig, 0)
-    ns = p.parse_args(argv)
-    res = run_eval(ns.run_dir, build(EvalConfig, ns, 0))
-    print(json.dumps(res))
-    return 0
-
-
-def _ablate(argv: list[str]) -> int:
-    from .studies.ablate import AblateConfig, run_ablate
-
-    return _run_study(argv, "ablate", AblateConfig, run_ablate, lambda s, ac: (
-        " ".join(f"{k}: {v['val_loss']:.4f}" for k, v in s["variants"].items())
-        + f"; wrote {ac.out_dir}/ablate.json, ablate.png, report.md"))
+    res = run_vision(cfg)
+    for name, c in res["concepts"].items():
+        print(name, " ".join(f"{m}: bind {v['summary']['binding']['mean']:.2f}"
+                             for m, v in c["methods"].items()))
+    print(f"wrote {cfg.out_dir}/vision.json, report.md, grid_*.png in {res['total_s']:.0f} s")
 
 
-def _analyze(argv: list[str]) -> int:
-    from .studies.analyze import AnalyzeConfig, run_analyze
+@command("eval", "loss of a trained run on any text; unseen tokens kept as context, counted",
+         args=(RUN_DIR,), configs=("engram.studies.evaluate:EvalConfig",),
+         reads=("run_dir", "text"), writes=("json",))
+def _eval(run_dir: str, ec) -> None:
+    from .studies.evaluate import run_eval
 
-    p = new_parser("engram analyze", COMMANDS["analyze"])
-    p.add_argument("run_dir", metavar="RUN_DIR", nargs="+", help="an Engram run (`engram train "
-                   "--out_dir`); several runs (seeds of one configuration) are each analysed and "
-                   "then combined: mean +- sd per claim and in how many seeds it holds")
-    p.add_argument("--baseline", nargs="*", default=None, metavar="RUN_DIR",
-                   help="the dense run(s) on the same corpus, for LogitLens and CKA: one per "
-                   "RUN_DIR, same order [default: none]")
-    add_config(p, AnalyzeConfig, 0)
-    ns = p.parse_args(argv)
-    ac = build(AnalyzeConfig, ns, 0)
-    if len(ns.run_dir) > 1:
+    print(json.dumps(run_eval(run_dir, ec)))
+
+
+@command("ablate", "which parts of Engram matter: placement, compression, gate, conv, keys, orders",
+         configs=("engram.studies.ablate:AblateConfig", STUDY_BASE), writes=("out_dir",))
+def _ablate(ac, base) -> None:
+    from .studies.ablate import run_ablate
+
+    s = run_ablate(ac, base)
+    print(" ".join(f"{k}: {v['val_loss']:.4f}" for k, v in s["variants"].items())
+          + f"; wrote {ac.out_dir}/ablate.json, ablate.png, report.md")
+
+
+@command("analyze", "what the memory does: LogitLens, CKA, suppression, probes, gate statistics",
+         args=(Arg("run_dir", "an Engram run (`engram train --out_dir`); several runs (seeds of "
+                   "one configuration) are each analysed and then combined: mean +- sd per claim "
+                   "and in how many seeds it holds", nargs="+"),),
+         configs=("engram.studies.analyze:AnalyzeConfig", Baselines),
+         reads=("run_dir", "baseline"), writes=("out_dir",))
+def _analyze(run_dirs: list[str], ac, b: Baselines) -> None:
+    if len(run_dirs) > 1:
         from .studies.analysis_seeds import run_seeds
 
-        c = run_seeds(ns.run_dir, ns.baseline, ac)
+        c = run_seeds(run_dirs, list(b.baseline) or None, ac)
         print(json.dumps({"n_seeds": c["n_seeds"], "verdicts": [v for _, _, v in c["verdicts"]]}))
-        return 0
-    if ns.baseline is not None and len(ns.baseline) > 1:
-        p.error("one RUN_DIR takes at most one --baseline")
-    res = run_analyze(ns.run_dir[0], ns.baseline[0] if ns.baseline else None, ac)
+        return
+    if len(b.baseline) > 1:
+        raise UserError("one RUN_DIR takes at most one --baseline")
+    from .studies.analyze import run_analyze
+
+    res = run_analyze(run_dirs[0], b.baseline[0] if b.baseline else None, ac)
     print(json.dumps({"lens": res["lens"], "retention": res["retention"]}))
-    return 0
 
 
-def _pool_budget(argv: list[str]) -> int:
-    from .studies.pool_budget import cli_pool_budget
+@command("pool-budget", "will each Engram layer's rows arrive within its prefetch window, per tier",
+         configs=("engram.studies.pool_budget:PoolBudgetConfig",
+                  Config(TRAIN, "TrainConfig options (the model with random weights when "
+                         "--run_dir is not given)")),
+         reads=("run_dir", "pool_path"), writes=("out_dir", "table_dir"),
+         about="Measures t_exec per layer, the read latency per tier, the break-even injected "
+         "latency and the bandwidth bound.")
+def _pool_budget(pc, tc) -> None:
+    from .studies.pool_budget import run_pool_budget
+    from .studies.pool_report import verdict
 
-    return cli_pool_budget(argv)
+    summary = run_pool_budget(pc, tc)
+    print("\n".join(verdict(summary)))
+    print(f"wrote {pc.out_dir}/budget.json, budget.png, report.md ({summary['wall_s']:.0f} s)")
 
 
-RUNNERS: dict[str, Callable[[list[str]], int]] = {
-    "demo": _demo, "train": _train, "compare": _compare,
-    "sweep-allocation": _sweep("sweep-allocation"), "sweep-slots": _sweep("sweep-slots"),
-    "generate": _generate, "finetune": _finetune, "export-hf": _export_hf,
-    "study-nine": _study_nine, "study-vision": _study_vision, "eval": _eval,
-    "ablate": _ablate, "analyze": _analyze, "pool-budget": _pool_budget,
-}
-
+# -- main ------------------------------------------------------------------------------------------
 
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
@@ -238,34 +350,41 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def top_parser() -> argparse.ArgumentParser:
+def top_parser() -> ConfigParser:
     p = new_parser("engram", "Engram conditional memory for language models. "
                    "`engram COMMAND --help` lists a command's options.\n\ncommands:\n"
-                   + "\n".join(f"  {k:<17} {v}" for k, v in COMMANDS.items())
+                   + "\n".join(f"  {k:<17} {c.help}" for k, c in COMMANDS.items())
                    + "\n\nenvironment:\n  ENGRAM_GEMM       float32 CPU matrix products: auto "
-                   "(default; oneDNN on AMD x86, torch's MKL elsewhere), torch, onednn")
+                   "(default; oneDNN on AMD x86, torch's MKL elsewhere), torch, onednn"
+                   "\n\nexit status: 0 done, 2 bad input (one line on stderr), 1 a bug (traceback)")
     p.add_argument("--version", action="version", version=f"engram {_version()}")
     p.add_argument("command", nargs="?", choices=list(COMMANDS), metavar="COMMAND")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Bad input (UserError, a bad option): one line on stderr, 2. A bug: the
+    exception propagates with its traceback (exit status 1)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         top_parser().parse_args(argv)  # --help / --version exit here
         top_parser().print_help()
         return 2
-    command, rest = argv[0], argv[1:]
-    if command not in RUNNERS:
-        close = difflib.get_close_matches(command, list(RUNNERS), n=1)
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(COMMANDS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        print(f"engram: error: unknown command {command!r}{hint} (commands: "
-              f"{', '.join(RUNNERS)})", file=sys.stderr)
+        print(f"engram: error: unknown command {name!r}{hint} (commands: "
+              f"{', '.join(COMMANDS)})", file=sys.stderr)
         return 2
     try:
-        return RUNNERS[command](rest)
-    except (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError) as e:
-        print(f"engram {command}: error: {e}", file=sys.stderr)
+        return COMMANDS[name](rest)
+    except UserError as e:
+        rank = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 \
+            and "RANK" in os.environ else ""
+        print(f"engram {name}{rank}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -1,109 +1,85 @@
 """Dataclass configs as command-line options: one argparse option per field, nothing hand-written.
 
 Every field of a config becomes ``--field`` (also spelled ``--field-with-dashes``) taking
-``--key value`` or ``--key=value``; booleans also take bare ``--flag`` / ``--no-flag``. ``--help``
-shows each field's type, default and the comment written beside it in the dataclass source, so the
-config stays the one place an option is documented. An unknown option names the closest known one.
+``--key value`` or ``--key=value``; booleans also take bare ``--flag`` / ``--no-flag``; tuples take
+``--key a,b,c``; lists repeat the option, one value each (``--prompt A --prompt B``). ``--help``
+shows each field's comment from the dataclass source, its type, valid values
+(``field(metadata={"choices": ...})``) and default, or "required" for a field without one, so the
+config stays the one place an option is documented. An unknown option names the closest known one;
+every parse error is one line and exit status 2.
 
-The foundation layer: imports nothing else from engram, so every layer may use it.
+Configs are read from their source (:mod:`engram.schema`), so a config may be named by
+``"module:Class"`` and its module is imported only when :func:`build` makes the instance.
+
+A :class:`Command` is one subcommand's declaration (its positional :class:`Arg` list, its
+:class:`Config` list, the function that runs it); engram's commands are ``engram.cli.COMMANDS``.
+
+The foundation layer: imports nothing above the foundation, so every layer may use it.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import difflib
-import inspect
-import textwrap
-from functools import lru_cache
-from typing import Any, Sequence
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from .errors import UserError
+from .schema import Field, fields_of, resolve, split_ref
 
 _SET = "_engram_set_"  # namespace prefix of values the user gave: dest = f"{_SET}{index}.{field}"
 
 
 # -- values ----------------------------------------------------------------------------------------
 
-def parse_value(type_name: str, raw: str, key: str) -> Any:
-    """One field's value from its text, by the field's annotation (``"tuple[int, ...]"`` etc.)."""
+def parse_value(type_name: str, raw: str, key: str, choices: Sequence[Any] | None = None) -> Any:
+    """One field's value from its text, by the field's annotation (``"tuple[int, ...]"`` etc.);
+    ``choices`` are the valid values (of each element, for a tuple)."""
     if raw.lower() == "none" and "None" in type_name:
         return None
     try:
         if type_name.startswith("tuple"):
-            inner = type_name[len("tuple["):].split(",")[0].strip()
-            cast = {"int": int, "float": float}.get(inner, str)
-            return tuple(cast(x.strip()) for x in raw.split(",") if x.strip() != "")
-        if type_name.startswith("bool"):
-            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(raw)
-            return raw.lower() in ("true", "1", "yes")
-        if type_name.startswith("int"):
-            return int(raw)
-        if type_name.startswith("float"):
-            return float(raw)
+            cast = _cast(type_name[len("tuple["):].split(",")[0].strip())
+            value: Any = tuple(cast(x.strip()) for x in raw.split(",") if x.strip() != "")
+        elif type_name.startswith("list"):
+            value = _cast(type_name[len("list["):].rstrip("]").strip())(raw)
+        else:
+            value = _cast(type_name.split("|")[0].strip())(raw)
     except ValueError as e:
-        raise ValueError(f"bad value for --{key}: {raw!r} (expected {type_name})") from e
-    return raw
+        raise UserError(f"bad value for --{key}: {raw!r} (expected {type_name})") from e
+    if choices is not None:
+        bad = [v for v in (value if isinstance(value, tuple) else (value,)) if v not in choices]
+        if bad:
+            raise UserError(f"bad value for --{key}: {', '.join(map(str, bad))} (choose from "
+                            f"{', '.join(map(str, choices))})")
+    return value
+
+
+def _cast(name: str):
+    if name == "bool":
+        return _bool
+    return {"int": int, "float": float}.get(name, str)
+
+
+def _bool(raw: str) -> bool:
+    if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(raw)
+    return raw.lower() in ("true", "1", "yes")
 
 
 def _show(value: Any) -> str:
-    if isinstance(value, tuple):
+    if isinstance(value, (tuple, list)):
         return ",".join(str(v) for v in value) if value else "(empty)"
     return str(value)
-
-
-# -- field comments --------------------------------------------------------------------------------
-
-@lru_cache(maxsize=None)
-def field_comments(cls: type) -> dict[str, str]:
-    """``{field: comment}`` from the class source: the comment on the field's line, else the comment
-    lines right above it. Inherited fields take their comments from the class that declares them."""
-    out: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass) or klass is object:
-            continue
-        try:
-            lines, _ = inspect.getsourcelines(klass)
-        except (OSError, TypeError):
-            continue
-        source = textwrap.dedent("".join(lines))
-        src_lines = source.splitlines()
-        for node in ast.parse(source).body[0].body:
-            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-                continue
-            line = src_lines[node.lineno - 1]
-            comment = _trailing_comment(line)
-            if not comment:  # a block of comment lines right above, skipping "-- section --" rules
-                above, i = [], node.lineno - 2
-                while i >= 0 and src_lines[i].strip().startswith("#"):
-                    text = src_lines[i].strip().lstrip("#").strip()
-                    if text.startswith("--"):
-                        break
-                    above.insert(0, text)
-                    i -= 1
-                comment = " ".join(above)
-            if comment or node.target.id not in out:
-                out[node.target.id] = comment
-    return out
-
-
-def _trailing_comment(line: str) -> str:
-    quote = None
-    for i, ch in enumerate(line):
-        if quote:
-            if ch == quote:
-                quote = None
-        elif ch in "\"'":
-            quote = ch
-        elif ch == "#":
-            return line[i + 1:].strip()
-    return ""
 
 
 # -- the parser ------------------------------------------------------------------------------------
 
 class ConfigParser(argparse.ArgumentParser):
-    """argparse that names the closest known option when it meets an unknown one."""
+    """argparse whose errors are one line (``PROG: error: ...``, exit 2) and name the closest known
+    option for an unknown one."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         if "unrecognized arguments:" in message:
@@ -111,7 +87,7 @@ class ConfigParser(argparse.ArgumentParser):
             hints = [h for h in (self.suggest(u) for u in unknown) if h]
             if hints:
                 message += "; " + "; ".join(hints)
-        super().error(message)
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
     def suggest(self, arg: str) -> str:
         if not arg.startswith("-"):
@@ -127,50 +103,64 @@ def new_parser(prog: str, description: str, **kw: Any) -> ConfigParser:
                         formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
 
 
-def add_config(parser: argparse.ArgumentParser, cls: type, index: int, title: str | None = None,
-               skip: Sequence[str] = ()) -> None:
-    """One option per field of dataclass ``cls``; ``skip`` names fields another config owns."""
-    group = parser.add_argument_group(title or f"{cls.__name__} options")
-    comments = field_comments(cls)
+def option_names(name: str, prefix: str = "") -> list[str]:
+    """``--prefix_field`` and, where it has underscores, ``--prefix-field``."""
+    key = f"{prefix}{name}"
+    return [f"--{key}"] + ([f"--{key.replace('_', '-')}"] if "_" in key else [])
+
+
+def add_config(parser: argparse.ArgumentParser, config: type | str, index: int,
+               title: str | None = None, skip: Sequence[str] = (), prefix: str = "") -> None:
+    """One option per field of dataclass ``config`` (a class or ``"module:Class"``), spelled
+    ``--{prefix}{field}``; ``skip`` names fields another config owns, and a field whose option an
+    earlier config already added is left to that one."""
+    group = parser.add_argument_group(title or f"{split_ref(config)[1]} options")
     taken = {o for a in parser._actions for o in a.option_strings}
-    for f in dataclasses.fields(cls):
-        if f.name in skip or not f.init:
-            continue
-        type_name = str(f.type)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
-        names = [n for n in names if n not in taken]
-        if not names:
+    for f in fields_of(config):
+        names = [n for n in option_names(f.name, prefix) if n not in taken]
+        if f.name in skip or not names:
             continue
         dest = f"{_SET}{index}.{f.name}"
-        help_ = (comments.get(f.name, "") + " " if comments.get(f.name) else "")
-        help_ += f"[{type_name}; default: {_show(default)}]"
-        if type_name.startswith("bool"):
-            group.add_argument(*names, dest=dest, nargs="?", const="true", default=argparse.SUPPRESS,
-                               metavar="BOOL", type=_typed(type_name, f.name), help=help_)
-            group.add_argument(f"--no-{f.name}", *([f"--no-{f.name.replace('_', '-')}"]
-                               if "_" in f.name else []), dest=dest, action="store_const",
-                               const=False, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        key = names[0][2:]
+        kw: dict[str, Any] = dict(dest=dest, default=argparse.SUPPRESS, help=_help(f))
+        if f.type.startswith("bool"):
+            group.add_argument(*names, nargs="?", const="true", metavar="BOOL",
+                               type=_typed(f, key), **kw)
+            group.add_argument(*[f"--no-{n[2:]}" for n in names], dest=dest,
+                               action="store_const", const=False, default=argparse.SUPPRESS,
+                               help=argparse.SUPPRESS)
+        elif f.type.startswith("list"):  # one value per occurrence; the option repeats
+            group.add_argument(*names, action="append", metavar=_metavar(f.type),
+                               type=_typed(f, key), required=f.required, **kw)
         else:
-            group.add_argument(*names, dest=dest, default=argparse.SUPPRESS,
-                               metavar=_metavar(type_name), type=_typed(type_name, f.name),
-                               help=help_)
+            group.add_argument(*names, metavar=_metavar(f.type), type=_typed(f, key),
+                               required=f.required, **kw)
 
 
-def _typed(type_name: str, key: str):
+def _help(f: Field) -> str:
+    what = f.type + (f": {'|'.join(map(str, f.choices))}" if f.choices else "")
+    tail = "required" if f.required else f"default: {_show(f.default)}"
+    text = (f.comment + " " if f.comment else "") + f"[{what}; {tail}]"
+    return text.replace("%", "%%")  # argparse %-formats help strings
+
+
+def _typed(f: Field, key: str):
     def parse(raw: str) -> Any:
         try:
-            return parse_value(type_name, raw, key)
+            return parse_value(f.type, raw, key, f.choices)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
-    parse.__name__ = type_name  # argparse names the type in its error message
+    parse.__name__ = f.type  # argparse names the type in its error message
     return parse
 
 
 def _metavar(type_name: str) -> str:
     base = type_name.split("|")[0].strip()
-    return {"int": "INT", "float": "FLOAT", "str": "STR"}.get(base, "A,B,..." if "tuple" in base
-                                                           else base.upper())
+    if base.startswith("tuple"):
+        return "A,B,..."
+    if base.startswith("list"):
+        base = base[len("list["):].rstrip("]")
+    return {"int": "INT", "float": "FLOAT", "str": "STR"}.get(base, base.upper())
 
 
 def given(ns: argparse.Namespace, index: int) -> dict[str, Any]:
@@ -179,27 +169,113 @@ def given(ns: argparse.Namespace, index: int) -> dict[str, Any]:
     return {k[len(prefix):]: v for k, v in vars(ns).items() if k.startswith(prefix)}
 
 
-def build(cls: type, ns: argparse.Namespace, index: int, base: Any = None) -> Any:
+def build(config: type | str, ns: argparse.Namespace, index: int, base: Any = None) -> Any:
+    """The config instance: ``base`` (or the dataclass's defaults) with what the command line set.
+    Imports the config's module when it is named by ``"module:Class"``."""
     values = dataclasses.asdict(base) if base is not None else {}
     values.update(given(ns, index))
-    return cls(**values)
+    return resolve(config)(**values)
+
+
+# -- commands --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Arg:
+    """A positional argument; ``name`` is the run function's parameter, NAME its metavar."""
+    name: str
+    help: str
+    nargs: str | None = None  # "+": one or more
+    deprecated: str | None = None  # an old option spelling still accepted, e.g. "--run"
+
+
+@dataclass(frozen=True)
+class Config:
+    """A config dataclass whose fields are options: the class, or ``"module:Class"`` for one whose
+    module is heavy (imported only when the command runs)."""
+    ref: type | str
+    title: str | None = None  # the --help group; None: "<Class> options"
+    skip: tuple[str, ...] = ()  # fields left out (another config, or the command, sets them)
+    prefix: str = ""  # options spelled --{prefix}{field}
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand, declared once: its parser comes from ``args`` and ``configs``; calling it
+    with argv parses, builds one instance per config and calls ``run(*positionals, *configs)``."""
+    name: str
+    help: str
+    run: Callable[..., int | None]
+    args: tuple[Arg, ...] = ()
+    configs: tuple[Config, ...] = ()
+    about: str = ""  # more text for `engram CMD --help`
+    reads: tuple[str, ...] = ()  # args / options naming files or folders the command reads
+    writes: tuple[str, ...] = ()  # args / options naming places the command writes
+
+    def parser(self) -> ConfigParser:
+        p = new_parser(f"engram {self.name}", self.help + (f". {self.about}" if self.about else ""))
+        for a in self.args:
+            p.add_argument(a.name, metavar=a.name.upper(), nargs=a.nargs, help=a.help
+                           + (f" ({a.deprecated} {a.name.upper()} still works, deprecated)"
+                              if a.deprecated else ""))
+        for i, c in enumerate(self.configs):
+            add_config(p, c.ref, i, c.title, c.skip, c.prefix)
+        return p
+
+    def options(self) -> set[str]:
+        """Names that ``reads`` / ``writes`` may use: the positionals and every config field."""
+        return {a.name for a in self.args} | {f.name for c in self.configs
+                                               for f in fields_of(c.ref)}
+
+    def __call__(self, argv: Sequence[str]) -> int:
+        p = self.parser()
+        ns = p.parse_args(self._undeprecate(list(argv)))
+        values = [getattr(ns, a.name) for a in self.args]
+        values += [build(c.ref, ns, i) for i, c in enumerate(self.configs)]
+        return self.run(*values) or 0
+
+    def _undeprecate(self, argv: list[str]) -> list[str]:
+        """``--run DIR`` -> ``DIR`` first (the deprecated spelling of the first positional)."""
+        for a in self.args[:1]:
+            old = a.deprecated
+            if old is None:
+                continue
+            for i, tok in enumerate(argv):
+                if tok == old and i + 1 < len(argv) or tok.startswith(f"{old}="):
+                    value = argv[i + 1] if tok == old else tok.split("=", 1)[1]
+                    del argv[i:i + (2 if tok == old else 1)]
+                    print(f"engram {self.name}: warning: {old} is deprecated and goes away in the "
+                          f"next release; give the folder first: engram {self.name} "
+                          f"{a.name.upper()} ...", file=sys.stderr)
+                    return [value, *argv]
+        return argv
+
 
 
 class _Raise(ConfigParser):
-    """Errors as ValueError: for parsing inside the library, not at a prompt."""
+    """Errors as UserError: for parsing inside the library, not at a prompt."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise ValueError(message)
+        raise UserError(message)
 
 
-def parse_overrides(cls: type, argv: Sequence[str], base: Any = None, prog: str | None = None):
+def parse_overrides(cls: type | str, argv: Sequence[str], base: Any = None,
+                    prog: str | None = None):
     """``["--steps=100", "--engram", "false", "--engram_layers=1,3"]`` -> a ``cls`` instance, on top
-    of ``base`` when given. Unknown options raise ValueError naming the closest known one."""
-    parser = _Raise(prog=prog or cls.__name__, allow_abbrev=False, add_help=False)
+    of ``base`` when given. Unknown options raise UserError naming the closest known one."""
+    parser = _Raise(prog=prog or split_ref(cls)[1], allow_abbrev=False, add_help=False)
     add_config(parser, cls, 0)
     ns, rest = parser.parse_known_args(list(argv))
     if rest:
         hint = parser.suggest(rest[0])
-        raise ValueError(f"unknown option {rest[0]!r}" + (f"; {hint}" if hint else "")
-                         + f" (known: --{', --'.join(f.name for f in dataclasses.fields(cls))})")
+        raise UserError(f"unknown option {rest[0]!r}" + (f"; {hint}" if hint else "")
+                        + f" (known: --{', --'.join(f.name for f in fields_of(cls))})")
     return build(cls, ns, 0, base)
+
+
+def field_comments(config: type | str) -> dict[str, str]:
+    """``{field: comment}`` from the config's source (inherited fields included)."""
+    return {f.name: f.comment for f in fields_of(config)}
+
+
+__all__ = ["Arg", "Command", "Config", "ConfigParser", "add_config", "build", "field_comments",
+           "given", "new_parser", "option_names", "parse_overrides", "parse_value"]

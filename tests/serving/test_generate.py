@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engram import EngramConfig, EngramLM, ModelConfig, NgramHasher
-from engram.serving.generate import GenerationConfig, Generator, cli_generate
+from engram.cli import main
+from engram.serving.generate import GenerationConfig, Generator
 from engram.serving.loader import load_dense_state
 from engram.tables.registry import REGISTRY
 from engram.tables.cache import CachedTable
@@ -124,14 +125,14 @@ TINY = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, seq_len=48, batch
 def test_cli_generates_from_a_trained_run_on_every_tier(tmp_path, capsys):
     run = tmp_path / "run"
     train(TrainConfig(out_dir=str(run), steps=1, **TINY), progress=False)
-    base = ["--run", str(run), "--prompt", "In the beginning God created", "--prompt", "And God",
+    base = [str(run), "--prompt", "In the beginning God created", "--prompt", "And God",
             "--max-new-tokens", "6", "--no-stop"]
     outputs = {}
     # memory: the checkpoint's tables; every other tier from table files, behind cache + prefetch
     for tier in [t for t, tt in REGISTRY.items() if tt.missing() is None]:
         extra = ["--cache-fraction", "0.05", "--prefetch"]
         js = tmp_path / f"{tier}.json"
-        assert cli_generate(base + ["--tier", tier, "--json", str(js), *extra]) == 0
+        assert main(["generate", *base, "--tier", tier, "--json", str(js), *extra]) == 0
         result = json.loads(js.read_text())
         assert [len(t) for t in result["tokens"]] == [6, 6]
         outputs[tier] = result["tokens"]
@@ -139,8 +140,10 @@ def test_cli_generates_from_a_trained_run_on_every_tier(tmp_path, capsys):
         assert all(c in printed for c in result["continuations"])
     assert all(o == outputs["memory"] for o in outputs.values()) and len(outputs) >= 6
     assert (run / "tables" / "layer0.table").exists()
-    assert cli_generate(["--run", str(tmp_path / "nope"), "--prompt", "x"]) == 2
-    assert "no checkpoint" in capsys.readouterr().err
+    # the deprecated --run spelling still works, with a warning; a missing run is one line, exit 2
+    assert main(["generate", "--prompt", "x", "--run", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "--run is deprecated" in err and "engram generate: error: no checkpoint" in err
 
 
 def test_nine_model_decodes_like_a_full_recompute():

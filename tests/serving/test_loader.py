@@ -142,7 +142,7 @@ def test_foreign_stale_or_damaged_hot_tier_files_are_refused(runs, tmp_path):
 
 def test_cli_generates_from_a_nine_run_on_the_file_tier(runs, tmp_path, capsys):
     run, *_ = runs["shared"]
-    base = ["--run", str(run), "--max-new-tokens", "6", "--no-stop"]
+    base = [str(run), "--max-new-tokens", "6", "--no-stop"]
     for p in PROMPTS:
         base += ["--prompt", p]
     outputs = {}

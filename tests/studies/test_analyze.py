@@ -89,7 +89,7 @@ def test_analyze_several_seeds_combines_them(runs, tmp_path):
                               **{**TINY, **extra}), progress=False)
     out = tmp_path / "seeds"
     assert main(["analyze", str(runs / "engram"), str(runs / "engram1"), "--baseline",
-                 str(runs / "dense"), str(runs / "dense1"), f"--out_dir={out}", *SMALL]) == 0
+                 f"{runs / 'dense'},{runs / 'dense1'}", f"--out_dir={out}", *SMALL]) == 0
     c = json.loads((out / "analysis.json").read_text())
     assert c["n_seeds"] == 2 and (out / "seeds.png").stat().st_size > 100
     one = [json.loads((out / n / "analysis.json").read_text()) for n in ("engram", "engram1")]

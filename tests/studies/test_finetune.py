@@ -9,10 +9,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from engram.cli import main  # noqa: E402
 from engram.models.hf import engram_runtime  # noqa: E402
 from engram.studies.finetune import (  # noqa: E402
     FinetuneConfig,
-    cli_finetune,
     eval_windows,
     lora_params_per_rank,
     run_finetune,
@@ -85,11 +85,11 @@ def test_same_batches_for_every_method():
 def test_cli_errors_and_help(capsys):
     for argv in (["--no_such_option=1"], ["--lora_rnak", "8"]):
         with pytest.raises(SystemExit) as e:  # argparse's usage error
-            cli_finetune(argv)
+            main(["finetune", *argv])
         assert e.value.code == 2
     assert "did you mean --lora_rank" in capsys.readouterr().err
-    assert cli_finetune(["--methods=engram,full"]) == 2
+    assert main(["finetune", "--methods=engram,full"]) == 2
     with pytest.raises(SystemExit) as e:
-        cli_finetune(["--help"])
+        main(["finetune", "--help"])
     assert e.value.code == 0
     assert "lora_rank" in capsys.readouterr().out

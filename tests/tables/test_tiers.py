@@ -13,6 +13,7 @@ import torch
 from engram import EngramConfig, MemoryTable, NgramHasher, build_engram, rows_per_layer
 from engram.tables.cache import CachedTable, count_rows, hot_rows, zipf_exponent
 from engram.tables.prefetch import PrefetchTable
+from engram.errors import UserError
 from engram.tables.registry import REGISTRY, TIERS, open_parts_on
 from engram.tables.tablefile import table_path, write_table
 from engram.tables.tiers import FileTable, PinnedTable, SharedPool, memory_status
@@ -109,7 +110,7 @@ def test_unknown_or_unavailable_tiers_are_clear_errors(exported, hasher, monkeyp
     with pytest.raises(ValueError, match="tier must be one of .*'memory'.*got 'nvme'"):
         open_parts_on("nvme", exported, CFG, hasher)
     monkeypatch.setenv("PATH", "/nonexistent")  # Mooncake's services are not on this PATH
-    with pytest.raises(RuntimeError, match="'mooncake' cannot open on this machine: "
+    with pytest.raises(UserError, match="'mooncake' cannot open on this machine: "
                                            "mooncake_master not on PATH"):
         open_parts_on("mooncake", exported, CFG, hasher)
 

@@ -40,6 +40,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..errors import UserError
 from ..module import Engram, EngramState, build_engram
 from ..retrieval.compress import Compression, build_compression
 from ..retrieval.config import EngramConfig
@@ -289,7 +290,7 @@ def inject(model: nn.Module, config: EngramConfig, layer_ids: list[int] | None =
         config = config.replace(layer_ids=list(layer_ids))
     bad = [i for i in config.layer_ids if i >= len(layers)]
     if bad:
-        raise ValueError(f"layer_ids {bad} out of range: {type(model).__name__} has {len(layers)} "
+        raise UserError(f"layer_ids {bad} out of range: {type(model).__name__} has {len(layers)} "
                          "decoder layers")
     if compression is None:
         if tokenizer is None:

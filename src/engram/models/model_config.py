@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from ..errors import UserError
 from ..module import GATES
 from ..retrieval.config import EngramConfig
 
@@ -79,26 +80,26 @@ class ModelConfig:
         for name in ("vocab_size", "n_layer", "d_model", "n_head", "max_seq_len", "hc_mult"):
             _positive(name, getattr(self, name))
         if self.d_model % self.n_head:
-            raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
+            raise UserError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
         if (self.d_model // self.n_head) % 2:
-            raise ValueError(f"head dim d_model/n_head={self.d_model // self.n_head} must be even "
+            raise UserError(f"head dim d_model/n_head={self.d_model // self.n_head} must be even "
                              "(RoPE rotates pairs of channels)")
         for name in ("rope_base", "norm_eps", "init_std", "table_init_std"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise UserError(f"{name} must be > 0, got {getattr(self, name)}")
         self.head_cutoffs = tuple(self.head_cutoffs)
         if self.head not in HEADS:
-            raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
+            raise UserError(f"head must be one of {HEADS}, got {self.head!r}")
         if self.head == "adaptive":
             cuts = (0, *self.head_cutoffs, self.vocab_size)
             if len(cuts) < 3 or any(a >= b for a, b in zip(cuts, cuts[1:])):
-                raise ValueError(f"head_cutoffs must increase strictly within (0, vocab_size="
+                raise UserError(f"head_cutoffs must increase strictly within (0, vocab_size="
                                  f"{self.vocab_size}), got {self.head_cutoffs}")
             if self.tie_embeddings:
-                raise ValueError("tie_embeddings needs head='full' (the adaptive head has no "
+                raise UserError("tie_embeddings needs head='full' (the adaptive head has no "
                                  "[V, d] matrix to share)")
             if not self.head_div >= 1:
-                raise ValueError(f"head_div must be >= 1, got {self.head_div}")
+                raise UserError(f"head_div must be >= 1, got {self.head_div}")
         if self.d_ff is None:
             self.d_ff = 32 * math.ceil(8 * self.d_model / 3 / 32)
         _positive("d_ff", self.d_ff)
@@ -106,26 +107,26 @@ class ModelConfig:
             _positive("n_routed_experts", self.n_routed_experts)
             _positive("top_k", self.top_k)
             if self.n_shared_experts < 0:
-                raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
+                raise UserError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
             if self.top_k > self.n_routed_experts:
-                raise ValueError(f"top_k={self.top_k} > n_routed_experts={self.n_routed_experts}")
+                raise UserError(f"top_k={self.top_k} > n_routed_experts={self.n_routed_experts}")
             if self.d_expert is None:
                 self.d_expert = max(1, self.d_ff // (self.n_shared_experts + self.top_k))
             _positive("d_expert", self.d_expert)
             if self.aux_loss_coef < 0:
-                raise ValueError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+                raise UserError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
             if not 0 <= self.first_dense_layers <= self.n_layer:
-                raise ValueError(f"first_dense_layers={self.first_dense_layers} must be in "
+                raise UserError(f"first_dense_layers={self.first_dense_layers} must be in "
                                  f"[0, n_layer={self.n_layer}]")
         if self.engram is not None:
             if not isinstance(self.engram, EngramConfig):
                 raise TypeError(f"engram must be an EngramConfig or None, got {type(self.engram)}")
             bad = [i for i in self.engram.layer_ids if i >= self.n_layer]
             if bad:
-                raise ValueError(f"Engram layer ids {bad} are out of range for n_layer="
+                raise UserError(f"Engram layer ids {bad} are out of range for n_layer="
                                  f"{self.n_layer} (layers are 0-based)")
         if self.engram_gate is not None and self.engram_gate not in GATES:
-            raise ValueError(f"engram_gate must be one of {GATES} or None, "
+            raise UserError(f"engram_gate must be one of {GATES} or None, "
                              f"got {self.engram_gate!r}")
 
     @property
@@ -154,4 +155,4 @@ class ModelConfig:
 
 def _positive(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise UserError(f"{name} must be a positive integer, got {value!r}")

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from ..errors import UserError
+
 PROFILES = ("demo-v1", "v4.1")
 
 # Multiplier seed stride between layers (official code's PRIME_1).
@@ -47,7 +49,7 @@ class EngramConfig:
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
-            raise ValueError(f"profile must be one of {PROFILES}, got {self.profile!r}")
+            raise UserError(f"profile must be one of {PROFILES}, got {self.profile!r}")
         _check_int("max_ngram_size", self.max_ngram_size, minimum=2)
         _check_int("n_head_per_ngram", self.n_head_per_ngram, minimum=1)
         _check_int("n_embed_per_ngram", self.n_embed_per_ngram, minimum=1)
@@ -57,13 +59,13 @@ class EngramConfig:
         if self.compressed_vocab_size is not None:
             _check_int("compressed_vocab_size", self.compressed_vocab_size, minimum=1)
         if self.n_embed_per_ngram % self.n_head_per_ngram:
-            raise ValueError(
+            raise UserError(
                 f"n_embed_per_ngram={self.n_embed_per_ngram} must be divisible by "
                 f"n_head_per_ngram={self.n_head_per_ngram} (each head gets an equal slice)")
         sizes = self.engram_vocab_size
         if isinstance(sizes, (list, tuple)):
             if len(sizes) != self.max_ngram_size - 1:
-                raise ValueError(
+                raise UserError(
                     f"engram_vocab_size has {len(sizes)} entries but orders 2..{self.max_ngram_size} "
                     f"need {self.max_ngram_size - 1} (or pass one int for all orders)")
             for s in sizes:
@@ -73,12 +75,12 @@ class EngramConfig:
             _check_int("engram_vocab_size", sizes, minimum=2)
         ids = self.layer_ids
         if isinstance(ids, int) or not isinstance(ids, (list, tuple)) or not ids:
-            raise ValueError(f"layer_ids must be a non-empty list of layer indices, got {ids!r}")
+            raise UserError(f"layer_ids must be a non-empty list of layer indices, got {ids!r}")
         for i in ids:
             _check_int("layer id", i, minimum=0)
         if len(set(ids)) != len(ids):
             dup = sorted({i for i in ids if list(ids).count(i) > 1})
-            raise ValueError(f"layer_ids must be unique, got {list(ids)} (repeated: {dup})")
+            raise UserError(f"layer_ids must be unique, got {list(ids)} (repeated: {dup})")
         self.layer_ids = [int(i) for i in ids]
 
     # -- derived values ------------------------------------------------------------------------
@@ -146,4 +148,4 @@ def _check_int(name: str, value: Any, minimum: int | None = None) -> None:
         if not (hasattr(value, "__index__") and not isinstance(value, float)):
             raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     if minimum is not None and int(value) < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise UserError(f"{name} must be >= {minimum}, got {value}")

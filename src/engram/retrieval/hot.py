@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import UserError
 from .compress import DEAD
 from .hashing import (
     PARTS,
@@ -51,7 +52,7 @@ def key_bits(hasher: NgramHasher) -> int:
     bits = max(1, (len(hasher.compression) - 1).bit_length())
     n = hasher.config.max_ngram_size
     if bits * n + max(1, (n - 2).bit_length()) > 63:
-        raise ValueError(f"n-grams of order {n} over V'={len(hasher.compression)} do not pack into "
+        raise UserError(f"n-grams of order {n} over V'={len(hasher.compression)} do not pack into "
                          f"an int64 key ({bits} bits per token); use a smaller max_ngram_size")
     return bits
 
@@ -90,11 +91,11 @@ def count_keys(hasher: NgramHasher, tokens: Any, chunk: int = 1 << 20
 def top_keys(counted: list[tuple[np.ndarray, np.ndarray]], n_hot: int) -> torch.Tensor:
     """The n_hot most frequent keys of each order (ties: smaller key first), orders back to back."""
     if n_hot < 0:
-        raise ValueError(f"N_hot must be >= 0, got {n_hot}")
+        raise UserError(f"N_hot must be >= 0, got {n_hot}")
     out = []
     for g, (keys, counts) in enumerate(counted):
         if n_hot > len(keys):
-            raise ValueError(f"N_hot={n_hot} but the training stream has only {len(keys)} distinct "
+            raise UserError(f"N_hot={n_hot} but the training stream has only {len(keys)} distinct "
                              f"n-grams of order {g + 2}; choose N_hot <= {len(keys)}")
         order = np.lexsort((keys, -counts))[:n_hot]
         out.append(keys[order])
@@ -108,7 +109,7 @@ class HotIndex:
     def __init__(self, keys: torch.Tensor, kind: str, bits: int = 16, mphf: Any = None,
                  fingerprints: torch.Tensor | None = None, seed: int = 0):
         if kind not in KINDS:
-            raise ValueError(f"hot index kind must be one of {KINDS}, got {kind!r}")
+            raise UserError(f"hot index kind must be one of {KINDS}, got {kind!r}")
         self.keys = keys  # [n] key of each slot (sorted for "exact")
         self.kind, self.bits, self.mphf, self.seed = kind, int(bits), mphf, int(seed)
         self.fingerprints = fingerprints  # [n] per slot, mphf only
@@ -124,7 +125,7 @@ class HotIndex:
         if kind == "exact" or keys.numel() == 0:
             return cls(torch.sort(keys).values, kind, bits, seed=seed)
         if kind != "mphf":
-            raise ValueError(f"hot index kind must be one of {KINDS}, got {kind!r}")
+            raise UserError(f"hot index kind must be one of {KINDS}, got {kind!r}")
         mphf = build_mphf(keys, engine, gamma=gamma, seed=seed)
         slots = mphf.lookup(keys)
         if bool((slots < 0).any()) or torch.unique(slots).numel() != keys.numel():

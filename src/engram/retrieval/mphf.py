@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import UserError
+
 ENGINES = ("torch", "bbhash")
 
 
@@ -76,7 +78,7 @@ def popcount64(x: torch.Tensor) -> torch.Tensor:
 def fingerprint(keys: torch.Tensor, bits: int, seed: int = 0) -> torch.Tensor:
     """``bits``-bit fingerprints in [0, 2^bits) of int64 keys, independent of the MPHF's hashes."""
     if not 1 <= bits <= 32:
-        raise ValueError(f"fingerprint bits must be in [1, 32], got {bits}")
+        raise UserError(f"fingerprint bits must be in [1, 32], got {bits}")
     return shr(seeded(keys, seed + 0x5EED), 64 - bits)
 
 
@@ -247,7 +249,7 @@ def _import_bbhash():
 
 def build_mphf(keys: torch.Tensor, engine: str = "torch", gamma: float = 2.0, seed: int = 0):
     if engine not in ENGINES:
-        raise ValueError(f"MPHF engine must be one of {ENGINES}, got {engine!r}")
+        raise UserError(f"MPHF engine must be one of {ENGINES}, got {engine!r}")
     return (TorchMPHF if engine == "torch" else BBHashMPHF).build(keys, gamma=gamma, seed=seed)
 
 

@@ -17,24 +17,18 @@ Shape legend: b rows, g rows of one group, L a prompt length, V model vocabulary
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..errors import UserError
 from ..models.model import DecodeCache, EngramLM
 from ..module import EngramState
-from ..options import new_parser
 from ..retrieval.hashing import HashStream, NgramHasher
 from ..tables.prefetch import prefetch_batch
-from ..training.corpus import EOS_TOKEN
-from .loader import TIERS, load_run
 
 
 @dataclass
@@ -54,11 +48,11 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+            raise UserError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+            raise UserError(f"top_k must be >= 1 or None, got {self.top_k}")
         self.stop_ids = tuple(int(i) for i in self.stop_ids)
 
 
@@ -135,10 +129,10 @@ class Generator:
         if cfg.max_new_tokens == 0 or not seqs:
             return out
         if any(len(s) == 0 for s in seqs):
-            raise ValueError("every prompt needs at least one token")
+            raise UserError("every prompt needs at least one token")
         max_len = max(map(len, seqs)) + cfg.max_new_tokens - 1
         if max_len > self.model.config.max_seq_len:
-            raise ValueError(f"prompt + new tokens need {max_len + 1} positions, the model has "
+            raise UserError(f"prompt + new tokens need {max_len + 1} positions, the model has "
                              f"max_seq_len={self.model.config.max_seq_len}")
         self._rng = torch.Generator().manual_seed(cfg.seed)
         self.model.eval()
@@ -254,81 +248,3 @@ def _prompt_lists(prompts: Any, attention_mask: Any) -> list[list[int]]:
     if attention_mask is not None:
         raise ValueError("attention_mask goes with a padded tensor of prompts, not lists")
     return [list(map(int, p)) for p in prompts]
-
-
-class _DefaultsFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
-
-
-def cli_generate(argv: list[str]) -> int:
-    """``engram generate --run DIR --prompt TEXT ...``: print each prompt's continuation."""
-    from ..tables.tablefile import DTYPES
-
-    p = new_parser("engram generate", "Continue prompts with a trained run's model; the tables "
-                   "live on the tier you choose. [default: ...] after each option.")
-    p.formatter_class = _DefaultsFormatter
-    p.add_argument("--run", required=True, help="folder written by `engram train --out_dir`")
-    p.add_argument("--prompt", action="append", required=True,
-                   help="text to continue; repeat for a batch")
-    p.add_argument("--max_new_tokens", "--max-new-tokens", type=int, default=32,
-                   help="tokens to generate per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top_k", "--top-k", type=int, default=None,
-                   help="sample among the k most likely (None: all)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--tier", choices=TIERS, default="memory", help="where the tables live")
-    p.add_argument("--table_dir", "--table-dir", default=None, help="table files (None: RUN/tables)")
-    p.add_argument("--table_dtype", "--table-dtype", choices=sorted(DTYPES), default="fp32",
-                   help="row type of exported table files")
-    p.add_argument("--cache_fraction", "--cache-fraction", type=float, default=0.0,
-                   help="hot cache size as a fraction of each table (file tiers)")
-    p.add_argument("--prefetch", action="store_true", help="gather rows in background threads")
-    p.add_argument("--no_stop", "--no-stop", action="store_true",
-                   help="do not stop at the end-of-text token")
-    p.add_argument("--json", default=None, help="also write tokens and speeds here")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (None: torch's)")
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        served = load_run(args.run, tier=args.tier, table_dir=args.table_dir,
-                          table_dtype=args.table_dtype, cache_fraction=args.cache_fraction,
-                          prefetch=args.prefetch)
-        tok = served.tokenizer
-        eos = tok.token_to_id(EOS_TOKEN)
-        cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               top_k=args.top_k, seed=args.seed,
-                               stop_ids=() if args.no_stop or eos is None else (eos,))
-        gen = Generator(served.model, served.hasher, served.vocab, cfg)
-        room = served.model.config.max_seq_len - max(0, args.max_new_tokens - 1)
-        prompts, known = [], set(served.vocab.tolist())
-        for text in args.prompt:
-            ids = tok.encode(text, add_special_tokens=False).ids
-            unknown = sorted({tok.decode([i]) for i in ids if i not in known})
-            if unknown:
-                raise ValueError(f"prompt {text!r} has tokens the model never saw in training: "
-                                 f"{unknown[:10]}")
-            if len(ids) > room:
-                print(f"engram generate: keeping the last {room} of {len(ids)} prompt tokens "
-                      f"(max_seq_len={served.model.config.max_seq_len})", file=sys.stderr)
-                ids = ids[-room:]
-            prompts.append(ids)
-        out = gen.generate(prompts)
-    except (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError) as e:
-        print(f"engram generate: error: {e}", file=sys.stderr)
-        return 2
-    texts = [tok.decode(t, skip_special_tokens=True) for t in out.tokens]
-    for i, text in enumerate(texts):
-        print(text if len(texts) == 1 else f"[{i}] {text}")
-    print(f"engram generate: {args.tier} tables; prefill {out.prefill_tok_s:.0f} tok/s, decode "
-          f"{out.decode_tok_s:.0f} tok/s ({served.checkpoint.name})", file=sys.stderr)
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "prompts": args.prompt, "continuations": texts, "tokens": out.tokens,
-            "prefill_tok_s": out.prefill_tok_s, "decode_tok_s": out.decode_tok_s,
-            "checkpoint": str(served.checkpoint), "tier": args.tier}))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(cli_generate(sys.argv[1:]))

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InputNotFound, OutputExists, UserError
 from ..files import publish_text
 from ..models.model import EngramLM
 from ..models.model_config import ModelConfig
@@ -80,7 +81,7 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
         raise ValueError("a hot cache needs the training text's row counts")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
-        raise FileExistsError(f"{out} exists and is not an export; refusing to write into it")
+        raise OutputExists(f"{out} exists and is not an export; refusing to write into it")
     out.mkdir(parents=True, exist_ok=True)
     tok = default_tokenizer()
     mc = model.config
@@ -118,21 +119,21 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
 def _check_serving(serving: dict[str, Any]) -> None:
     unknown = sorted(set(serving) - set(SERVING_DEFAULTS))
     if unknown:
-        raise ValueError(f"unknown engram_serving keys {unknown}; known: {sorted(SERVING_DEFAULTS)}")
+        raise UserError(f"unknown engram_serving keys {unknown}; known: {sorted(SERVING_DEFAULTS)}")
     if serving.get("tier", "memory") not in TIERS:
-        raise ValueError(f"engram_serving.tier must be one of {TIERS}, got {serving['tier']!r}")
+        raise UserError(f"engram_serving.tier must be one of {TIERS}, got {serving['tier']!r}")
     if not 0 <= float(serving.get("cache_fraction", 0.0)) < 1:
-        raise ValueError("engram_serving.cache_fraction must be in [0, 1)")
+        raise UserError("engram_serving.cache_fraction must be in [0, 1)")
 
 
 def read_export(out_dir: str | Path, serving: dict[str, Any] | None = None) -> dict[str, Any]:
     """config.json of an export, with ``serving`` overriding its ``engram_serving`` keys."""
     path = Path(out_dir) / "config.json"
     if not path.exists():
-        raise FileNotFoundError(f"no config.json in {out_dir}: write one with `engram export-hf`")
+        raise InputNotFound(f"no config.json in {out_dir}: write one with `engram export-hf`")
     config = json.loads(path.read_text())
     if config.get("engram_format") != FORMAT:
-        raise ValueError(f"{path} is not an engram export (format {config.get('engram_format')!r}, "
+        raise UserError(f"{path} is not an engram export (format {config.get('engram_format')!r}, "
                          f"expected {FORMAT!r})")
     config["engram_serving"] = {**SERVING_DEFAULTS, **config.get("engram_serving", {}),
                                 **(serving or {})}

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import InputNotFound, UserError
 from ..models.model import EngramLM
 from ..retrieval.hashing import Hasher
 from ..tables.registry import TIERS, open_tier  # TIERS: the command line's --tier choices
@@ -54,11 +55,11 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
     from ..training.train import TrainConfig, build_model
 
     if tier not in TIERS:
-        raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        raise UserError(f"tier must be one of {TIERS}, got {tier!r}")
     run_dir = Path(run_dir)
     ckpt = latest_checkpoint(run_dir / "checkpoints") if run_dir.is_dir() else None
     if ckpt is None:
-        raise FileNotFoundError(f"no checkpoint under {run_dir}/checkpoints (train one with "
+        raise InputNotFound(f"no checkpoint under {run_dir}/checkpoints (train one with "
                                 f"`engram train --out_dir={run_dir}`)")
     state, meta, step = load_checkpoint(ckpt)
     cfg = TrainConfig(**meta["config"])

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import UserError
 from ..training.corpus import build_corpus
 from ..training.train import TrainConfig
 from .compare import CompareConfig, budget, counts, run_jobs, variant_configs
@@ -77,7 +78,7 @@ def ablation_configs(base: TrainConfig, vocab: int) -> dict[str, TrainConfig]:
 def run_ablate(ac: AblateConfig, base: TrainConfig | None = None) -> dict[str, Any]:
     unknown = sorted(set(ac.variants) - set(VARIANTS))
     if unknown:
-        raise ValueError(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+        raise UserError(f"unknown variants {unknown}; known: {list(VARIANTS)}")
     out = Path(ac.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     base = budget(base or TrainConfig(), ac)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import UserError
 from .analysis_report import _plt, verdicts
 
 # Retention rows the suppression claim reads (paper: knowledge tasks fall, reading comprehension
@@ -62,7 +63,7 @@ def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError("need at least one analysis")
     layers = {tuple(r["engram_layers"]) for r in results}
     if len(layers) > 1:
-        raise ValueError(f"the runs have Engram at different layers {sorted(layers)}: combine "
+        raise UserError(f"the runs have Engram at different layers {sorted(layers)}: combine "
                          "seeds of one configuration")
     nums = [seed_numbers(r) for r in results]
     n_states = len(nums[0]["states_after"])
@@ -215,11 +216,11 @@ def run_seeds(run_dirs: list[str], baselines: list[str] | None, ac: Any) -> dict
 
     baselines = list(baselines or [])
     if baselines and len(baselines) != len(run_dirs):
-        raise ValueError(f"{len(run_dirs)} runs but {len(baselines)} baselines: pass one dense "
+        raise UserError(f"{len(run_dirs)} runs but {len(baselines)} baselines: pass one dense "
                          "baseline per Engram run (same seed), in the same order")
     names = [Path(r).name for r in run_dirs]
     if len(set(names)) != len(names):
-        raise ValueError(f"runs with the same folder name {names}: their analyses would collide")
+        raise UserError(f"runs with the same folder name {names}: their analyses would collide")
     out = Path(ac.out_dir) if ac.out_dir else Path(run_dirs[0]).parent / "analysis"
     results = [run_analyze(r, baselines[k] if baselines else None,
                            dataclasses.replace(ac, out_dir=str(out / names[k])))

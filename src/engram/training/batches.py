@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from ..errors import UserError
 from ..retrieval.hashing import NgramHasher
 from .corpus import Corpus
 
@@ -39,7 +40,7 @@ def _check_stream(tokens: Any, batch_size: int, seq_len: int) -> np.ndarray:
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
     if len(a) < seq_len + 1:  # a window needs one more token for the last target
-        raise ValueError(f"seq_len={seq_len} needs at least {seq_len + 1} tokens; "
+        raise UserError(f"seq_len={seq_len} needs at least {seq_len + 1} tokens; "
                          f"the stream has {len(a)}")
     return a
 

@@ -16,14 +16,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..errors import UserError
 from ..files import publish, publish_text
 
 LATEST = "latest.json"
 _TENSOR = "__tensor__"
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint on disk is missing, corrupted, or does not fit the run (a UserError: the user
+    can resume elsewhere or remove it; still a RuntimeError for callers that catch that)."""
 
 
 def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:

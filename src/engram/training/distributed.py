@@ -1,6 +1,6 @@
 """Training on several processes: DDP for the dense parameters, row-sharded Engram tables.
 
-    torchrun --nproc-per-node 2 -m engram.training.distributed --steps=300 --batch_size=16 ...
+    torchrun --nproc-per-node 2 -m engram train --steps=300 --batch_size=16 ...
 
 The global batch (``batch_size`` rows of ``TokenBatches.batch(step)``) is split by row across ranks,
 so a run at world size w sees the same tokens as a single-process run and reaches the same losses
@@ -18,7 +18,7 @@ or into a single-process model (:func:`consolidate`).
 Several machines: the same command on each, with a rendezvous and an out_dir on a filesystem every
 node sees (each rank writes its own shard there):
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \
-        --rdzv-id RUN --max-restarts 3 -m engram.training.distributed --out_dir=/shared/runs/x ...
+        --rdzv-id RUN --max-restarts 3 -m engram train --out_dir=/shared/runs/x ...
 
 Faults: every collective has the process-group timeout, so a rank that dies (connection reset) or
 hangs (timeout) makes the others raise :class:`DistributedError` naming the step, instead of
@@ -29,7 +29,6 @@ Shape legend: b global batch rows, b/w rows per rank, t sequence length.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -41,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..errors import UserError
 from ..models.model import EngramLM
-from ..options import add_config, build, new_parser
 from ..retrieval.compress import build_compression
 from ..retrieval.hashing import NgramHasher
 from ..retrieval.primes import rows_per_layer
@@ -101,7 +100,7 @@ def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = Non
     identical across world sizes but not to a single-process ``engram train`` run.
     """
     if cfg.batch_size % d.world:
-        raise ValueError(f"batch_size={cfg.batch_size} (the global batch) must divide evenly over "
+        raise UserError(f"batch_size={cfg.batch_size} (the global batch) must divide evenly over "
                          f"{d.world} ranks")
     if corpus is None:  # rank 0 tokenises and caches; the others then read the cache
         if d.rank == 0:
@@ -123,7 +122,7 @@ def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = Non
         hasher = NgramHasher(ecfg, build_compression()) if ecfg is not None else None
         run = Run(cfg, corpus, hasher, model, None, None)
     else:
-        raise ValueError(f"table_init must be 'replicated' or 'sharded', got {table_init!r}")
+        raise UserError(f"table_init must be 'replicated' or 'sharded', got {table_init!r}")
     run.model.to(d.device)
     # Unhashed: each rank hashes only its own rows of the global batch.
     run.batches = TokenBatches(corpus.train, cfg.batch_size, cfg.seq_len, corpus, seed=cfg.seed)
@@ -302,42 +301,3 @@ def _train(cfg: TrainConfig, d: Dist, corpus: Corpus | None, progress: bool, res
             raise err from e
     bar.close()
     return run
-
-
-def train_parser(prog: str = "engram train") -> argparse.ArgumentParser:
-    """``engram train``'s options: every TrainConfig field, resume, and the torchrun-only ones."""
-    p = new_parser(prog, "Train one language model (dense, MoE or with Engram) on the package "
-                   "corpus. Under torchrun (WORLD_SIZE > 1): DDP + row-sharded tables.")
-    add_config(p, TrainConfig, 0, "TrainConfig options")
-    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
-                   help="continue from the newest checkpoint in out_dir (--no-resume refuses to) "
-                   "[default: True]")
-    d = p.add_argument_group("under torchrun only")
-    d.add_argument("--table_init", "--table-init", choices=("replicated", "sharded"),
-                   default="replicated", help="init every table row on every rank, or each rank "
-                   "only its own rows (tables larger than one machine) [default: replicated]")
-    d.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds any collective may wait before a peer counts as dead or hung "
-                   "[default: 300]")
-    return p
-
-
-def cli_train_distributed(argv: list[str]) -> int:
-    """``engram train`` under torchrun (see :func:`train_parser`)."""
-    ns = train_parser().parse_args(argv)
-    try:
-        cfg = build(TrainConfig, ns, 0)
-        run = train_distributed(cfg, resume=ns.resume, table_init=ns.table_init,
-                                timeout_s=ns.timeout)
-    except (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError) as e:
-        print(f"engram train (rank {os.environ.get('RANK', '?')}): error: {e}", file=sys.stderr)
-        return 2
-    if int(os.environ.get("RANK", 0)) == 0:
-        last = run.history[-1] if run.history else {}
-        print(json.dumps({"out_dir": cfg.out_dir, "step": run.step,
-                          "world_size": int(os.environ.get("WORLD_SIZE", 1)), **last}))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(cli_train_distributed(sys.argv[1:]))

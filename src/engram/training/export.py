@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import InputNotFound, UserError
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import Hasher, NgramHasher
 from ..retrieval.hot import checkpoint_hasher
@@ -81,16 +82,16 @@ def _tables_of(source: Any, hasher: Hasher | None
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         found = latest_checkpoint(folder)
         if found is None:
-            raise FileNotFoundError(f"no checkpoint in {folder}")
+            raise InputNotFound(f"no checkpoint in {folder}")
         path = found
     elif not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path}")
+        raise InputNotFound(f"no checkpoint at {path}")
     state, meta, _ = load_checkpoint(path)
     # The run's TrainConfig says which Engram config built the tables.
     tc = TrainConfig(**meta["config"])
     config = tc.engram_config()
     if config is None:
-        raise ValueError(f"checkpoint {path} is of a model without Engram")
+        raise UserError(f"checkpoint {path} is of a model without Engram")
     hasher = checkpoint_hasher(hasher or _default_hasher(config), state, tc.shared_tables)
     sets = {}
     for lid in hasher.owners:

@@ -42,7 +42,7 @@ def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> Di
                    if k not in os.environ]
         if missing:
             raise DistributedError(f"{', '.join(missing)} not set: launch with torchrun "
-                                   "(torchrun --nproc-per-node N -m engram.training.distributed ...)")
+                                   "(torchrun --nproc-per-node N -m engram train ...)")
         backend = backend or default_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import UserError
 from ..models.layers import AdaptiveHead
 from ..models.model import EngramLM, ModelConfig
 from ..retrieval.compress import Compression, build_compression
@@ -130,13 +131,13 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches",
                      "ckpt_every", "log_every", "seq_len"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup < 0:
-            raise ValueError("need lr > 0, 0 <= min_lr_ratio <= 1 and warmup >= 0")
+            raise UserError("need lr > 0, 0 <= min_lr_ratio <= 1 and warmup >= 0")
         if self.hot_rows < 0:
-            raise ValueError(f"hot_rows must be >= 0, got {self.hot_rows}")
+            raise UserError(f"hot_rows must be >= 0, got {self.hot_rows}")
         if self.nine and not self.engram:
-            raise ValueError("hot_rows / shared_tables need engram=true")
+            raise UserError("hot_rows / shared_tables need engram=true")
 
     @property
     def nine(self) -> bool:

@@ -1,0 +1,29 @@
+"""What the user can fix, told apart from what is a bug.
+
+``UserError`` is raised where input from outside the program is wrong: a config value out of range,
+an unknown tier or source name, a run folder without checkpoints, a path that names no file. The
+command line prints it as one line, ``engram CMD: error: MESSAGE``, and exits 2; every other
+exception is a bug and keeps its traceback. It is a ValueError, so library callers that catch
+ValueError keep working; ``InputNotFound`` and ``OutputExists`` are also the OSErrors they replace.
+
+The foundation layer: imports nothing else of engram, so every layer may raise it.
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """Bad input the user can fix; the message says what was wrong and, where it helps, what to
+    do."""
+
+
+class InputNotFound(UserError, FileNotFoundError):
+    """A file or folder the user named (or a package a source needs) is not there; still a
+    FileNotFoundError for callers that catch that."""
+
+
+class OutputExists(UserError, FileExistsError):
+    """A place the user named for output holds something this command must not overwrite."""
+
+
+__all__ = ["InputNotFound", "OutputExists", "UserError"]
