@@ -59,7 +59,7 @@ def test_the_source_agrees_with_the_class():
 def test_names_are_followed_across_modules_without_importing_them():
     code = ("import sys; from engram.schema import fields_of, constant;"
             "f = {x.name: x for x in fields_of('engram.studies.pool_budget:PoolBudgetConfig')};"
-            "assert f['tiers'].default == constant('engram.studies.pool_budget:TIERS');"
+            "assert f['tiers'].default == constant('engram.studies.pool_budget:DEFAULT_TIERS');"
             "assert constant('engram.tables.tablefile:DTYPES')['fp32'].text.startswith('(torch');"
             "assert 'torch' not in sys.modules and 'engram.studies.pool_budget' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True,
