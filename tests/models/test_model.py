@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import engram
-from engram.models.layers import MoE
+from engram.models.layers import MoE, engram_memory
 from engram.models.model import DecodeCache, EngramLM, ModelConfig, ModelOutput
 
 V, B, T = 97, 2, 12
@@ -129,6 +129,43 @@ def test_cache_reorder_follows_rows():
         last = model(raw[flip, 5:], stream.step(raw[flip, 5:]), cache=cache).logits
         full = model(raw[flip], hash_ids(model, raw[flip])).logits
     torch.testing.assert_close(last, full[:, 5:], atol=1e-5, rtol=1e-5)
+
+
+def reference_attention(q, k, v):
+    """Causal softmax(q k^T / sqrt(e)) v from its definition: q, k, v [b, t, h, e] -> same."""
+    t, e = q.shape[1], q.shape[-1]
+    scores = torch.einsum("bthe,bshe->bhts", q, k) / e ** 0.5
+    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+    return torch.einsum("bhts,bshe->bthe", scores.softmax(dim=-1), v)
+
+
+@pytest.mark.parametrize("name", ["engram_moe_hc", "engram_v41", "dense"])
+def test_blocks_run_the_attention_they_are_given(name):
+    """The attention proper is an argument of the one block forward (what a paged engine swaps)."""
+    model = make(name)
+    raw = raw_batch()
+    ids = hash_ids(model, raw)
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+
+    def memory(i):
+        return engram_memory(ids[i])
+
+    with torch.no_grad():
+        full = model(raw, ids).hidden
+        ref, _, _ = model.trunk(raw, cos, sin, lambda i: reference_attention, memory)
+        # Each position attending to itself alone: position 0 does so in causal attention anyway.
+        own, _, _ = model.trunk(raw, cos, sin, lambda i: lambda q, k, v: v, memory)
+    torch.testing.assert_close(ref, full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(own[:, 0], full[:, 0], atol=1e-6, rtol=0)
+    assert not torch.allclose(own[:, 1:], full[:, 1:], atol=1e-3)
+
+
+def test_engram_block_needs_its_memory():
+    model = make("engram")
+    raw = raw_batch()
+    h = model.embed(raw)
+    with pytest.raises(ValueError, match="memory="):
+        model.blocks[1](h, model.rope_cos[:T], model.rope_sin[:T])
 
 
 @pytest.mark.parametrize("hc_mult", [1, 2])

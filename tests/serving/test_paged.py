@@ -10,7 +10,7 @@ from engine_sim import MiniEngine
 
 from engram import EngramConfig, EngramLM, ModelConfig, NgramHasher
 from engram.serving.generate import GenerationConfig, Generator
-from engram.serving.paged import PagedLM
+from engram.serving.paged import PagedLM, TorchPagedAttention
 from engram.serving.slots import SlotHistory, StepLayout
 
 LOOKUP = np.arange(300) % 250
@@ -60,6 +60,75 @@ def test_paged_greedy_equals_generate(profile, hc_mult, moe):
     while eng.step():
         pass
     assert [r["out"] for r in eng.reqs] == _reference(model, hasher, prompts, 6)
+
+
+def _step(paged, attn, requests, chunks, done, blocks_per_request=8, block_size=4):
+    """One engine step by hand: request requests[j] contributes chunks[j] (raw ids) at positions
+    done[j].., in its own blocks r*blocks_per_request.. in order -> final hidden [n, d]."""
+    raw, pos, slots, starts = [], [], [], [0]
+    for chunk, p0 in zip(chunks, done):
+        pos += range(p0, p0 + len(chunk))
+        raw += chunk
+        starts.append(len(raw))
+    table = torch.stack([torch.arange(r * blocks_per_request, (r + 1) * blocks_per_request)
+                         for r in requests])  # [R, B]
+    for j, r in enumerate(requests):
+        for p in pos[starts[j]:starts[j + 1]]:
+            slots.append(int(table[j, p // block_size]) * block_size + p % block_size)
+    layout = StepLayout(torch.tensor(pos), torch.tensor(starts), table, torch.tensor(slots),
+                        block_size)
+    return paged(torch.tensor(raw), torch.tensor(pos), layout, attn)
+
+
+def _live_model(profile, hc_mult, moe):
+    model, hasher = _model(profile, hc_mult, moe)
+    with torch.no_grad():  # hyper-connections away from their identity start
+        for name, p in model.named_parameters():
+            if "_hc." in name:
+                p.add_(0.3 * torch.randn_like(p))
+    paged = PagedLM(model, hasher, torch.tensor(VOCAB), 300, unknown_id=0)
+    attn = TorchPagedAttention(model.config.n_layer, model.config.n_head, model.config.head_dim)
+    paged.ensure_slots(256)
+    attn.ensure_slots(256)
+    return model, hasher, paged, attn
+
+
+def _full_logits(model, hasher, raw):
+    """EngramLM's own forward over one whole sequence of raw ids -> logits [t, V]."""
+    local = torch.as_tensor(np.searchsorted(VOCAB, raw))[None]  # [1, t] model ids
+    with torch.no_grad():
+        return model(local, hasher.hash(torch.tensor([raw]))).logits[0]
+
+
+@pytest.mark.parametrize("profile,hc_mult,moe", [("demo-v1", 1, False), ("demo-v1", 2, True),
+                                                 ("v4.1", 3, True)])
+def test_flat_batch_equals_each_sequence_alone(profile, hc_mult, moe):
+    """Requests of different lengths, mixed in flat steps (prefill chunks, one-token steps) ==
+    EngramLM.forward on each sequence alone: the paged path runs the model's own layers."""
+    model, hasher, paged, attn = _live_model(profile, hc_mult, moe)
+    prompts = _prompts(4, seed=4)
+    prompts[1] = prompts[1][:1] + prompts[0][:5]  # a one-token first step, then a chunk
+    out = [[] for _ in prompts]
+    done = [0] * len(prompts)
+    for sizes in ([5, 1, 6, 4], [1, 5, 1, 1], [30, 30, 30, 30]):  # step 2: 3 one-token requests
+        chunks = [p[d:d + s] for p, d, s in zip(prompts, done, sizes)]
+        live = [r for r, c in enumerate(chunks) if c]
+        hidden = _step(paged, attn, live, [chunks[r] for r in live], [done[r] for r in live])
+        logits = paged.logits(hidden)[:, VOCAB]  # [n, V] back in model order
+        for r, rows in zip(live, logits.split([len(chunks[r]) for r in live])):
+            out[r].append(rows)
+            done[r] += len(chunks[r])
+    for raw, pieces in zip(prompts, out):
+        torch.testing.assert_close(torch.cat(pieces), _full_logits(model, hasher, raw),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_one_sequence_equals_forward():
+    """A whole sequence in one paged step == EngramLM.forward."""
+    model, hasher, paged, attn = _live_model("demo-v1", 2, True)
+    raw = _prompts(1, seed=5)[0]
+    torch.testing.assert_close(paged.logits(_step(paged, attn, [0], [raw], [0]))[:, VOCAB],
+                               _full_logits(model, hasher, raw), atol=1e-5, rtol=1e-5)
 
 
 def test_prefix_cache_preemption_and_many_requests_in_flight():

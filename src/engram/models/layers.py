@@ -1,5 +1,9 @@
 """Building blocks of the reference LM: RoPE attention, SwiGLU, MoE, hyper-connections, the block.
 
+The block is written once: the attention proper (``Attend``) and the Engram read (``Memory``) come
+in as arguments, so a full forward, a cached decode and a paged serving engine share everything else
+(the structure of nano-vllm, whose models call an attention layer that owns the KV cache).
+
 Shape legend:
     b batch, t new positions (all of them in a full forward, the new ones in a cached decode),
     s cached positions so far + t, d model width, h attention heads, e head dim (d / h),
@@ -11,6 +15,9 @@ parameters created here with ``torch.empty`` are meaningless until it runs.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +42,46 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+class Attend(Protocol):
+    """The attention proper, bound to one layer and one step by whoever keeps the keys and values:
+    q, k, v [b, t, h, e] (projected, RoPE applied) -> [b, t, h, e]. :func:`causal_attention` for a
+    full forward, :class:`CacheAttention` for a contiguous decode cache, a paged engine's own
+    (serving/paged.py); the block around it (norms, projections, RoPE, residuals) is shared."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal self-attention over the t positions given, nothing cached: [b, t, h, e] -> same."""
+    q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [b, h, t, e]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)  # [b, t, h, e]
+
+
+@dataclass
+class CacheAttention:
+    """Causal attention continuing a preallocated cache: ``keys``, ``values`` [b, h, max_len, e]
+    hold positions < pos; the new ones are written in place at pos..pos+t-1."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    pos: int
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        pos, t = self.pos, q.shape[1]
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [b, h, t, e]
+        self.keys[:, :, pos:pos + t] = k
+        self.values[:, :, pos:pos + t] = v
+        k, v = self.keys[:, :, :pos + t], self.values[:, :, :pos + t]  # [b, h, s, e]
+        mask = None
+        if t > 1:
+            # New query i sits at pos+i and may see every key up to and including itself.
+            qpos = torch.arange(pos, pos + t, device=q.device)[:, None]
+            mask = qpos >= torch.arange(pos + t, device=q.device)[None, :]  # [t, s]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)  # [b,t,h,e]
+
+
 class Attention(nn.Module):
-    """Causal multi-head self-attention with RoPE and an optional preallocated KV cache."""
+    """Multi-head self-attention with RoPE; the attention proper (and any KV cache) is passed in."""
 
     def __init__(self, dim: int, n_head: int):
         super().__init__()
@@ -45,30 +90,13 @@ class Attention(nn.Module):
         self.proj = Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, pos: int = 0) -> torch.Tensor:
-        """x [b, t, d] at positions pos..pos+t-1 -> [b, t, d].
-
-        ``kv`` = (keys, values) [b, h, max_len, e] holding positions < pos; the new ones are written
-        in place at pos..pos+t-1.
-        """
+                attend: Attend = causal_attention) -> torch.Tensor:
+        """x [b, t, d] at the positions of cos, sin [t, e/2] -> [b, t, d]."""
         b, t, _ = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_head, self.head_dim).unbind(2)  # [b, t, h, e]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [b, h, t, e]
-        if kv is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            k_cache, v_cache = kv
-            k_cache[:, :, pos:pos + t] = k
-            v_cache[:, :, pos:pos + t] = v
-            k, v = k_cache[:, :, :pos + t], v_cache[:, :, :pos + t]  # [b, h, s, e]
-            mask = None
-            if t > 1:
-                # New query i sits at pos+i and may see every key up to and including itself.
-                qpos = torch.arange(pos, pos + t, device=x.device)[:, None]
-                mask = qpos >= torch.arange(pos + t, device=x.device)[None, :]  # [t, s]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.proj(y.transpose(1, 2).reshape(b, t, self.dim))  # [b, t, d]
+        y = attend(q, k, v)  # [b, t, h, e]
+        return self.proj(y.reshape(b, t, self.dim))  # [b, t, d]
 
 
 # -- feed-forward ----------------------------------------------------------------------------------
@@ -180,8 +208,30 @@ class HyperConnection(nn.Module):
 
 
 # -- the block -------------------------------------------------------------------------------------
+class Memory(Protocol):
+    """How a block's Engram layer reads, bound to one layer and one step: (engram, h [b, t, (m,) d])
+    -> (Y like h, alpha [b, t, m] or None). The reference model reads a batch from hash ids and its
+    decode state (:func:`engram_memory`); a paged engine per request, from its slots."""
+
+    def __call__(self, engram: Engram, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ...
+
+
+def engram_memory(ids: torch.Tensor, state: EngramState | None = None,
+                  return_gate: bool = False) -> Memory:
+    """Read a layer's rows for hash ids [b, t, H], continuing ``state`` (a cached decode)."""
+    def read(engram: Engram, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        y = engram(h, ids, state=state, return_gate=return_gate)
+        return y if return_gate else (y, None)
+    return read
+
+
 class Block(nn.Module):
-    """[Engram ->] attention -> FFN/MoE, each added to the residual stream (or its m branches)."""
+    """[Engram ->] attention -> FFN/MoE, each added to the residual stream (or its m branches).
+
+    The one forward of a block: the full forward, a cached decode and a paged serving engine all run
+    it, each passing the attention proper (:class:`Attend`) and the Engram read (:class:`Memory`)
+    that fit how it keeps its history."""
 
     def __init__(self, dim: int, n_head: int, ffn: nn.Module, *, norm_eps: float = 1e-5,
                  engram: Engram | None = None, hc_mult: int = 1, index: int = 0):
@@ -196,19 +246,19 @@ class Block(nn.Module):
         self.ffn_hc = HyperConnection(hc_mult, 2 * index + 1) if hc_mult > 1 else None
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ids: torch.Tensor | None = None, *,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, pos: int = 0,
-                state: EngramState | None = None, return_gate: bool = False):
-        """h [b, t, d] (or [b, t, m, d]) -> (h, aux loss or None, alpha [b, t, m] or None)."""
+                attend: Attend = causal_attention, memory: Memory | None = None):
+        """h [b, t, d] (or [b, t, m, d]) at the positions of cos, sin [t, e/2]
+        -> (h, aux loss or None, alpha [b, t, m] or None)."""
         gate = None
         if self.engram is not None:
+            if memory is None:
+                raise ValueError("this block has an Engram layer: pass memory= (how it reads its "
+                                 "rows, e.g. engram_memory(hash_ids))")
             # Paper 2.1: H <- H + Y, before attention and FFN; with m branches (2.4) Y is [b,t,m,d].
-            y = self.engram(h, ids, state=state, return_gate=return_gate)
-            if return_gate:
-                y, gate = y
+            y, gate = memory(self.engram, h)
             h = h + y
         x = h if self.attn_hc is None else self.attn_hc.read(h)  # [b, t, d]
-        y = self.attn(self.attn_norm(x), cos, sin, kv, pos)
+        y = self.attn(self.attn_norm(x), cos, sin, attend)
         h = h + y if self.attn_hc is None else self.attn_hc.write(h, y)
         x = h if self.ffn_hc is None else self.ffn_hc.read(h)  # [b, t, d]
         aux = None

@@ -11,6 +11,10 @@ With hyper-connections (hc_mult = m > 1) H is m branches and each "+" is a hyper
 Hash ids are computed outside (data loader, serving engine) from raw token ids; the model never
 hashes, so the tables' rows are known, and can be prefetched, before the forward pass.
 
+``EngramLM.trunk`` is the one path from tokens to final hidden states: ``forward`` runs it with
+full causal attention or a ``DecodeCache``, a paged serving engine (serving/paged.py) with its own
+attention and Engram history.
+
 Shape legend:
     b batch, t new positions, d model width, m residual branches, V model vocabulary,
     H hash heads per Engram layer, h attention heads, e head dim.
@@ -30,7 +34,8 @@ from torch import nn
 from ..gemm import Linear
 from ..module import Engram, EngramState, build_engram
 from ..tables.store import TableStore
-from .layers import AdaptiveHead, Block, MoE, SwiGLU, rope_tables
+from .layers import (AdaptiveHead, Attend, Block, CacheAttention, Memory, MoE, SwiGLU,
+                     causal_attention, engram_memory, rope_tables)
 from .model_config import ModelConfig
 from .surgery import fix_gate, share_key
 
@@ -67,6 +72,10 @@ class DecodeCache:
     @property
     def max_len(self) -> int:
         return self.keys[0].shape[2]
+
+    def attention(self, layer: int) -> CacheAttention:
+        """Layer ``layer``'s attention for the next forward: continues at ``pos``."""
+        return CacheAttention(self.keys[layer], self.values[layer], self.pos)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` (beam search, batch compaction)."""
@@ -183,20 +192,39 @@ class EngramLM(nn.Module):
         cache advances by t. ``hash_ids`` then hold the new tokens' ids only (``HashStream.step``).
         """
         self._check_inputs(tokens, hash_ids, cache)
-        b, t = tokens.shape
-        m = self.config.hc_mult
+        t = tokens.shape[1]
         pos = 0 if cache is None else cache.pos
         cos, sin = self.rope_cos[pos:pos + t], self.rope_sin[pos:pos + t]  # [t, e/2]
+
+        def attention(i: int) -> Attend:
+            return causal_attention if cache is None else cache.attention(i)
+
+        def memory(i: int) -> Memory:
+            state = None if cache is None else cache.engram.get(i)
+            return engram_memory(hash_ids[i], state, return_gate=return_gates)
+
+        hidden, aux, gates = self.trunk(tokens, cos, sin, attention, memory)
+        if cache is not None:
+            cache.pos += t
+        return ModelOutput(hidden, aux, gates if return_gates else None, self.logits)
+
+    def trunk(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              attention: Callable[[int], Attend], memory: Callable[[int], Memory]
+              ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """tokens [b, t] at the positions of cos, sin [t, e/2] -> (final hidden [b, t, d], aux loss,
+        {layer: alpha [b, t, m]} where the Engram reads returned one). Layer i attends with
+        ``attention(i)`` and reads its Engram rows with ``memory(i)``: ``forward`` passes the
+        reference's (full, or from a ``DecodeCache``), a paged engine its own (serving/paged.py)."""
+        b, t = tokens.shape
+        m = self.config.hc_mult
         h = self.embed(tokens)  # [b, t, d]
         if m > 1:
             h = h.unsqueeze(2).expand(b, t, m, h.shape[-1]).contiguous()  # [b, t, m, d] copies
         aux = h.new_zeros(())
         gates = {}
         for i, block in enumerate(self.blocks):
-            kv = None if cache is None else (cache.keys[i], cache.values[i])
-            state = None if cache is None else cache.engram.get(i)
-            ids = None if block.engram is None else hash_ids[i]
-            h, a, g = block(h, cos, sin, ids, kv=kv, pos=pos, state=state, return_gate=return_gates)
+            read = None if block.engram is None else memory(i)
+            h, a, g = block(h, cos, sin, attention(i), read)
             if a is not None:
                 aux = aux + a
             if g is not None:
@@ -205,9 +233,7 @@ class EngramLM(nn.Module):
             # Branches are summed in the HC paper; the mean is the same after RMSNorm (up to eps)
             # and makes an m-branch model at init exactly the plain-residual one.
             h = h.mean(dim=2)  # [b, t, d]
-        if cache is not None:
-            cache.pos += t
-        return ModelOutput(self.norm(h), aux, gates if return_gates else None, self.logits)
+        return self.norm(h), aux, gates
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> logits [..., V] (log-probabilities with the adaptive head)."""

@@ -3,10 +3,12 @@ slots (serving/slots.py), attention supplied by the engine.
 
 ``PagedLM`` runs one engine step: raw token ids of all scheduled tokens -> final hidden states. It
 hashes every token's suffix n-grams from the slot history before the first layer (so a tier with
-prefetch starts gathering all layers' rows at once), runs each block on the flat batch, and runs
-each Engram layer per request group, continuing its short conv from the slots. Attention is a
-callable: vLLM's paged ``Attention`` in the plugin, :class:`TorchPagedAttention` (a plain torch
-paged KV) in tests, so everything here is tested without an engine.
+prefetch starts gathering all layers' rows at once), then runs the reference model's own layers
+(``EngramLM.trunk``: embedding, blocks, final norm) on the flat batch as one [1, n] sequence,
+passing in what differs: the attention proper, the engine's paged attention (vLLM's ``Attention``
+in the plugin, :class:`TorchPagedAttention`, a plain torch paged KV, in tests, so everything here is
+tested without an engine), and the Engram read, per request group with the short conv continued
+from the slots.
 
 Vocabulary: the engine samples tokenizer ids, the model was trained on a restricted vocabulary;
 inputs are mapped raw -> model ids and the logits are scattered back to the tokenizer's ids (-inf
@@ -25,15 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.layers import MoE, apply_rope
+from ..models.layers import Attend, Memory
 from ..models.model import EngramLM
 from ..module import Engram, EngramState
 from ..retrieval.hashing import NgramHasher
 from ..tables.prefetch import prefetch_batch
 from .slots import SlotHistory, StepLayout
 
-# attend(layer, q, k, v, layout) with q, k, v [n, h, e] -> [n, h, e]
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "StepLayout | None"], torch.Tensor]
+# The engine's attention: attend(layer, q, k, v, layout) with q, k, v [n, h, e] -> [n, h, e]
+PagedAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "StepLayout | None"],
+                       torch.Tensor]
 
 
 class PagedLM(nn.Module):
@@ -66,30 +69,23 @@ class PagedLM(nn.Module):
     # -- one engine step ---------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, raw: torch.Tensor, positions: torch.Tensor, layout: StepLayout | None,
-                attend: Attend) -> torch.Tensor:
+                attend: PagedAttend) -> torch.Tensor:
         """raw ids [n], positions [n] -> final hidden [n, d]. ``layout`` None (an engine's dummy
         or profiling run): every token is its own one-token request and no history is kept."""
-        lm, m = self.lm, self.lm.config.hc_mult
+        lm = self.lm
         ids = self.hash(raw, layout)  # {layer: [n, H]}
         if ids:
             prefetch_batch(lm, {k: v[None] for k, v in ids.items()})  # [1, n, H]: all layers now
-        h = lm.embed(self.to_local(raw))[None]  # [1, n, d]
-        if m > 1:
-            h = h.unsqueeze(2).expand(*h.shape[:2], m, h.shape[-1]).contiguous()  # [1, n, m, d]
         cos, sin = lm.rope_cos[positions], lm.rope_sin[positions]  # [n, e/2]
-        for i, block in enumerate(lm.blocks):
-            if block.engram is not None:  # paper 2.1: H <- H + Y before attention
-                h = h + self._engram(i, block.engram, h[0], ids[i], layout)[None]
-            x = h if block.attn_hc is None else block.attn_hc.read(h)  # [1, n, d]
-            y = self._attention(i, block.attn, block.attn_norm(x), cos, sin, layout, attend)
-            h = h + y if block.attn_hc is None else block.attn_hc.write(h, y)
-            x = h if block.ffn_hc is None else block.ffn_hc.read(h)
-            y = block.ffn(block.ffn_norm(x))
-            y = y[0] if isinstance(block.ffn, MoE) else y  # (y, aux): no aux loss when serving
-            h = h + y if block.ffn_hc is None else block.ffn_hc.write(h, y)
-        if m > 1:
-            h = h.mean(dim=2)  # [1, n, d], as EngramLM.forward
-        return lm.norm(h)[0]
+
+        def attention(i: int) -> Attend:  # the engine's paged attention in the model's block
+            return lambda q, k, v: attend(i, q[0], k[0], v[0], layout)[None]  # [1, n, h, e]
+
+        def memory(i: int) -> Memory:  # Engram per request group, its conv context from the slots
+            return lambda engram, h: (self._engram(i, engram, h[0], ids[i], layout)[None], None)
+
+        hidden, _, _ = lm.trunk(self.to_local(raw)[None], cos, sin, attention, memory)  # [1, n, d]
+        return hidden[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [k, d] -> logits over the tokenizer's ids [k, W]."""
@@ -123,14 +119,6 @@ class PagedLM(nn.Module):
             past = self.tokens.read(layout.slots_before_tokens(depth))  # [n, N-1]
         windows = torch.cat([past, raw[:, None]], dim=1)  # [n, N]
         return {k: v[:, -1] for k, v in self.hasher.hash(windows).items()}  # last position
-
-    def _attention(self, i: int, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, layout: StepLayout | None, attend: Attend) -> torch.Tensor:
-        n = x.shape[1]
-        q, k, v = attn.qkv(x).view(1, n, 3, attn.n_head, attn.head_dim).unbind(2)  # [1, n, h, e]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = attend(i, q[0], k[0], v[0], layout)  # [n, h, e]
-        return attn.proj(y.reshape(1, n, attn.dim))
 
     def _engram(self, i: int, engram: Engram, h: torch.Tensor, ids: torch.Tensor,
                 layout: StepLayout | None) -> torch.Tensor:
