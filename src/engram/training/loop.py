@@ -18,6 +18,17 @@ What differs between ways of training is passed in as small objects, not subclas
   of (seed, i), so a resumed run gets exactly the batches it would have had.
 
 Step, evaluation and clipping exist only here (clipping's arithmetic in ``optim.clip_grad_norm_``).
+
+Where later changes plug in, one place each:
+- device, precision, compile: batches reach the device in ``Ranks.cut``; the one training forward
+  and backward is the ``sync_grads`` block of :func:`train_step` (autocast there and in
+  :func:`evaluate`, a grad scaler's ``scale`` before ``backward``, ``unscale_`` before
+  ``ranks.clip``, its ``step`` where ``run.optim.step()`` is); ``Ranks.forward_module`` is the one
+  module a training forward runs through (compile it there).
+- a non-finite loss or gradient: :func:`train_step` holds the step's loss and the global grad
+  norm ``ranks.clip`` returns, before ``run.optim.step()``; SIGINT/SIGTERM: the head of
+  :func:`fit`'s loop, then ``Hook.end`` (``SaveCheckpoints`` saving a step it has not saved).
+- memory-mapped token shards: ``run.batches`` (a :class:`BatchSource`) and :func:`validation`.
 """
 
 from __future__ import annotations
