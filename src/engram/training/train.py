@@ -228,8 +228,6 @@ def _state(run: Run) -> dict[str, Any]:
     return state
 
 
-
-
 def _load_hot_index(run: Run, state: dict[str, Any]) -> None:
     if "hot_index" in state:  # the saved hot tier is the one the hot rows were trained for
         from ..retrieval.hot import HotIndex
