@@ -66,3 +66,56 @@ def test_small_study_writes_everything(tmp_path):
                                         "3_nine_flips_earlier", "4_gate_mismatch"}
     with pytest.raises(ValueError, match="hot_rows"):
         study_configs(base, NineStudyConfig(total_rows=500, hot_rows=(600,)))
+
+
+_KILLED_RUN = """
+import json, sys, torch
+from engram.studies.nine import train_and_watch
+from engram.training.train import TrainConfig
+torch.set_num_threads(1)
+cfg = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v
+                     for k, v in json.loads(sys.argv[1]).items()})
+train_and_watch(cfg, int(sys.argv[2]), 5)
+"""
+
+
+def test_killed_nine_run_resumes_to_the_same_numbers(tmp_path):
+    """A real SIGKILL mid-run; train_and_watch run again resumes from the last checkpoint (its
+    tier history included) and ends with the uninterrupted run's numbers, every one."""
+    import dataclasses
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from engram.studies.nine import train_and_watch
+    from engram.training.checkpoint import CheckpointError
+    from engram.training.loop import restore
+    from engram.training.train import FileCheckpoints, build_run
+
+    sc = NineStudyConfig(steps=12, batch_size=4, seq_len=32, eval_every=1, eval_batches=2,
+                         total_rows=500, hot_rows=(100,), small_rows=300, large_rows=800,
+                         engram_layers=(0, 1), n_embed_per_ngram=32)
+    base = TrainConfig(max_chars=30_000, n_layer=2, d_model=32, n_head=2)
+    cfg = study_configs(budget(base, sc), sc)["nine-100/400"]
+    killed = dataclasses.replace(cfg, out_dir=str(tmp_path / "killed"))
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_RUN, json.dumps(killed.to_dict()), "100"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    ptr, deadline = tmp_path / "killed" / "checkpoints" / "latest.json", time.time() + 300
+    while time.time() < deadline and not (ptr.exists() and json.loads(ptr.read_text())["step"] >= 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    run = build_run(killed)
+    assert restore(run, FileCheckpoints(killed.out_dir))
+    assert 3 <= run.step < sc.steps, "the run was not killed mid-way"
+    assert [h["step"] for h in run.history] == list(range(run.step + 1))  # its records so far
+    with pytest.raises(CheckpointError, match="ref_hot_rows"):  # measured with other hot positions
+        train_and_watch(killed, 50, 5)
+    resumed = train_and_watch(killed, 100, 5)
+    whole = train_and_watch(dataclasses.replace(cfg, out_dir=str(tmp_path / "whole")), 100, 5)
+    assert [h["step"] for h in whole["history"]] == list(range(sc.steps + 1))
+    assert resumed["history"] == whole["history"]
+    assert resumed["final"] == whole["final"]

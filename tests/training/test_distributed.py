@@ -157,6 +157,27 @@ def test_world_2_checkpoint_loads_in_one_process(killed, reference, tmp_path, co
         consolidate(tmp_path / "bad", tmp_path / "bad1")
 
 
+def test_torchrun_and_one_process_run_the_same_loop(tmp_path, corpus):
+    """Both go through loop.fit with the same hooks: records at the same steps with the same keys,
+    the same schedule and token counts, validation where train.py has it (the full sweep at the
+    end), checkpoints at the same steps; the losses agree up to summation order."""
+    kw = dict(steps=5, grad_accum=2, log_every=2, eval_every=3, ckpt_every=2, final_eval_full=True)
+    one = train(_cfg(tmp_path / "one", **kw), corpus, progress=False).history
+    spawn_local(_train_worker, 2, _cfg(tmp_path / "two", **kw), corpus)
+    two = _metrics(tmp_path / "two")
+    assert [r["step"] for r in one] == [2, 4, 5]  # every log_every, and the last
+    assert [sorted(r) for r in two] == [sorted(r) for r in one]
+    assert [(r["lr"], r["tokens"]) for r in two] == [(r["lr"], r["tokens"]) for r in one]
+    _assert_same_run(two, one)
+    assert "val_loss" in one[-1] and "val_loss" not in one[0]  # eval_every 3: only the last
+    assert json.loads((tmp_path / "two" / "checkpoints" / "latest.json").read_text())["step"] == 5
+    assert latest_distributed(tmp_path / "two")[1]["world"] == 2
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").glob("step_*")) == [
+        "step_00000004", "step_00000005"]  # as train.py's: every 2 and the last, 2 kept
+    assert sorted(p.name for p in (tmp_path / "one" / "checkpoints").glob("step_*")) == [
+        "step_00000004.safetensors", "step_00000005.safetensors"]
+
+
 @pytest.mark.slow
 def test_hung_rank_times_out_with_a_clear_error(tmp_path):
     msg, elapsed = _fail_one_rank(tmp_path / "run", "hang", timeout=5.0)

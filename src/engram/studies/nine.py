@@ -31,8 +31,11 @@ from ..errors import UserError
 from ..retrieval.hot import build_hot_index, ngram_keys
 from ..retrieval.primes import prime_table_sizes
 from ..training.batches import val_batches
+from ..training.checkpoint import CheckpointError
 from ..training.corpus import build_corpus
-from ..training.train import TrainConfig, build_run, lr_at, train_step
+from ..training.hooks import SaveCheckpoints
+from ..training.loop import Run, fit, restore
+from ..training.train import FileCheckpoints, TrainConfig, build_run
 from .compare import budget
 
 
@@ -158,27 +161,57 @@ def _eval_set(run, cfg: TrainConfig, ref_rows: int, max_batches: int | None):
     return batches, hot
 
 
-def train_and_watch(cfg: TrainConfig, ref_rows: int, bins: int, corpus=None) -> dict[str, Any]:
-    """Train one configuration; evaluate tiers every ``cfg.eval_every`` steps and at the end."""
-    run = build_run(cfg, corpus if corpus is not None else build_corpus(cfg.data_config()))
-    batches, hot = _eval_set(run, cfg, ref_rows, cfg.eval_batches)
-    history = [{"step": 0, **evaluate_tiers(run, batches, hot)}]
-    t0, losses = time.perf_counter(), []
-    while run.step < cfg.steps:
-        run.optim.set_lr(lr_at(run.step, cfg))
-        losses.append(train_step(run))
-        run.step += 1
+class WatchTiers:
+    """loop.Hook: the tier evaluation at step 0, every cfg.eval_every steps and at the last, as
+    run.history (with the mean training loss since the previous one); seconds spent training."""
+
+    def __init__(self, batches: list, hot: list[torch.Tensor], settings: dict[str, Any]):
+        self.batches, self.hot, self.settings = batches, hot, settings
+
+    def start(self, run: Run) -> None:
+        if run.step == 0:
+            run.history = [{"step": 0, **evaluate_tiers(run, self.batches, self.hot)}]
+            run.hook_state["watch"] = {"settings": self.settings, "train_s": 0.0}
+        saved = run.hook_state.get("watch", {}).get("settings")
+        if saved != self.settings:  # records measured otherwise cannot continue this history
+            what = f"was watched with {saved}" if saved else "is not a study-nine run's"
+            raise CheckpointError(f"the checkpoint in {run.cfg.out_dir} {what}, not "
+                                  f"{self.settings}; use another --out_dir")
+        self.t0, self.before = time.perf_counter(), run.hook_state["watch"]["train_s"]
+
+    def after_step(self, run: Run, lr: float, loss: float) -> None:
+        cfg = run.cfg
         if run.step % cfg.eval_every == 0 or run.step == cfg.steps:
-            history.append({"step": run.step, "train_loss": sum(losses) / len(losses),
-                            **evaluate_tiers(run, batches, hot)})
-            losses = []
-    train_s = time.perf_counter() - t0
+            steps, summed = run.window
+            run.history.append({"step": run.step, "train_loss": summed / steps,
+                                **evaluate_tiers(run, self.batches, self.hot)})
+            run.window = (0, 0.0)
+        run.hook_state["watch"]["train_s"] = self.before + time.perf_counter() - self.t0
+
+    def end(self, run: Run) -> None:
+        pass
+
+
+def train_and_watch(cfg: TrainConfig, ref_rows: int, bins: int, corpus=None) -> dict[str, Any]:
+    """Train one configuration; evaluate tiers every ``cfg.eval_every`` steps and at the end.
+
+    Checkpoints in cfg.out_dir at every evaluation (only the newest kept): a killed run, run
+    again, resumes from its last one to the same numbers.
+    """
+    run = build_run(cfg, corpus if corpus is not None else build_corpus(cfg.data_config()))
+    checkpoints = FileCheckpoints(cfg.out_dir, keep=1)
+    restore(run, checkpoints)
+    batches, hot = _eval_set(run, cfg, ref_rows, cfg.eval_batches)  # the restored hot tier's
+    watch = WatchTiers(batches, hot, {"ref_hot_rows": ref_rows, "eval_batches": cfg.eval_batches,
+                                      "steps": cfg.steps, "eval_every": cfg.eval_every})
+    fit(run, [watch, SaveCheckpoints(checkpoints, min(cfg.ckpt_every, cfg.eval_every))])
     full_b, full_h = _eval_set(run, cfg, ref_rows, None if cfg.final_eval_full else cfg.eval_batches)
     final = evaluate_tiers(run, full_b, full_h, bins)
     from ..models.nine_model import nine_param_counts
 
-    return {"history": history, "final": final, "params": nine_param_counts(run.model),
-            "train_s": train_s, "tokens": cfg.steps * cfg.batch_size * cfg.seq_len,
+    return {"history": run.history, "final": final, "params": nine_param_counts(run.model),
+            "train_s": run.hook_state["watch"]["train_s"],
+            "tokens": cfg.steps * cfg.batch_size * cfg.seq_len,
             "hot_index_bytes": run.hasher.index.nbytes()}
 
 

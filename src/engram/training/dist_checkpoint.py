@@ -27,7 +27,15 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .process_group import Dist
-from .train import Run, TrainConfig, build_run, check_same_config, save
+from .train import (
+    Run,
+    TrainConfig,
+    build_run,
+    check_same_config,
+    checkpoint_meta,
+    load_position,
+    save,
+)
 
 LATEST = "latest.json"
 
@@ -66,9 +74,8 @@ def save_distributed(run: Run, d: Dist, keep: int = 2) -> Path:
     dist.all_gather_object(shards, (name, _sha256(step_dir / name)), group=d.control)
     if d.rank == 0:
         shutil.rmtree(step_dir / "dense", ignore_errors=True)
-        save_checkpoint(step_dir / "dense", run.step, _dense_state(run),
-                        {"config": run.cfg.to_dict(), "history": run.history,
-                         "window": list(run.window)}, keep=0)
+        save_checkpoint(step_dir / "dense", run.step, _dense_state(run), checkpoint_meta(run),
+                        keep=0)
         publish_text(root / LATEST, json.dumps(
             {"step": run.step, "dir": step_dir.name, "world": d.world, "shards": shards}))
         for old in sorted(root.glob("step_*"))[:-keep]:
@@ -133,8 +140,24 @@ def load_distributed(run: Run, step_dir: Path, info: dict, check_config: bool = 
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(f"checkpoint {step_dir} does not fit this model: {e}") from e
     torch.set_rng_state(state["rng"])
-    run.step, run.history = step, meta["history"]
-    run.window = tuple(meta.get("window", (0, 0.0)))
+    load_position(run, meta, step)
+
+
+class ShardedCheckpoints:
+    """:class:`loop.Checkpoints` of a torchrun job in out_dir/checkpoints; every rank calls each
+    method (saving is collective)."""
+
+    def __init__(self, d: Dist, out_dir: str | Path, keep: int = 2):
+        self.d, self.out_dir, self.keep = d, out_dir, keep
+
+    def latest(self) -> tuple[Path, dict] | None:
+        return latest_distributed(self.out_dir)
+
+    def load(self, run: Run, found: tuple[Path, dict]) -> None:
+        load_distributed(run, *found)
+
+    def save(self, run: Run) -> Path:
+        return save_distributed(run, self.d, self.keep)
 
 
 def consolidate(src_out_dir: str | Path, dst_out_dir: str | Path) -> Path:

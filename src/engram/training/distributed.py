@@ -7,6 +7,8 @@ so a run at world size w sees the same tokens as a single-process run and reache
 (up to float summation order). The dense parameters are replicated and averaged by DDP; each Engram
 table is a :class:`engram.tables.sharded.ShardedTable`, one slice of rows per rank, with its RowAdam state
 local to the shard (spec section 4: sharded by row, active rows exchanged by all-to-all).
+The loop, its records and checkpoint schedule are ``loop.fit``'s, as for ``engram train``; this
+file supplies :class:`DataParallel`, this rank's part of a step (``loop.Ranks``).
 
 Checkpoints (``out_dir/checkpoints``), one directory per save, published by ``latest.json`` only
 once every rank's file is on disk, so a run killed at any moment resumes from a complete one:
@@ -29,12 +31,8 @@ Shape legend: b global batch rows, b/w rows per rank, t sequence length.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import time
-from contextlib import nullcontext
-from pathlib import Path
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -46,17 +44,20 @@ from ..retrieval.compress import build_compression
 from ..retrieval.hashing import NgramHasher
 from ..retrieval.primes import rows_per_layer
 from ..tables.sharded import ShardedTable
-from .batches import Batch, TokenBatches, val_batches
+from .batches import Batch, TokenBatches
 from .checkpoint import CheckpointError
 from .corpus import Corpus, build_corpus
 from .dist_checkpoint import (  # noqa: F401
     LATEST,
+    ShardedCheckpoints,
     consolidate,
     latest_distributed,
     load_distributed,
     save_distributed,
 )
-from .optim import Optimizers, RowAdam, build_optimizers
+from .hooks import LogMetrics, SaveCheckpoints
+from .loop import fit, restore
+from .optim import Optimizers, RowAdam, build_optimizers, clip_grad_norm_
 from .process_group import (  # noqa: F401
     Dist,
     DistributedError,
@@ -64,7 +65,7 @@ from .process_group import (  # noqa: F401
     init_distributed,
     spawn_local,
 )
-from .train import Run, TrainConfig, build_model, build_run, log_record, lr_at
+from .train import Run, TrainConfig, build_model, build_run
 
 # -- building the run ------------------------------------------------------------------------------
 
@@ -150,48 +151,7 @@ def _sum(values: list[float], d: Dist) -> list[float]:
     return t.tolist()
 
 
-@torch.no_grad()
-def evaluate_distributed(run: Run, d: Dist, full: bool = False) -> float:
-    """train.evaluate over the same windows, each batch's rows split across ranks."""
-    run.model.eval()
-    total = count = 0.0
-    for b in val_batches(run.corpus.val, run.cfg.batch_size, run.cfg.seq_len, run.corpus, None,
-                         max_batches=None if full else run.cfg.eval_batches):
-        lb = local_batch(b, run.hasher, d)  # may be empty: the rank still joins the lookups
-        total += float(run.model.token_nll(run.model(lb.inputs, lb.hash_ids), lb.targets).sum())
-        count += lb.targets.numel()
-    run.model.train()
-    total, count = _sum([total, count], d)
-    return total / max(count, 1)
-
-
-def clip_grad_norm_sharded(model: EngramLM, max_norm: float, d: Dist) -> float:
-    """optim.clip_grad_norm_ over the dense grads (equal on all ranks after DDP) and all shards."""
-    shards = {id(p) for m in model.modules() if isinstance(m, ShardedTable) for p in m.parameters()}
-    dense_sq = shard_sq = 0.0
-    grads = []
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        if p.grad.is_sparse:
-            p.grad = p.grad.coalesce()  # a row asked for by several ranks counts once, summed
-        g = p.grad.values() if p.grad.is_sparse else p.grad
-        sq = float(torch.linalg.vector_norm(g.float()) ** 2)
-        if id(p) in shards:
-            shard_sq += sq
-        else:
-            dense_sq += sq
-        grads.append(p.grad)
-    total = (dense_sq + _sum([shard_sq], d)[0]) ** 0.5
-    coef = min(max_norm / (total + 1e-6), 1.0)  # the same guard and clamp as torch
-    for g in grads:
-        g.mul_(coef)
-    return total
-
-
-
-
-# -- the loop --------------------------------------------------------------------------------------
+# -- faults --------------------------------------------------------------------------------------
 
 _PEER_FAILURE = ("gloo", "nccl", "connection", "timed out", "timeout", "monitoredbarrier",
                  "peer", "broken pipe")
@@ -211,25 +171,49 @@ def _explain(e: RuntimeError, d: Dist, where: str, out_dir: str) -> RuntimeError
         f"Cause: {str(e).splitlines()[0][:300]}")
 
 
-def _train_step(run: Run, ddp: DDP, d: Dist) -> float:
-    cfg = run.cfg
-    loss_sum = 0.0
-    for micro in range(cfg.grad_accum):
-        b = local_batch(run.batches.batch(run.step * cfg.grad_accum + micro), run.hasher, d)
+# -- this rank's part in the loop ------------------------------------------------------------------
+
+@dataclass
+class DataParallel:
+    """:class:`loop.Ranks` under torchrun: each rank takes its rows of the global batch and hashes
+    them, DDP averages the dense grads, each table is sharded by row (its grads stay local)."""
+    d: Dist
+    ddp: DDP
+    hasher: NgramHasher | None
+    out_dir: str  # named in the error a peer's failure raises
+
+    @property
+    def world(self) -> int:
+        return self.d.world
+
+    @property
+    def logs(self) -> bool:
+        return self.d.rank == 0
+
+    def cut(self, batch: Batch, model: EngramLM) -> Batch:
+        return local_batch(batch, self.hasher, self.d)
+
+    def sum(self, values: list[float]) -> list[float]:
+        return _sum(values, self.d)
+
+    def forward_module(self, model: EngramLM) -> DDP:
+        return self.ddp
+
+    def sync_grads(self, last: bool) -> AbstractContextManager:
         # DDP averages the dense grads once, on the last micro-batch.
-        with ddp.no_sync() if micro < cfg.grad_accum - 1 else nullcontext():
-            loss = run.model.loss(ddp(b.inputs, b.hash_ids), b.targets) / cfg.grad_accum
-            loss.backward()
-        loss_sum += float(loss.detach())
-    # A shard's grad is the sum over ranks of each rank's mean loss; DDP's dense grads are the
-    # average. Dividing makes both the gradient of the global-batch mean, as in train.py.
-    for m in run.model.modules():
-        if isinstance(m, ShardedTable) and m.weight.grad is not None:
-            m.weight.grad.mul_(1.0 / d.world)
-    clip_grad_norm_sharded(run.model, cfg.grad_clip, d)
-    run.optim.step()
-    run.optim.zero_grad(set_to_none=True)
-    return _sum([loss_sum], d)[0] / d.world
+        return nullcontext() if last else self.ddp.no_sync()
+
+    def clip(self, model: EngramLM, max_norm: float) -> float:
+        # A shard's grad is the sum over ranks of each rank's mean loss; DDP's dense grads are the
+        # average. Dividing makes both the gradient of the global-batch mean, as in train.py.
+        for m in model.modules():
+            if isinstance(m, ShardedTable) and m.weight.grad is not None:
+                m.weight.grad.mul_(1.0 / self.d.world)
+        shards = [p for m in model.modules() if isinstance(m, ShardedTable) for p in m.parameters()]
+        return clip_grad_norm_(model.parameters(), max_norm, sharded=shards, sum_ranks=self.sum)
+
+    def explain(self, error: RuntimeError, where: str) -> RuntimeError:
+        return _explain(error, self.d, where, self.out_dir)
 
 
 def train_distributed(cfg: TrainConfig, corpus: Corpus | None = None, progress: bool = True,
@@ -256,48 +240,12 @@ def train_distributed(cfg: TrainConfig, corpus: Corpus | None = None, progress: 
 
 def _train(cfg: TrainConfig, d: Dist, corpus: Corpus | None, progress: bool, resume: bool,
            table_init: str) -> Run:
-    out = Path(cfg.out_dir)
     run, ddp = build_distributed_run(cfg, d, corpus, table_init)
-    found = latest_distributed(out)
-    if found is not None:
-        if not resume:
-            raise CheckpointError(f"{out} already holds a checkpoint; pass resume=True or use "
-                                  "another out_dir (nothing was overwritten)")
-        load_distributed(run, *found)
-    if d.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps({**cfg.to_dict(), "world_size": d.world,
-                                                     "table_init": table_init}, indent=2))
-        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run.history))
-    from tqdm.auto import tqdm
+    checkpoints = ShardedCheckpoints(d, cfg.out_dir)
+    restore(run, checkpoints, resume)
+    ranks = DataParallel(d, ddp, run.hasher, cfg.out_dir)
+    config = {**cfg.to_dict(), "world_size": d.world, "table_init": table_init}
+    # The records and their schedule are train.train's: the same loop and hooks.
+    return fit(run, [LogMetrics(ranks, progress, config), SaveCheckpoints(checkpoints,
+                                                                          cfg.ckpt_every)], ranks)
 
-    bar = tqdm(total=cfg.steps, initial=run.step, disable=not progress or d.rank != 0,
-               desc=f"{out.name} x{d.world}", dynamic_ncols=True)
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum  # global
-    t_last = time.perf_counter()
-    while run.step < cfg.steps:  # the records and their schedule are train.train's
-        try:
-            lr = lr_at(run.step, cfg)
-            run.optim.set_lr(lr)
-            loss = _train_step(run, ddp, d)
-            run.step += 1
-            run.window = (run.window[0] + 1, run.window[1] + loss)
-            bar.update(1)
-            if run.step % cfg.log_every == 0 or run.step == cfg.steps:
-                rec = log_record(run, lr, loss, tokens_per_step, t_last,
-                                 lambda full: evaluate_distributed(run, d, full=full))
-                run.history.append(rec)
-                if d.rank == 0:
-                    with open(out / "metrics.jsonl", "a") as f:
-                        f.write(json.dumps(rec) + "\n")
-                run.window, t_last = (0, 0.0), time.perf_counter()  # eval is not training time
-                bar.set_postfix(loss=f"{loss:.3f}")
-            if run.step % cfg.ckpt_every == 0 or run.step == cfg.steps:
-                save_distributed(run, d)
-        except RuntimeError as e:
-            err = _explain(e, d, f"step {run.step + 1}", cfg.out_dir)
-            if err is e:
-                raise
-            raise err from e
-    bar.close()
-    return run

@@ -12,7 +12,7 @@ Shape legend:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -256,13 +256,22 @@ def _resize(st: dict, dim: int, capacity: int, device) -> None:
 
 
 def clip_grad_norm_(params: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
-                    norm_type: float = 2.0) -> torch.Tensor:
+                    norm_type: float = 2.0, *, sharded: Iterable[torch.Tensor] = (),
+                    sum_ranks: Callable[[list[float]], list[float]] | None = None
+                    ) -> torch.Tensor | float:
     """Clip the global gradient norm over dense and sparse grads together; returns the norm.
 
     Sparse grads are coalesced first (a row repeated in one batch counts once, as the sum) and
     written back coalesced. On dense-only input this matches ``torch.nn.utils.clip_grad_norm_``.
+
+    Data parallel (``sum_ranks``, a collective summing floats over the ranks; 2-norm only): the
+    grads of ``sharded`` parameters are this rank's rows of a table, so their squared norm is summed
+    over the ranks; the others are replicated (equal on every rank after DDP's average). The
+    squares are float64 scalars there, so one all-reduce of one number serves the whole clip.
     """
     params = [params] if isinstance(params, torch.Tensor) else list(params)
+    if sum_ranks is not None:
+        return _clip_across_ranks(params, max_norm, {id(p) for p in sharded}, sum_ranks)
     for p in params:
         if p.grad is not None and p.grad.is_sparse:
             p.grad = sparse_rows.coalesce_rows(p.grad)
@@ -277,6 +286,29 @@ def clip_grad_norm_(params: Iterable[torch.Tensor] | torch.Tensor, max_norm: flo
         # A sparse grad's values are scaled in place, so it stays flagged coalesced and RowAdam's
         # coalesce() is free (Tensor.mul_ on a sparse tensor drops the flag: a second sort).
         (g._values() if g.is_sparse else g).mul_(coef.to(g.device))
+    return total
+
+
+def _clip_across_ranks(params: list[torch.Tensor], max_norm: float, sharded: set[int],
+                       sum_ranks: Callable[[list[float]], list[float]]) -> float:
+    dense_sq = shard_sq = 0.0
+    grads = []
+    for p in params:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            p.grad = p.grad.coalesce()  # a row asked for by several ranks counts once, summed
+        g = p.grad.values() if p.grad.is_sparse else p.grad
+        sq = float(torch.linalg.vector_norm(g.float()) ** 2)
+        if id(p) in sharded:
+            shard_sq += sq
+        else:
+            dense_sq += sq
+        grads.append(p.grad)
+    total = (dense_sq + sum_ranks([shard_sq])[0]) ** 0.5
+    coef = min(max_norm / (total + 1e-6), 1.0)  # the same guard and clamp as torch
+    for g in grads:
+        g.mul_(coef)
     return total
 
 

@@ -3,18 +3,16 @@
 One flat dataclass config, `--key=value` overrides, warmup + cosine schedule, gradient accumulation,
 periodic validation, JSONL metrics, tqdm progress, atomic safetensors checkpoints and exact resume:
 batches depend on (seed, step) alone and the RNG state is saved, so a run killed at any point and
-resumed reaches the same losses as one that was never interrupted.
+resumed reaches the same losses as one that was never interrupted. The loop itself is loop.py's
+(shared with torchrun training and the studies); this file builds a run and its checkpoints.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
-import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +25,7 @@ from ..models.model import EngramLM, ModelConfig
 from ..retrieval.compress import Compression, build_compression
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
-from .batches import Batch, TokenBatches, val_batches
+from .batches import TokenBatches
 from .checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -35,7 +33,9 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .corpus import Corpus, DataConfig, build_corpus
-from .optim import build_optimizers, clip_grad_norm_
+from .hooks import LogMetrics, SaveCheckpoints, log_record  # noqa: F401  (log_record: its old home)
+from .loop import ONE_PROCESS, Run, evaluate, fit, lr_at, restore, train_step  # noqa: F401
+from .optim import build_optimizers
 
 # glibc gives every freed block above its mmap / trim thresholds back to the kernel, so each step's
 # large activations (logits, attention, the FFN's hidden) page-fault in again, zeroed: ~20k minor
@@ -185,29 +185,6 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to min_lr_ratio * lr at the last step."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    span = max(1, cfg.steps - cfg.warmup)
-    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup) / span)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
-
-
-@dataclass
-class Run:
-    """Everything one training run holds."""
-    cfg: TrainConfig
-    corpus: Corpus
-    hasher: NgramHasher | None
-    model: EngramLM
-    batches: TokenBatches
-    optim: Any
-    step: int = 0
-    history: list[dict] = field(default_factory=list)
-    window: tuple[int, float] = (0, 0.0)  # steps and summed loss since the last log record
-
-
 def build_model(cfg: TrainConfig, corpus: Corpus,
                 tables: dict[int, Any] | None = None) -> EngramLM:
     """The model of ``cfg`` for ``corpus``; an adaptive head gets the training set's id counts."""
@@ -244,43 +221,29 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None) -> Run:
     return Run(cfg, corpus, hasher, model, batches, optim)
 
 
-def _device(run: Run) -> torch.device:
-    return next(run.model.parameters()).device
-
-
-def _to(batch: Batch, device: torch.device) -> Batch:
-    """Batches (and their hash ids) are made on the CPU; a model moved to a GPU (gpu_check) gets
-    them there."""
-    return batch if device.type == "cpu" else batch.to(device)
-
-
-@torch.no_grad()
-def evaluate(run: Run, full: bool = False) -> float:
-    """Mean next-token cross entropy (nats) over the fixed validation sweep (all of it if full)."""
-    run.model.eval()
-    total, count = 0.0, 0
-    device = _device(run)
-    for b in val_batches(run.corpus.val, run.cfg.batch_size, run.cfg.seq_len, run.corpus,
-                         run.hasher, max_batches=None if full else run.cfg.eval_batches):
-        b = _to(b, device)
-        total += float(run.model.token_nll(run.model(b.inputs, b.hash_ids), b.targets).sum())
-        count += b.targets.numel()
-    run.model.train()
-    return total / max(count, 1)
-
-
 def _state(run: Run) -> dict[str, Any]:
     state = {"model": run.model.state_dict(), "optim": run.optim.state_dict(),
              "rng": torch.get_rng_state()}
-    if hasattr(run.hasher, "index"):  # Engram-Nine: the hot tier's keys, MPHF and fingerprints
-        state["hot_index"] = run.hasher.index.state_dict()
+    if run.hasher is not None:  # what the hasher needs back (Engram-Nine: its hot index)
+        state.update(run.hasher.checkpoint_state())
     return state
 
 
+def checkpoint_meta(run: Run) -> dict[str, Any]:
+    """What a checkpoint keeps beside the tensors: config and the loop's position."""
+    return {"config": run.cfg.to_dict(), "history": run.history, "window": list(run.window),
+            "hook_state": run.hook_state}
+
+
+def load_position(run: Run, meta: dict[str, Any], step: int) -> None:
+    """The loop's position from a checkpoint's meta (older ones lack window and hook_state)."""
+    run.step, run.history = step, meta["history"]
+    run.window = tuple(meta.get("window", (0, 0.0)))
+    run.hook_state = meta.get("hook_state", {})
+
+
 def save(run: Run) -> Path:
-    return save_checkpoint(Path(run.cfg.out_dir) / "checkpoints", run.step, _state(run),
-                           {"config": run.cfg.to_dict(), "history": run.history,
-                            "window": list(run.window)})
+    return FileCheckpoints(run.cfg.out_dir).save(run)
 
 
 def _comparable(d: dict[str, Any]) -> dict[str, Any]:
@@ -299,101 +262,43 @@ def check_same_config(cfg: TrainConfig, saved: dict[str, Any], where: Any) -> No
                               f"{diff}); use another --out_dir or the same config")
 
 
-def log_record(run: Run, lr: float, last_loss: float, tokens_per_step: int, t_last: float,
-               evaluate_fn) -> dict[str, Any]:
-    """The metrics record of a logging step; ``evaluate_fn(full)`` gives the validation loss."""
-    cfg, (steps, summed) = run.cfg, run.window
-    # The mean over the logging window: one batch's loss is too noisy to plot.
-    rec = {"step": run.step, "loss": summed / steps, "last_loss": last_loss, "lr": lr,
-           "tokens": run.step * tokens_per_step,
-           "tok_s": steps * tokens_per_step / max(time.perf_counter() - t_last, 1e-9)}
-    if run.step == cfg.steps and cfg.final_eval_full:
-        rec["val_loss"] = evaluate_fn(True)
-    elif run.step % cfg.eval_every == 0 or run.step == cfg.steps:
-        rec["val_loss"] = evaluate_fn(False)
-    return rec
+class FileCheckpoints:
+    """:class:`loop.Checkpoints` of one process: a safetensors file per save in out_dir/checkpoints
+    (checkpoint.py), the newest ``keep`` kept."""
+
+    def __init__(self, out_dir: str | Path, keep: int = 2):
+        self.dir, self.keep = Path(out_dir) / "checkpoints", keep
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.dir)
+
+    def load(self, run: Run, found: Path) -> None:
+        state, meta, step = load_checkpoint(found)
+        check_same_config(run.cfg, meta["config"], found)
+        try:
+            run.model.load_state_dict(state["model"])
+            run.optim.load_state_dict(state["optim"])
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {found} does not fit this model: {e}") from e
+        if run.hasher is not None:  # the saved hot tier is the one the hot rows were trained for
+            run.hasher.load_checkpoint_state(state)
+        torch.set_rng_state(state["rng"])
+        load_position(run, meta, step)
+
+    def save(self, run: Run) -> Path:
+        return save_checkpoint(self.dir, run.step, _state(run), checkpoint_meta(run),
+                               keep=self.keep)
 
 
 def try_resume(run: Run) -> bool:
     """Load the newest checkpoint of run.cfg.out_dir, if any. Refuses one from another config."""
-    path = latest_checkpoint(Path(run.cfg.out_dir) / "checkpoints")
-    if path is None:
-        return False
-    state, meta, step = load_checkpoint(path)
-    check_same_config(run.cfg, meta["config"], path)
-    try:
-        run.model.load_state_dict(state["model"])
-        run.optim.load_state_dict(state["optim"])
-    except (RuntimeError, KeyError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path} does not fit this model: {e}") from e
-    if "hot_index" in state:  # the saved hot tier is the one the hot rows were trained for
-        from ..retrieval.hot import HotIndex
-
-        run.hasher.index = HotIndex.from_state_dict(state["hot_index"])
-    torch.set_rng_state(state["rng"])
-    run.step, run.history = step, meta["history"]
-    run.window = tuple(meta.get("window", (0, 0.0)))
-    return True
-
-
-def _log(run: Run, record: dict) -> None:
-    run.history.append(record)
-    with open(Path(run.cfg.out_dir) / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def train_step(run: Run) -> float:
-    """One optimiser step at ``run.step`` (its micro-batches, clip, update); returns the loss."""
-    cfg, loss_sum = run.cfg, 0.0
-    device = _device(run)
-    for micro in range(cfg.grad_accum):
-        b = _to(run.batches.batch(run.step * cfg.grad_accum + micro), device)
-        loss = run.model.loss(run.model(b.inputs, b.hash_ids), b.targets) / cfg.grad_accum
-        loss.backward()
-        loss_sum += float(loss.detach())
-    clip_grad_norm_([p for p in run.model.parameters() if p.grad is not None], cfg.grad_clip)
-    run.optim.step()
-    run.optim.zero_grad(set_to_none=True)
-    return loss_sum
+    return restore(run, FileCheckpoints(run.cfg.out_dir))
 
 
 def train(cfg: TrainConfig, corpus: Corpus | None = None, progress: bool = True,
           resume: bool = True) -> Run:
     """Train to cfg.steps; resumes from out_dir's checkpoint when there is one (and resume=True)."""
-    out = Path(cfg.out_dir)
     run = build_run(cfg, corpus)
-    if latest_checkpoint(out / "checkpoints") is not None:
-        if not resume:
-            raise CheckpointError(f"{out} already holds a checkpoint; pass resume=True or use "
-                                  "another out_dir (nothing was overwritten)")
-        try_resume(run)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    if run.step == 0:
-        (out / "metrics.jsonl").write_text("")
-    else:  # drop records past the checkpoint: they will be written again, identically
-        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run.history))
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=cfg.steps, initial=run.step, disable=not progress, desc=Path(cfg.out_dir).name,
-               dynamic_ncols=True)
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
-    t_last = time.perf_counter()
-    while run.step < cfg.steps:
-        lr = lr_at(run.step, cfg)
-        run.optim.set_lr(lr)
-        loss_sum = train_step(run)
-        run.step += 1
-        run.window = (run.window[0] + 1, run.window[1] + loss_sum)
-        bar.update(1)
-        if run.step % cfg.log_every == 0 or run.step == cfg.steps:
-            rec = log_record(run, lr, loss_sum, tokens_per_step, t_last,
-                             lambda full: evaluate(run, full=full))
-            _log(run, rec)
-            run.window, t_last = (0, 0.0), time.perf_counter()  # eval is not training time
-            bar.set_postfix(loss=f"{loss_sum:.3f}", **({"val": f"{rec['val_loss']:.3f}"}
-                                                      if "val_loss" in rec else {}))
-        if run.step % cfg.ckpt_every == 0 or run.step == cfg.steps:
-            save(run)
-    bar.close()
-    return run
+    checkpoints = FileCheckpoints(cfg.out_dir)
+    restore(run, checkpoints, resume)
+    return fit(run, [LogMetrics(ONE_PROCESS, progress), SaveCheckpoints(checkpoints, cfg.ckpt_every)])

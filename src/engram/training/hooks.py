@@ -1,0 +1,86 @@
+"""The stock hooks of :func:`loop.fit`: metrics records with a progress bar, and checkpoints."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .loop import ONE_PROCESS, Checkpoints, Ranks, Run, evaluate
+
+
+def log_record(run: Run, lr: float, last_loss: float, tokens_per_step: int, t_last: float,
+               evaluate_fn: Callable[[bool], float]) -> dict[str, Any]:
+    """The metrics record of a logging step; ``evaluate_fn(full)`` gives the validation loss."""
+    cfg, (steps, summed) = run.cfg, run.window
+    # The mean over the logging window: one batch's loss is too noisy to plot.
+    rec = {"step": run.step, "loss": summed / steps, "last_loss": last_loss, "lr": lr,
+           "tokens": run.step * tokens_per_step,
+           "tok_s": steps * tokens_per_step / max(time.perf_counter() - t_last, 1e-9)}
+    if run.step == cfg.steps and cfg.final_eval_full:
+        rec["val_loss"] = evaluate_fn(True)
+    elif run.step % cfg.eval_every == 0 or run.step == cfg.steps:
+        rec["val_loss"] = evaluate_fn(False)
+    return rec
+
+
+class LogMetrics:
+    """A record every cfg.log_every steps and at the last (validation loss every cfg.eval_every),
+    kept in run.history and, on the logging process, in out_dir/metrics.jsonl beside
+    out_dir/config.json; a tqdm bar when ``progress``."""
+
+    def __init__(self, ranks: Ranks = ONE_PROCESS, progress: bool = True,
+                 config: dict[str, Any] | None = None):
+        self.ranks, self.progress, self.config = ranks, progress, config
+
+    def start(self, run: Run) -> None:
+        cfg, out = run.cfg, Path(run.cfg.out_dir)
+        if self.ranks.logs:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(json.dumps(self.config or cfg.to_dict(), indent=2))
+            # Records past a resumed checkpoint are dropped: they will be written again, identically.
+            (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run.history))
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=cfg.steps, initial=run.step, disable=not (self.progress and
+                        self.ranks.logs), dynamic_ncols=True,
+                        desc=out.name + (f" x{self.ranks.world}" if self.ranks.world > 1 else ""))
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum  # global
+        self.t_last = time.perf_counter()
+
+    def after_step(self, run: Run, lr: float, loss: float) -> None:
+        cfg = run.cfg
+        self.bar.update(1)
+        if run.step % cfg.log_every == 0 or run.step == cfg.steps:
+            rec = log_record(run, lr, loss, self.tokens_per_step, self.t_last,
+                             lambda full: evaluate(run, full, self.ranks))
+            run.history.append(rec)
+            if self.ranks.logs:
+                with open(Path(cfg.out_dir) / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            run.window, self.t_last = (0, 0.0), time.perf_counter()  # eval is not training time
+            self.bar.set_postfix(loss=f"{loss:.3f}", **({"val": f"{rec['val_loss']:.3f}"}
+                                                        if "val_loss" in rec else {}))
+
+    def end(self, run: Run) -> None:
+        self.bar.close()
+
+
+class SaveCheckpoints:
+    """A checkpoint every ``every`` steps and at the last."""
+
+    def __init__(self, checkpoints: Checkpoints, every: int):
+        if every < 1:
+            raise ValueError(f"checkpoint interval must be >= 1, got {every}")
+        self.checkpoints, self.every = checkpoints, every
+
+    def start(self, run: Run) -> None:
+        pass
+
+    def after_step(self, run: Run, lr: float, loss: float) -> None:
+        if run.step % self.every == 0 or run.step == run.cfg.steps:
+            self.checkpoints.save(run)
+
+    def end(self, run: Run) -> None:
+        pass

@@ -1,0 +1,249 @@
+"""The training loop, once: ``engram train``, torchrun training and the studies all run :func:`fit`.
+
+    run = build_run(cfg)                        # train.py: model, optimisers, batch source
+    restore(run, FileCheckpoints(cfg.out_dir))  # the newest checkpoint, if any
+    fit(run, [LogMetrics(...), SaveCheckpoints(...)], ranks=ONE_PROCESS)
+
+What differs between ways of training is passed in as small objects, not subclasses:
+
+- ``ranks`` (:class:`Ranks`): how a global batch is cut for this process, how sums are reduced over
+  processes, which module runs the forward (DDP or the model), how gradients are finished and
+  clipped, whether this process logs, how a failure is worded. :data:`ONE_PROCESS` here;
+  ``distributed.DataParallel`` under torchrun.
+- ``hooks`` (:class:`Hook`), called in order at the start, after every step and at the end:
+  metrics records (``hooks.LogMetrics``; the Nine study's tier watch), checkpoints
+  (``hooks.SaveCheckpoints`` over a :class:`Checkpoints`: ``train.FileCheckpoints`` or
+  ``dist_checkpoint.ShardedCheckpoints``).
+- ``run.batches`` (:class:`BatchSource`): global batch i for step i // grad_accum, a pure function
+  of (seed, i), so a resumed run gets exactly the batches it would have had.
+
+Step, evaluation and clipping exist only here (clipping's arithmetic in ``optim.clip_grad_norm_``).
+
+Where later changes plug in, one place each:
+- device, precision, compile: batches reach the device in ``Ranks.cut``; the one training forward
+  and backward is the ``sync_grads`` block of :func:`train_step` (autocast there and in
+  :func:`evaluate`, a grad scaler's ``scale`` before ``backward``, ``unscale_`` before
+  ``ranks.clip``, its ``step`` where ``run.optim.step()`` is); ``Ranks.forward_module`` is the one
+  module a training forward runs through (compile it there).
+- a non-finite loss or gradient: :func:`train_step` holds the step's loss and the global grad
+  norm ``ranks.clip`` returns, before ``run.optim.step()``; SIGINT/SIGTERM: the head of
+  :func:`fit`'s loop, then ``Hook.end`` (``SaveCheckpoints`` saving a step it has not saved).
+- memory-mapped token shards: ``run.batches`` (a :class:`BatchSource`) and :func:`validation`.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from ..models.model import EngramLM
+from ..retrieval.hashing import NgramHasher
+from .batches import Batch, val_batches
+from .checkpoint import CheckpointError
+from .corpus import Corpus
+from .optim import Optimizers, clip_grad_norm_
+
+
+class BatchSource(Protocol):
+    """Where training batches come from (``batches.TokenBatches``; memory-mapped shards later)."""
+    hasher: NgramHasher | None  # what batch() hashes with; None: Ranks.cut hashes each rank's rows
+
+    def batch(self, i: int) -> Batch:
+        """Global batch i (all ranks' rows), a pure function of (seed, i)."""
+        ...
+
+
+@dataclass
+class Run:
+    """Everything one training run holds."""
+    cfg: Any  # train.TrainConfig: the loop reads steps, grad_accum, grad_clip, the schedule, eval_*
+    corpus: Corpus
+    hasher: NgramHasher | None
+    model: EngramLM
+    batches: BatchSource
+    optim: Optimizers
+    step: int = 0
+    history: list[dict] = field(default_factory=list)
+    window: tuple[int, float] = (0, 0.0)  # steps and summed loss since the last record
+    hook_state: dict[str, Any] = field(default_factory=dict)  # JSON; hooks' own, in checkpoints
+
+
+class Ranks(Protocol):
+    """This process's part in a step: the whole of it (:data:`ONE_PROCESS`) or one rank's rows."""
+    world: int  # processes sharing each global batch
+    logs: bool  # whether this process writes records and progress (rank 0)
+
+    def cut(self, batch: Batch, model: nn.Module) -> Batch:
+        """This process's rows of a global batch, hashed, on the model's device."""
+        ...
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Each value summed over the processes."""
+        ...
+
+    def forward_module(self, model: nn.Module) -> nn.Module:
+        """The module a training forward goes through (the model, or DDP around it)."""
+        ...
+
+    def sync_grads(self, last: bool) -> AbstractContextManager:
+        """Around one micro-batch's forward and backward; grads are reduced on the last one."""
+        ...
+
+    def clip(self, model: nn.Module, max_norm: float) -> torch.Tensor | float:
+        """Make the grads those of the global batch's mean loss, clip them; returns their norm."""
+        ...
+
+    def explain(self, error: RuntimeError, where: str) -> RuntimeError:
+        """The error to raise for ``error`` during ``where`` (itself, or reworded)."""
+        ...
+
+
+class OneProcess:
+    """:class:`Ranks` of a single-process run: the whole batch, nothing to reduce."""
+    world = 1
+    logs = True
+
+    def cut(self, batch: Batch, model: nn.Module) -> Batch:
+        # Batches (and their hash ids) are made on the CPU; a model moved to a GPU gets them there.
+        device = next(model.parameters()).device
+        return batch if device.type == "cpu" else batch.to(device)
+
+    def sum(self, values: list[float]) -> list[float]:
+        return list(values)
+
+    def forward_module(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def sync_grads(self, last: bool) -> AbstractContextManager:
+        return nullcontext()
+
+    def clip(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+
+    def explain(self, error: RuntimeError, where: str) -> RuntimeError:
+        return error
+
+
+ONE_PROCESS = OneProcess()
+
+
+class Checkpoints(Protocol):
+    """Where a run's checkpoints live (one file per save, or one shard per rank)."""
+
+    def latest(self) -> Any | None:
+        """A handle on the newest complete checkpoint (checked), or None."""
+        ...
+
+    def load(self, run: Run, found: Any) -> None:
+        """Put checkpoint ``found`` into ``run``: weights, optimisers, RNG, step, history, window,
+        hook_state. Refuses (CheckpointError) one written with another config."""
+        ...
+
+    def save(self, run: Run) -> Any:
+        """Write run's state as the checkpoint of run.step (a collective under torchrun)."""
+        ...
+
+
+class Hook(Protocol):
+    """Something :func:`fit` calls; state a hook needs back on resume goes in run.hook_state."""
+
+    def start(self, run: Run) -> None:
+        """Before the first step (of this process: a resumed run starts at its checkpoint)."""
+        ...
+
+    def after_step(self, run: Run, lr: float, loss: float) -> None:
+        """After each step; run.step counts the steps done, ``loss`` is the global batch's."""
+        ...
+
+    def end(self, run: Run) -> None:
+        """After the last step."""
+        ...
+
+
+def lr_at(step: int, cfg: Any) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio * lr at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(1, cfg.steps - cfg.warmup)
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup) / span)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
+
+
+def restore(run: Run, checkpoints: Checkpoints, resume: bool = True) -> bool:
+    """Load the newest checkpoint into ``run``, if any; with resume=False, refuse to start over it."""
+    found = checkpoints.latest()
+    if found is None:
+        return False
+    if not resume:
+        raise CheckpointError(f"{Path(run.cfg.out_dir)} already holds a checkpoint; pass "
+                              "resume=True or use another out_dir (nothing was overwritten)")
+    checkpoints.load(run, found)
+    return True
+
+
+def train_step(run: Run, ranks: Ranks = ONE_PROCESS) -> float:
+    """One optimiser step at ``run.step`` (its micro-batches, clip, update); returns the loss of
+    the global batch (the mean over ranks of each rank's mean)."""
+    cfg, loss_sum = run.cfg, 0.0
+    module = ranks.forward_module(run.model)
+    for micro in range(cfg.grad_accum):
+        b = ranks.cut(run.batches.batch(run.step * cfg.grad_accum + micro), run.model)
+        with ranks.sync_grads(last=micro == cfg.grad_accum - 1):
+            loss = run.model.loss(module(b.inputs, b.hash_ids), b.targets) / cfg.grad_accum
+            loss.backward()
+        loss_sum += float(loss.detach())
+    ranks.clip(run.model, cfg.grad_clip)
+    run.optim.step()
+    run.optim.zero_grad(set_to_none=True)
+    return ranks.sum([loss_sum])[0] / ranks.world
+
+
+def validation(run: Run, full: bool = False) -> Iterator[Batch]:
+    """The fixed validation sweep (all of it if full), hashed like the training batches."""
+    cfg = run.cfg
+    return val_batches(run.corpus.val, cfg.batch_size, cfg.seq_len, run.corpus,
+                       run.batches.hasher, max_batches=None if full else cfg.eval_batches)
+
+
+@torch.no_grad()
+def evaluate(run: Run, full: bool = False, ranks: Ranks = ONE_PROCESS) -> float:
+    """Mean next-token cross entropy (nats) over the validation sweep, each batch's rows split
+    across the ranks."""
+    run.model.eval()
+    total, count = 0.0, 0
+    for b in validation(run, full):
+        b = ranks.cut(b, run.model)  # may be empty on a rank: it still joins the lookups
+        total += float(run.model.token_nll(run.model(b.inputs, b.hash_ids), b.targets).sum())
+        count += b.targets.numel()
+    run.model.train()
+    total, count = ranks.sum([total, count])
+    return total / max(count, 1)
+
+
+def fit(run: Run, hooks: Sequence[Hook] = (), ranks: Ranks = ONE_PROCESS) -> Run:
+    """Train ``run`` from run.step to run.cfg.steps, calling every hook after every step."""
+    for h in hooks:
+        h.start(run)
+    while run.step < run.cfg.steps:
+        try:
+            lr = lr_at(run.step, run.cfg)
+            run.optim.set_lr(lr)
+            loss = train_step(run, ranks)
+            run.step += 1
+            run.window = (run.window[0] + 1, run.window[1] + loss)
+            for h in hooks:
+                h.after_step(run, lr, loss)
+        except RuntimeError as e:
+            err = ranks.explain(e, f"step {run.step + 1}")
+            if err is e:
+                raise
+            raise err from e
+    for h in hooks:
+        h.end(run)
+    return run
