@@ -31,6 +31,8 @@ COMMANDS = {
     "ablate": "which parts of Engram matter: placement, compression, gate, conv, keys, orders",
     "analyze": "what the memory does: LogitLens, CKA, suppression, probes, gate statistics",
     "pool-budget": "will each Engram layer's rows arrive within its prefetch window, per tier",
+    "import-v41": "a DeepSeek-V4.1 checkpoint's Engram layers as our module weights + table files",
+    "export-v41": "a layer set (or a v4.1 run's Engram layers) as a DeepSeek-V4.1 checkpoint",
 }
 
 
@@ -147,9 +149,13 @@ def _export_hf(argv: list[str]) -> int:
                    "[default: %(default)s]")
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=False,
                    help="gather each step's rows in background threads [default: %(default)s]")
+    p.add_argument("--engram_layers", "--engram-layers", default=None,
+                   help="a V4.1 layer set (engram import-v41) replacing the run's Engram layers "
+                   "[default: none]")
     a = p.parse_args(argv)
     out = export_hf(a.run_dir, a.out_dir, tier=a.tier, table_dtype=a.table_dtype,
-                    cache_fraction=a.cache_fraction, prefetch=a.prefetch)
+                    cache_fraction=a.cache_fraction, prefetch=a.prefetch,
+                    engram_layers=a.engram_layers)
     print(f"wrote {out}; serve with: vllm serve {out} --dtype float32")
     return 0
 
@@ -214,6 +220,24 @@ def _analyze(argv: list[str]) -> int:
     return 0
 
 
+def _v41(command: str) -> Callable[[list[str]], int]:
+    def run(argv: list[str]) -> int:
+        p = new_parser(f"engram {command}", COMMANDS[command] + ". OUT appears whole or not at "
+                       "all; an existing non-empty OUT is refused.")
+        p.add_argument("src", help="checkpoint folder (config.json, safetensors shards)"
+                       if command == "import-v41" else "layer set folder or v4.1 run folder")
+        p.add_argument("out", help="folder to write")
+        a = p.parse_args(argv)
+        if command == "import-v41":
+            from .models.v41_layers import import_v41
+            print(f"wrote {import_v41(a.src, a.out, progress=True)}")
+        else:
+            from .serving.v41 import export_v41_checkpoint
+            print(f"wrote {export_v41_checkpoint(a.src, a.out, progress=True)}")
+        return 0
+    return run
+
+
 def _pool_budget(argv: list[str]) -> int:
     from .studies.pool_budget import cli_pool_budget
 
@@ -226,6 +250,7 @@ RUNNERS: dict[str, Callable[[list[str]], int]] = {
     "generate": _generate, "finetune": _finetune, "export-hf": _export_hf,
     "study-nine": _study_nine, "study-vision": _study_vision, "eval": _eval,
     "ablate": _ablate, "analyze": _analyze, "pool-budget": _pool_budget,
+    "import-v41": _v41("import-v41"), "export-v41": _v41("export-v41"),
 }
 
 
@@ -264,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return RUNNERS[command](rest)
-    except (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, TypeError, KeyError, FileNotFoundError, FileExistsError,
+            RuntimeError) as e:
         print(f"engram {command}: error: {e}", file=sys.stderr)
         return 2
 

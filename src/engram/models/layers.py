@@ -198,12 +198,14 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ids: torch.Tensor | None = None, *,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, pos: int = 0,
-                state: EngramState | None = None, return_gate: bool = False):
-        """h [b, t, d] (or [b, t, m, d]) -> (h, aux loss or None, alpha [b, t, m] or None)."""
+                state: EngramState | None = None, return_gate: bool = False,
+                alive: torch.Tensor | None = None):
+        """h [b, t, d] (or [b, t, m, d]) -> (h, aux loss or None, alpha [b, t, m] or None);
+        ``alive`` [b, t]: Engram's token mask (Engram.forward)."""
         gate = None
         if self.engram is not None:
             # Paper 2.1: H <- H + Y, before attention and FFN; with m branches (2.4) Y is [b,t,m,d].
-            y = self.engram(h, ids, state=state, return_gate=return_gate)
+            y = self.engram(h, ids, state=state, return_gate=return_gate, alive=alive)
             if return_gate:
                 y, gate = y
             h = h + y

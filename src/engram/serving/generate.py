@@ -283,6 +283,8 @@ def cli_generate(argv: list[str]) -> int:
     p.add_argument("--cache_fraction", "--cache-fraction", type=float, default=0.0,
                    help="hot cache size as a fraction of each table (file tiers)")
     p.add_argument("--prefetch", action="store_true", help="gather rows in background threads")
+    p.add_argument("--engram_layers", "--engram-layers", default=None,
+                   help="a V4.1 layer set (engram import-v41) replacing the run's Engram layers")
     p.add_argument("--no_stop", "--no-stop", action="store_true",
                    help="do not stop at the end-of-text token")
     p.add_argument("--json", default=None, help="also write tokens and speeds here")
@@ -293,7 +295,7 @@ def cli_generate(argv: list[str]) -> int:
     try:
         served = load_run(args.run, tier=args.tier, table_dir=args.table_dir,
                           table_dtype=args.table_dtype, cache_fraction=args.cache_fraction,
-                          prefetch=args.prefetch)
+                          prefetch=args.prefetch, engram_layers=args.engram_layers)
         tok = served.tokenizer
         eos = tok.token_to_id(EOS_TOKEN)
         cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -35,13 +35,15 @@ class Served:
 
 def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path | None = None,
              table_dtype: str = "fp32", cache_fraction: float = 0.0, prefetch: bool = False,
-             verify: bool = True) -> Served:
+             verify: bool = True, engram_layers: str | Path | None = None) -> Served:
     """The newest checkpoint of a ``engram train --out_dir`` folder, ready to generate.
 
     With a tier other than memory the tables are served from table files in ``table_dir``
     (default ``run_dir/tables``), exported from the checkpoint when missing or stale; optionally
     behind a hot cache of ``cache_fraction`` of each table (``engram.tables.cache.build_cache``: mostly
     static top-k by the training text's n-gram frequencies, the rest LRU) and background prefetch.
+    ``engram_layers``: a DeepSeek-V4.1 layer set (``engram import-v41``) replacing the Engram
+    weights and tables of a v4.1 run of the same shape; its table files are served on the tier.
     """
     from ..retrieval.compress import default_tokenizer
     from ..tables.cache import count_rows
@@ -71,7 +73,17 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
         hasher = NineHasher(hasher, HotIndex.from_state_dict(state["hot_index"]),
                             shared=cfg.shared_tables)
     tables: dict[int, Any] = {}
-    if tier != "memory" and ecfg is not None:
+    layer_set = None
+    if engram_layers is not None:
+        from ..models.v41_layers import check_fits, read_layer_set
+
+        layer_set = read_layer_set(engram_layers)
+        check_fits(cfg.model_config(corpus.vocab_size), layer_set, nine=nine)
+        if tier != "memory":
+            counts = count_rows(hasher, corpus.train) if cache_fraction > 0 else None
+            tables = open_tier(layer_set.table_dir, layer_set.config, hasher, tier, counts=counts,
+                               cache_fraction=cache_fraction, prefetch=prefetch, verify=verify)
+    if tier != "memory" and ecfg is not None and layer_set is None:
         table_dir = Path(table_dir) if table_dir is not None else run_dir / "tables"
         owners = hasher.owners if nine else ecfg.layer_ids
         paths = [table_path(table_dir, lid) for lid in owners]
@@ -96,6 +108,10 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
                            cache_fraction=cache_fraction, prefetch=prefetch, verify=verify)
     model = build_model(cfg, corpus, tables or None)
     load_dense_state(model, state["model"])
+    if layer_set is not None:
+        from ..models.v41_layers import load_layer_set
+
+        load_layer_set(model, layer_set, hasher, memory_tables=tier == "memory", verify=verify)
     model.eval()
     return Served(model, hasher, corpus.vocab, ckpt, tok, tables, corpus.train)
 

@@ -42,7 +42,14 @@ import torch
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
 from . import tablefile
-from .tablefile import DTYPES, TableFileError, TableHeader, check_compatible, dequantize_fp8
+from .tablefile import (
+    DTYPES,
+    SCALE_FORMATS,
+    TableFileError,
+    TableHeader,
+    check_compatible,
+    dequantize_fp8,
+)
 from .tiers import check_rows
 
 ALIGN = 2 << 20  # device DAX maps in units of its alignment, 2 MiB by default
@@ -142,8 +149,9 @@ def write_pool(path: str | Path, sources: dict[int, Source], *, config: EngramCo
         head, read = _source(sources[lid], int(lid), config, prof)
         rb = head["dim"] * DTYPES[head["dtype"]][1]
         sw = 0 if head["scale_block"] is None else head["dim"] // head["scale_block"]
+        sb = SCALE_FORMATS[head.get("scale_format", "fp32")][1]  # bytes per scale
         e = {"header": head, "data_offset": off, "data_bytes": head["num_rows"] * rb,
-             "scale_offset": None, "scale_bytes": head["num_rows"] * sw * 4}
+             "scale_offset": None, "scale_bytes": head["num_rows"] * sw * sb}
         off = _up(off + e["data_bytes"], ALIGN)
         if e["scale_bytes"]:
             e["scale_offset"], off = off, _up(off + e["scale_bytes"], ALIGN)
@@ -303,8 +311,8 @@ class PoolTable:
         dtype = DTYPES[header.dtype][0]
         self.data = _view(region._mm, dtype, entry["data_offset"], self.num_rows, self.dim)
         self.scales = (None if not entry["scale_bytes"] else
-                       _view(region._mm, torch.float32, entry["scale_offset"], self.num_rows,
-                             header.scale_width))
+                       _view(region._mm, SCALE_FORMATS[header.scale_format][0],
+                             entry["scale_offset"], self.num_rows, header.scale_width))
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         flat = check_rows(rows, self.num_rows)  # [n]

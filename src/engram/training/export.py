@@ -20,12 +20,13 @@ from .train import TrainConfig
 
 def export_tables(source: Any, directory: str | Path, *, dtype: str = "fp32",
                   hasher: NgramHasher | None = None, tag: str = "", scale_block: int = 32,
-                  progress: bool = False) -> dict[int, Path]:
+                  progress: bool = False, scale_format: str = "fp32") -> dict[int, Path]:
     """Write one table file per Engram layer of ``source`` into ``directory``; returns the paths.
 
     ``source`` is an EngramLM, or a checkpoint: a ``.safetensors`` file, a checkpoints folder, or a
     run folder (``engram train --out_dir``) holding one. ``hasher`` fixes the hash profile; by
-    default it is the one training uses (the DeepSeek tokenizer's compression).
+    default it is the one training uses (the DeepSeek tokenizer's compression). ``scale_format``
+    "e8m0" stores fp8 scales as DeepSeek-V4.1 does (power-of-two exponent bytes).
 
     Engram-Nine (arXiv 2601.16531): beside each table set's cold file ``layer{id}.table`` go its hot
     rows [S, K*e] as a table file ``layer{id}.hot.table`` and the hot index (keys, MPHF,
@@ -44,7 +45,8 @@ def export_tables(source: Any, directory: str | Path, *, dtype: str = "fp32",
         hasher = _nine_hasher(hasher, *nine[:2])
     if tag == "" and not hasattr(source, "engrams"):
         tag = Path(str(source)).name
-    kw = dict(config=config, dtype=dtype, scale_block=scale_block, tag=tag, progress=progress)
+    kw = dict(config=config, dtype=dtype, scale_block=scale_block, tag=tag, progress=progress,
+              scale_format=scale_format)
     out = {}
     for lid, w in weights.items():
         out[lid] = table_path(directory, lid)
