@@ -1,6 +1,7 @@
 """A random tiny DeepSeek-V4.1-layout checkpoint, written with plain safetensors from the names,
 dtypes and shapes vLLM 0.32.0's V4.1 Engram loads (not with the code under test). Layer sizes come
-from the spec's prime rule; V' = 99,092 is DeepSeek's tokenizer compressed (the engine checks it)."""
+from the spec's prime rule; V' = 99,092 is DeepSeek's tokenizer compressed (the engine checks
+it)."""
 
 import json
 from pathlib import Path

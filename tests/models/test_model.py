@@ -362,7 +362,8 @@ def test_v41_config_records_its_gate_and_an_old_one_keeps_its_own():
     old = {k: v for k, v in new.to_dict().items() if k != "engram_norm_eps"}
     old["engram_gate"] = None
     legacy = ModelConfig.from_dict(old)
-    assert legacy.engram_gate == "paper" and legacy.engram_norm_eps == torch.finfo(torch.float32).eps
+    assert legacy.engram_gate == "paper"
+    assert legacy.engram_norm_eps == torch.finfo(torch.float32).eps
     assert ModelConfig.from_dict(legacy.to_dict()) == legacy  # and stays so once re-saved
     demo = {k: v for k, v in model_cfg(**VARIANTS["engram"]).to_dict().items()
             if k != "engram_norm_eps"}

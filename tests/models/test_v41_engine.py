@@ -5,9 +5,10 @@ row lookup against every tier, the post-projection gate and the token mask, the 
 loader on our export, and the table-memory formula. Equal to the bit where the engine is exact,
 to float32 rounding where it computes.
 
-vLLM runs in its own process (tests/models/v41_engine_check.py), with ``ENGRAM_VLLM_PYTHON`` (.ci/run
-makes that venv) or this Python if it imports vllm, and Triton from ``ENGRAM_TRITON_PATH`` (CI
-installs it there, outside vLLM's venv) or that Python's own. Skipped cleanly without either.
+vLLM runs in its own process (tests/models/v41_engine_check.py), with ``ENGRAM_VLLM_PYTHON``
+(.ci/run makes that venv) or this Python if it imports vllm, and Triton from
+``ENGRAM_TRITON_PATH`` (CI installs it there, outside vLLM's venv) or that Python's own. Skipped
+cleanly without either.
 """
 
 import importlib.util

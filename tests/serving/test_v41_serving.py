@@ -1,7 +1,7 @@
 """A DeepSeek-V4.1 Engram layer set (imported from a random tiny V4.1-layout checkpoint) served in a
-tiny v4.1 run: `engram generate` gives the same tokens and logits on every tier; an `export-hf` of it
-(fp8 tables with the checkpoint's E8M0 scales) serves those tokens through the paged path vLLM uses,
-on every tier; `engram export-v41` from the run gives the checkpoint back."""
+tiny v4.1 run: `engram generate` gives the same tokens and logits on every tier; an `export-hf` of
+it (fp8 tables with the checkpoint's E8M0 scales) serves those tokens through the paged path vLLM
+uses, on every tier; `engram export-v41` from the run gives the checkpoint back."""
 
 import json
 

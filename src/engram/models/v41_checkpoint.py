@@ -4,7 +4,7 @@ What vLLM 0.32.0's in-tree DeepSeek-V4.1 code loads (``vllm/models/deepseek_v41/
 its weight mapper in ``nvidia/model.py``), per Engram layer L, from safetensors shards that
 ``model.safetensors.index.json`` names:
 
-    layers.L.engram.embed.weight  [R, e]            float8_e4m3fn   every hash head's rows, R = sum p
+    layers.L.engram.embed.weight  [R, e]            float8_e4m3fn   every head's rows, R = sum p
     layers.L.engram.embed.scale   [R, e / 32]       float8_e8m0fnu  one power-of-two scale per 32
     layers.L.engram.wkv.weight    [(m + 1) d, H e]  bf16 (or fp8 e4m3 + wkv.scale, block-quantised):
                                                     branch 0..m-1's key, then the shared value
@@ -160,7 +160,7 @@ class TensorInfo:
     shape: tuple[int, ...]
 
 
-# -- reading -----------------------------------------------------------------------------------------
+# -- reading ---------------------------------------------------------------------------------------
 
 def read_config(ckpt_dir: str | Path) -> V41Config:
     path = Path(ckpt_dir) / "config.json"
@@ -198,7 +198,7 @@ def check_layers(cfg: V41Config, index: dict[str, TensorInfo]) -> dict[int, dict
     m, d, e = cfg.hc_mult, cfg.hidden_size, cfg.head_dim
     heads = (cfg.max_ngram_size - 1) * cfg.n_heads
     present = sorted({int(k.split(".")[1]) for k in index
-                      if k.startswith("layers.") and ".engram." in k})
+                      if k.startswith("layers.") and ".engram." in k and k.split(".")[1].isdigit()})
     out = {}
     for lid, rows in zip(cfg.layer_ids, cfg.num_embeddings):
         want = {EMBED: ((rows, e), ("F8_E4M3",)),
@@ -268,7 +268,7 @@ def e8m0_codes(scales: torch.Tensor, name: str) -> torch.Tensor:
     return codes
 
 
-# -- writing -----------------------------------------------------------------------------------------
+# -- writing ---------------------------------------------------------------------------------------
 
 Source = torch.Tensor | tuple[str, tuple[int, ...], Callable[[int, int], torch.Tensor]]
 
@@ -289,7 +289,8 @@ def write_safetensors(path: Path, tensors: dict[str, Source], chunk_rows: int = 
         size = ST_DTYPES[dtype].itemsize
         for n in shape:
             size *= n
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
         plan.append((name, dtype, shape, read))
         offset += size
     body = json.dumps(header, separators=(",", ":")).encode()
@@ -313,7 +314,8 @@ def write_safetensors(path: Path, tensors: dict[str, Source], chunk_rows: int = 
 @contextmanager
 def staged_dir(out_dir: str | Path) -> Iterator[Path]:
     """A folder that appears at ``out_dir`` whole or not at all: written beside it, renamed into
-    place when the block ends, removed on any error. An existing non-empty ``out_dir`` is refused."""
+    place when the block ends, removed on any error. An existing non-empty ``out_dir`` is
+    refused."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not empty; refusing to write over it")

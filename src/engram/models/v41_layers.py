@@ -102,7 +102,7 @@ def _hasher(cfg: V41Config, ecfg: EngramConfig, tokenizer: Any) -> NgramHasher:
     return NgramHasher(ecfg, comp)
 
 
-# -- checkpoint -> layer set -------------------------------------------------------------------------
+# -- checkpoint -> layer set -----------------------------------------------------------------------
 
 def import_v41(ckpt_dir: str | Path, out_dir: str | Path, *, tokenizer: Any = None,
                progress: bool = False) -> Path:
@@ -160,7 +160,8 @@ def _write_meta(path: Path, ecfg: EngramConfig, cfg: V41Config, dtypes: dict, so
 
 
 def _block_scales(scale: torch.Tensor, shape: tuple[int, int], block: list[int]) -> torch.Tensor:
-    """Per-block scales [ceil(r/b0), ceil(c/b1)] (fp32, or E8M0 as the engine decodes it) -> [r, c]."""
+    """Per-block scales [ceil(r/b0), ceil(c/b1)] (fp32, or E8M0 decoded as the engine does)
+    -> [r, c]."""
     s = e8m0_to_float(scale.view(torch.uint8)) if scale.dtype == torch.float8_e8m0fnu else scale
     return s.float().repeat_interleave(block[0], 0)[:shape[0]].repeat_interleave(
         block[1], 1)[:, :shape[1]]
@@ -175,7 +176,7 @@ def _dequantized_wkv(read, infos: dict, cfg: V41Config) -> torch.Tensor:
     return w.float() * _block_scales(s, tuple(w.shape), cfg.weight_block_size or [128, 128])
 
 
-# -- layer set -> checkpoint -------------------------------------------------------------------------
+# -- layer set -> checkpoint -----------------------------------------------------------------------
 
 def export_v41(layer_dir: str | Path, out_dir: str | Path, *, progress: bool = False) -> Path:
     """Write a layer set as a DeepSeek-V4.1-layout checkpoint (config.json, one shard per Engram
@@ -213,7 +214,8 @@ def export_v41(layer_dir: str | Path, out_dir: str | Path, *, progress: bool = F
 
 
 def _table_sources(ls: LayerSet, lid: int, cfg: V41Config):
-    """(name, (dtype, shape, read)) of embed.weight and embed.scale, streamed from the table file."""
+    """(name, (dtype, shape, read)) of embed.weight and embed.scale, streamed from the table
+    file."""
     import numpy as np
 
     path = table_path(ls.table_dir, lid)
@@ -264,7 +266,7 @@ def _requantized_wkv(w: torch.Tensor, scale: torch.Tensor, block: list[int]):
     return (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
-# -- our models <-> layer sets -----------------------------------------------------------------------
+# -- our models <-> layer sets ---------------------------------------------------------------------
 
 def check_fits(mc: Any, ls: LayerSet, nine: bool = False) -> None:
     """Refuse a model config (ModelConfig) the layer set does not fit, naming what differs."""

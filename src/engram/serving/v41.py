@@ -18,6 +18,7 @@ def export_v41_checkpoint(source: str | Path, out_dir: str | Path, *,
     if (source / META).exists():
         return export_v41(source, out_dir, progress=progress)
     served = load_run(source, engram_layers=engram_layers)
+    Path(out_dir).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".engram-v41-", dir=Path(out_dir).parent) as tmp:
         layers = write_layer_set(served.model, served.hasher, Path(tmp) / "layers",
                                  tag=served.checkpoint.name, progress=progress)

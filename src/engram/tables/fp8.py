@@ -90,7 +90,7 @@ def check_quantized(q: torch.Tensor, sc: torch.Tensor, n: int, dim: int, block: 
     return q, sc
 
 
-# -- sizes -------------------------------------------------------------------------------------------
+# -- sizes -----------------------------------------------------------------------------------------
 
 ROW_FORMATS = ("fp8+e8m0", "fp8+fp32", "bf16", "fp32")  # how a row of e values can be stored
 
