@@ -64,6 +64,7 @@ def main() -> None:
                        n_head_per_ngram=8, layer_ids=[1], profile="v4.1")
     shapes = {"decode (64 seqs x 24 heads)": 64 * 24, "prefill (4 x 512 x 24 heads)": 4 * 512 * 24}
     res = {"cpu": cpu_model(), "torch_threads": torch.get_num_threads(), "rows": a.rows,
+           "load_avg_start": os.getloadavg()[0],
            "head_dim": DIM, "bytes_per_row": {f: row_bytes(DIM, f) for f in
                                               ("fp8+e8m0", "fp8+fp32", "bf16", "fp32")},
            "lookups": {}}
@@ -101,6 +102,7 @@ def main() -> None:
                       f"{r['vs_fp32_gather']:.2f}x the fp32 gather")
         for f in files.values():
             f.close()
+    res["load_avg_end"] = os.getloadavg()[0]  # other jobs on the machine during the timings
     print("bytes per row: " + ", ".join(f"{k} {v}" for k, v in res["bytes_per_row"].items()))
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=1))

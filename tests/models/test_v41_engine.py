@@ -64,6 +64,7 @@ def test_hash_ids_of_a_flat_batch_with_lookback_and_dead_positions(report):
     h = report["hashes"]
     assert h["requests"] == 4 and h["dead"] > 0 and h["columns"] == 24
     assert h["equal"], f"{h['mismatches']} of {h['tokens'] * 2 * 24} ids differ"
+    assert h["single_requests_equal"] == [True] * 4  # and each request launched alone
 
 
 def test_fp8_lookup_of_an_imported_table_equals_the_engines_on_every_tier(report):

@@ -141,39 +141,51 @@ def check_hashes(E, report, token_map, comp):
     seqs = [g.integers(0, 129280, size=L) for L in lengths]
     dead = [g.random(L) < 0.12 for L in lengths]
     dead[2][14] = dead[2][20] = True  # one in the lookback window, one in the chunk
-    ids, pos, deadm, qsl, look, lookd = [], [], [], [0], [], []
-    for s, d, a in zip(seqs, dead, starts):
-        ids += list(s[a:])
-        pos += list(range(a, len(s)))
-        deadm += list(d[a:])
-        qsl.append(len(ids))
-        look.append([int(s[a - 1 - c]) if a - 1 - c >= 0 else -1 for c in range(n - 1)])
-        lookd.append([bool(d[a - 1 - c]) if a - 1 - c >= 0 else False for c in range(n - 1)])
-    T, L, H = len(ids), len(lids), (n - 1) * k
-    input_ids, dead_mask = torch.tensor(ids), torch.tensor(deadm)
-    positions, query_start_loc = torch.tensor(pos), torch.tensor(qsl, dtype=torch.int32)
-    lookback, lookback_dead = torch.tensor(look), torch.tensor(lookd)
-    out = torch.empty(T, L, H, dtype=torch.int32)
-    tm = torch.tensor(token_map, dtype=torch.int32)
     mult = E.compute_hash_multipliers(layout.layer_ids, n, len(comp))
-    E._hash_ids_kernel[(triton.cdiv(T, 32), L)](
-        input_ids, tm, dead_mask, positions, None, query_start_loc, mult,
-        torch.tensor(layout.primes), layout.offsets, None, lookback, lookback_dead, out, T, 0,
-        int(tm[1]), input_stride=1, mask_stride=1, position_stride=1, table_stride=0,
-        table_col_stride=0, query_stride=1, num_query_rows=len(seqs), num_table_rows=0,
-        max_blocks=0, cache_block_size=16, MAX_NGRAM=n, num_heads=k, BLOCK_T=32,
-        BLOCK_H=triton.next_power_of_2(k), dead_id=E.DEAD_ID, lookback_depth=n - 1,
-        lookback_row_stride=lookback.stride(0), lookback_col_stride=1,
-        lookback_mask_row_stride=lookback_dead.stride(0), lookback_mask_col_stride=1)
+    tm = torch.tensor(token_map, dtype=torch.int32)
     hasher = NgramHasher(cfg, comp)
-    want = []
-    for s, d, a in zip(seqs, dead, starts):
-        full = hasher.hash(torch.tensor(s)[None], attention_mask=torch.tensor(~d)[None])
-        want.append(torch.stack([full[i][0, a:] for i in lids], 1))  # [t, L, H]
-    want = torch.cat(want)
-    report["hashes"] = {"tokens": T, "requests": len(seqs), "dead": int(dead_mask.sum()),
-                        "columns": H, "equal": bool(torch.equal(out.long(), want)),
-                        "mismatches": int((out.long() != want).sum())}
+
+    def engine_ids(reqs):  # the flat batch of these requests through the engine's kernel
+        ids, pos, deadm, qsl, look, lookd = [], [], [], [0], [], []
+        for r in reqs:
+            s, d, a = seqs[r], dead[r], starts[r]
+            ids += list(s[a:])
+            pos += list(range(a, len(s)))
+            deadm += list(d[a:])
+            qsl.append(len(ids))
+            look.append([int(s[a - 1 - c]) if a - 1 - c >= 0 else -1 for c in range(n - 1)])
+            lookd.append([bool(d[a - 1 - c]) if a - 1 - c >= 0 else False for c in range(n - 1)])
+        T, L, H = len(ids), len(lids), (n - 1) * k
+        lookback, lookback_dead = torch.tensor(look), torch.tensor(lookd)
+        out = torch.empty(T, L, H, dtype=torch.int32)
+        E._hash_ids_kernel[(triton.cdiv(T, 32), L)](
+            torch.tensor(ids), tm, torch.tensor(deadm), torch.tensor(pos), None,
+            torch.tensor(qsl, dtype=torch.int32), mult, torch.tensor(layout.primes),
+            layout.offsets, None, lookback, lookback_dead, out, T, 0, int(tm[1]), input_stride=1,
+            mask_stride=1, position_stride=1, table_stride=0, table_col_stride=0, query_stride=1,
+            num_query_rows=len(reqs), num_table_rows=0, max_blocks=0, cache_block_size=16,
+            MAX_NGRAM=n, num_heads=k, BLOCK_T=32, BLOCK_H=triton.next_power_of_2(k),
+            dead_id=E.DEAD_ID, lookback_depth=n - 1, lookback_row_stride=lookback.stride(0),
+            lookback_col_stride=1, lookback_mask_row_stride=lookback_dead.stride(0),
+            lookback_mask_col_stride=1)
+        return out.long()
+
+    def our_ids(reqs):  # each whole sequence hashed at once, the chunk's positions
+        want = []
+        for r in reqs:
+            full = hasher.hash(torch.tensor(seqs[r])[None],
+                               attention_mask=torch.tensor(~dead[r])[None])
+            want.append(torch.stack([full[i][0, starts[r]:] for i in lids], 1))  # [t, L, H]
+        return torch.cat(want)
+
+    batch = list(range(len(seqs)))
+    got, want = engine_ids(batch), our_ids(batch)
+    single = [torch.equal(engine_ids([r]), our_ids([r])) for r in batch]
+    report["hashes"] = {"tokens": int(got.shape[0]), "requests": len(seqs),
+                        "dead": int(sum(d[a:].sum() + d[max(0, a - n + 1):a].sum()
+                                        for d, a in zip(dead, starts))),
+                        "columns": int(got.shape[2]), "equal": bool(torch.equal(got, want)),
+                        "mismatches": int((got != want).sum()), "single_requests_equal": single}
 
 
 def check_lookup_and_gate(E, report, tmp):
