@@ -200,6 +200,7 @@ def check_lookup_and_gate(E, report, tmp):
     from engram.tables.tablefile import table_path
     from engram.tables.tiers import FileTable, PinnedTable, SharedPool
 
+    torch.manual_seed(0)
     written = make_checkpoint(tmp / "ckpt")
     import_v41(tmp / "ckpt", tmp / "layers")
     ls = read_layer_set(tmp / "layers")
