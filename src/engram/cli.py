@@ -97,6 +97,8 @@ class Tables:
     cache_fraction: float = 0.0  # hot cache of this fraction of each table's rows (file tiers)
     prefetch: bool = False  # gather each step's rows in background threads
     table_dir: str | None = None  # table files of the file tiers; None: RUN_DIR/tables
+    # A DeepSeek-V4.1 layer set (`engram import-v41` OUT) replacing the run's Engram layers.
+    engram_layers: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.cache_fraction < 1:
@@ -201,7 +203,8 @@ def _generate(run_dir: str, o: Prompts, t: Tables, gen) -> None:
     if o.threads:
         torch.set_num_threads(o.threads)
     served = load_run(run_dir, tier=t.tier, table_dir=t.table_dir, table_dtype=t.table_dtype,
-                      cache_fraction=t.cache_fraction, prefetch=t.prefetch)
+                      cache_fraction=t.cache_fraction, prefetch=t.prefetch,
+                      engram_layers=t.engram_layers)
     tok = served.tokenizer
     eos = tok.token_to_id(EOS_TOKEN)
     if o.stop and eos is not None:
@@ -256,7 +259,8 @@ def _export_hf(run_dir: str, out_dir: str, t: Tables) -> None:
     from .serving.hf_export import export_hf
 
     out = export_hf(run_dir, out_dir, tier=t.tier, table_dtype=t.table_dtype,
-                    cache_fraction=t.cache_fraction, prefetch=t.prefetch)
+                    cache_fraction=t.cache_fraction, prefetch=t.prefetch,
+                    engram_layers=t.engram_layers)
     print(f"wrote {out}; serve with: vllm serve {out} --dtype float32")
 
 
@@ -331,12 +335,35 @@ def _analyze(run_dirs: list[str], ac, b: Baselines) -> None:
          about="Measures t_exec per layer, the read latency per tier, the break-even injected "
          "latency and the bandwidth bound.")
 def _pool_budget(pc, tc) -> None:
-    from .studies.pool_budget import run_pool_budget
+    from .studies.pool_budget import run_pool_budget, v41_lines
     from .studies.pool_report import verdict
 
     summary = run_pool_budget(pc, tc)
-    print("\n".join(verdict(summary)))
+    print("\n".join(verdict(summary) + v41_lines(summary["v41_tables"])))
     print(f"wrote {pc.out_dir}/budget.json, budget.png, report.md ({summary['wall_s']:.0f} s)")
+
+
+V41_ABOUT = "OUT appears whole or not at all; an existing non-empty OUT is refused."
+
+
+@command("import-v41", "a DeepSeek-V4.1 checkpoint's Engram layers as our module weights + table "
+         "files", args=(Arg("src", "checkpoint folder (config.json, safetensors shards)"),
+                        Arg("out", "folder to write")),
+         reads=("src",), writes=("out",), about=V41_ABOUT)
+def _import_v41(src: str, out: str) -> None:
+    from .models.v41_layers import import_v41
+
+    print(f"wrote {import_v41(src, out, progress=True)}")
+
+
+@command("export-v41", "a layer set (or a v4.1 run's Engram layers) as a DeepSeek-V4.1 checkpoint",
+         args=(Arg("src", "layer set folder (`engram import-v41` OUT) or v4.1 run folder"),
+               Arg("out", "folder to write")),
+         reads=("src",), writes=("out",), about=V41_ABOUT)
+def _export_v41(src: str, out: str) -> None:
+    from .serving.v41 import export_v41_checkpoint
+
+    print(f"wrote {export_v41_checkpoint(src, out, progress=True)}")
 
 
 # -- main ------------------------------------------------------------------------------------------

@@ -387,3 +387,44 @@ def test_external_table_is_kept():
     with pytest.raises(ValueError, match="without Engram"):
         EngramLM(cfg, tables={0: table})
     assert dataclasses.is_dataclass(model.config)
+
+
+def test_v41_config_records_its_gate_and_an_old_one_keeps_its_own():
+    """v4.1 now runs the engine's gate (signed sqrt, eps 1e-6) and a saved config says so; a
+    config saved before (no engram_norm_eps, gate None) rebuilds the model it trained: the plain
+    sigmoid at float32's eps, output bit for bit that of a module built that way by hand."""
+    new = model_cfg(**VARIANTS["engram_v41"])
+    assert (new.engram_gate, new.engram_norm_eps) == ("demo", 1e-6)
+    assert ModelConfig.from_dict(new.to_dict()) == new
+    old = {k: v for k, v in new.to_dict().items() if k != "engram_norm_eps"}
+    old["engram_gate"] = None
+    legacy = ModelConfig.from_dict(old)
+    assert legacy.engram_gate == "paper"
+    assert legacy.engram_norm_eps == torch.finfo(torch.float32).eps
+    assert ModelConfig.from_dict(legacy.to_dict()) == legacy  # and stays so once re-saved
+    demo = {k: v for k, v in model_cfg(**VARIANTS["engram"]).to_dict().items()
+            if k != "engram_norm_eps"}
+    assert ModelConfig.from_dict({**demo, "engram_gate": None}).engram_norm_eps is None
+    torch.manual_seed(0)
+    model = EngramLM(legacy).eval()
+    eng = model.engrams()[1]
+    by_hand = engram.Engram(None, None, eng.d_mem, 32, gate="paper", kernel_size=0, fused=True)
+    by_hand.load_state_dict({k: v for k, v in eng.state_dict().items() if "table" not in k})
+    e, h = torch.randn(2, 5, eng.d_mem), torch.randn(2, 5, 32)
+    with torch.no_grad():
+        assert torch.equal(eng(h, memory=e), by_hand(h, memory=e))
+
+
+def test_engram_mask_passes_masked_positions_through_untouched():
+    """DeepSeek-V4.1's token mask (image tokens): no Engram residual at a masked position."""
+    model = make("engram_v41")
+    x = torch.randint(0, V, (B, T))
+    ids = hasher_for(model.config.engram).hash(x)
+    mask = torch.rand(B, T) > 0.3
+    seen = []
+    model.engrams()[1].register_forward_hook(lambda m, i, out: seen.append(out))
+    with torch.no_grad():
+        masked = model(x, ids, engram_mask=mask).hidden
+        plain = model(x, ids).hidden
+    assert torch.equal(seen[0][~mask], torch.zeros_like(seen[0][~mask]))
+    assert torch.equal(seen[0][mask], seen[1][mask]) and not torch.equal(masked, plain)

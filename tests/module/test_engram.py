@@ -113,7 +113,9 @@ def test_sparse_table_grad_touches_only_read_rows(tiny_config, tiny_lookup):
 def test_v41_build_uses_global_ids_fused_no_bias_no_conv(tiny_config, tiny_lookup):
     cfg = tiny_config.replace(profile="v4.1")
     m = build_engram(cfg, 2, 24, hc_mult=2)
-    assert m.short_conv is None and m.fused and m.kv_proj.bias is None and m.gate == "paper"
+    assert m.short_conv is None and m.fused and m.kv_proj.bias is None
+    # vLLM's V4.1 engine: signed square root before the sigmoid, norms at rms_norm_eps = 1e-6
+    assert m.gate == "demo" and {n.eps for n in [*m.norm1, *m.norm2]} == {1e-6}
     ids = NgramHasher(cfg, tiny_lookup).hash(torch.randint(0, 300, (1, 9)))[2]
     assert torch.equal(m.rows(ids), ids)
     assert m(torch.randn(1, 9, 2, 24), ids).shape == (1, 9, 2, 24)

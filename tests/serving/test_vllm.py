@@ -73,3 +73,32 @@ def test_vllm_preempted_requests_resume_exactly(served, tmp_path):
     got = run_vllm(out, ps, tmp_path, "preempt", kv_blocks=10, max_new=40)
     assert got["tokens"] == reference(model, hasher, vocab, ps, 40)
     assert got["counters"]["vllm:num_preemptions"] > 0, got["counters"]
+
+
+def test_vllm_serves_an_imported_v41_layer_set(tmp_path):
+    """A DeepSeek-V4.1 layer set (import-v41 of a random tiny checkpoint) in a tiny v4.1 run,
+    exported with fp8 tables that keep the checkpoint's E8M0 scales: vLLM on the file tier
+    generates what `engram generate` does on the memory tier."""
+    from test_v41_serving import RUN
+    from v41_ckpt import make_checkpoint
+
+    from engram.models.v41_layers import import_v41
+    from engram.serving.generate import GenerationConfig, Generator
+    from engram.serving.hf_export import export_hf
+    from engram.serving.loader import load_run
+    from engram.training.train import TrainConfig, train
+
+    train(TrainConfig(out_dir=str(tmp_path / "run"), **{**RUN, "seq_len": 96}), progress=False)
+    make_checkpoint(tmp_path / "ckpt", seed=3)
+    import_v41(tmp_path / "ckpt", tmp_path / "layers")
+    out = export_hf(tmp_path / "run", tmp_path / "hf", table_dtype="fp8",
+                    engram_layers=tmp_path / "layers")
+    served = load_run(tmp_path / "run", engram_layers=tmp_path / "layers")
+    g = np.random.default_rng(7)
+    ps = [[int(x) for x in g.choice(served.vocab, int(g.integers(1, 80)))] for _ in range(12)]
+    gen = Generator(served.model, served.hasher, served.vocab,
+                    GenerationConfig(max_new_tokens=MAX_NEW))
+    want = [gen.generate([p]).tokens[0] for p in ps]
+    assert max(map(len, ps)) > 64  # chunked prefill
+    got = run_vllm(out, ps, tmp_path, "v41", {"engram_serving": {"tier": "file"}})
+    assert got["tokens"] == want

@@ -34,6 +34,21 @@ def test_outputs_written(summary):
     assert "Engram layer 1, window" in report and "break-even" in report
 
 
+def test_real_v41_table_arithmetic(summary):
+    """The real DeepSeek-V4.1 tables, as vLLM sizes its host memory: rows x (256 + 256 / 32) B in
+    FP8 with E8M0 scales (spec section 3's row counts; tests/models/test_v41_engine.py checks
+    the same numbers against the engine's own EngramLayout and formula)."""
+    from engram.studies.pool_budget import v41_lines
+
+    t = json.loads((summary[1] / "budget.json").read_text())["v41_tables"]
+    assert {k: v["rows"] for k, v in t["layers"].items()} == {"1": 384_006_168, "14": 384_016_682}
+    assert t["layers"]["1"]["fp8+e8m0"] == 384_006_168 * 264
+    assert t["total"]["fp8+e8m0"] == 768_022_850 * 264 == 202_758_032_400
+    assert t["row_bytes"] == {"fp8+e8m0": 264, "fp8+fp32": 288, "bf16": 512, "fp32": 1024}
+    assert "layer 14: 384,016,682 rows, FP8 + E8M0 101,380,404,048 B" in "\n".join(
+        v41_lines(summary[0]["v41_tables"]))
+
+
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
 def test_windows_and_injected_latency_move_the_verdict(summary, mode):
     m = summary[0]["modes"][mode]

@@ -218,10 +218,11 @@ class Memory(Protocol):
 
 
 def engram_memory(ids: torch.Tensor, state: EngramState | None = None,
-                  return_gate: bool = False) -> Memory:
-    """Read a layer's rows for hash ids [b, t, H], continuing ``state`` (a cached decode)."""
+                  return_gate: bool = False, alive: torch.Tensor | None = None) -> Memory:
+    """Read a layer's rows for hash ids [b, t, H], continuing ``state`` (a cached decode);
+    ``alive`` [b, t]: Engram's token mask (False: no residual there, Engram.forward)."""
     def read(engram: Engram, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        y = engram(h, ids, state=state, return_gate=return_gate)
+        y = engram(h, ids, state=state, return_gate=return_gate, alive=alive)
         return y if return_gate else (y, None)
     return read
 

@@ -98,7 +98,8 @@ def build_block(config: ModelConfig, layer: int,
     if layer in config.engram_layers:
         engram = build_engram(config.engram, layer, config.d_model, config.hc_mult,
                               gate=config.engram_gate, conv=config.engram_conv, table=table,
-                              sparse=config.sparse_tables, init_std=config.table_init_std)
+                              sparse=config.sparse_tables, init_std=config.table_init_std,
+                              norm_eps=config.engram_norm_eps)
     return Block(config.d_model, config.n_head, build_ffn(config, layer), norm_eps=config.norm_eps,
                  engram=engram, hc_mult=config.hc_mult, index=layer)
 
@@ -184,12 +185,15 @@ class EngramLM(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, hash_ids: dict[int, torch.Tensor] | None = None, *,
-                cache: DecodeCache | None = None, return_gates: bool = False) -> ModelOutput:
+                cache: DecodeCache | None = None, return_gates: bool = False,
+                engram_mask: torch.Tensor | None = None) -> ModelOutput:
         """tokens [b, t] (model-vocabulary ids) -> final hidden [b, t, d]; ``.logits`` [b, t, V]
         are computed from it on first use, and ``loss``/``token_nll`` need only the hidden states.
 
         With ``cache`` only the new tokens are passed; they sit at positions cache.pos.. and the
         cache advances by t. ``hash_ids`` then hold the new tokens' ids only (``HashStream.step``).
+        ``engram_mask`` [b, t] (False: no Engram residual there, as DeepSeek-V4.1's image tokens;
+        hash such positions as dead so they break n-grams too).
         """
         self._check_inputs(tokens, hash_ids, cache)
         t = tokens.shape[1]
@@ -201,7 +205,7 @@ class EngramLM(nn.Module):
 
         def memory(i: int) -> Memory:
             state = None if cache is None else cache.engram.get(i)
-            return engram_memory(hash_ids[i], state, return_gate=return_gates)
+            return engram_memory(hash_ids[i], state, return_gate=return_gates, alive=engram_mask)
 
         hidden, aux, gates = self.trunk(tokens, cos, sin, attention, memory)
         if cache is not None:

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, fields
 
 from ..errors import UserError
-from ..module import GATES
+from ..module import GATES, LEGACY_V41_GATE, LEGACY_V41_NORM_EPS, PROFILE_GATE, PROFILE_NORM_EPS
 from ..retrieval.config import EngramConfig
 
 HEADS = ("full", "adaptive")
@@ -61,8 +61,11 @@ class ModelConfig:
     hc_mult: int = 1
     # Engram retrieval config (its layer_ids say which blocks get Engram); None = no Engram.
     engram: EngramConfig | None = None
-    # Engram gate: "paper" or "demo"; None = the profile's default.
+    # Engram gate: "paper" or "demo"; None = the profile's default (recorded as such once built).
     engram_gate: str | None = None
+    # Eps of the Engram gate's RMSNorms; None = the profile's (v4.1: 1e-6, DeepSeek-V4.1's
+    # rms_norm_eps; demo-v1: the dtype's, as nn.RMSNorm).
+    engram_norm_eps: float | None = None
     # Engram short conv on/off; None = the profile's default (demo-v1 on, v4.1 off).
     engram_conv: bool | None = None
     # Ablation: Engram gate fixed at 1 (no key projections, no context-aware gating).
@@ -128,6 +131,14 @@ class ModelConfig:
         if self.engram_gate is not None and self.engram_gate not in GATES:
             raise UserError(f"engram_gate must be one of {GATES} or None, "
                              f"got {self.engram_gate!r}")
+        if self.engram_norm_eps is not None and not self.engram_norm_eps > 0:
+            raise UserError(f"engram_norm_eps must be > 0 or None, got {self.engram_norm_eps}")
+        if self.engram is not None:
+            # The profile's defaults are written into the config, so a saved config says which
+            # gate and eps its model ran with even if a profile's defaults change (v4.1 did).
+            self.engram_gate = self.engram_gate or PROFILE_GATE[self.engram.profile]
+            if self.engram_norm_eps is None:
+                self.engram_norm_eps = PROFILE_NORM_EPS[self.engram.profile]
 
     @property
     def head_dim(self) -> int:
@@ -147,9 +158,17 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
+        """A saved config (``to_dict``). One saved before the gate and eps were recorded (no
+        ``engram_norm_eps`` key) with the v4.1 profile ran the profile's old defaults, the plain
+        sigmoid and float32's eps: it gets those back, so the model it describes is unchanged."""
         unknown = sorted(set(d) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"unknown ModelConfig fields: {unknown}")
+        engram = d.get("engram")
+        profile = getattr(engram, "profile", None) or (engram or {}).get("profile")
+        if "engram_norm_eps" not in d and profile == "v4.1":
+            d = {**d, "engram_gate": d.get("engram_gate") or LEGACY_V41_GATE,
+                 "engram_norm_eps": LEGACY_V41_NORM_EPS}
         return cls(**d)
 
 

@@ -59,7 +59,7 @@ def build_nine_lm(config: ModelConfig, hot_slots: int, shared: bool = True,
         # Same module build_engram makes, but fed global ids (the hot slots ride behind them).
         lm.blocks[lid].engram = Engram(
             stores[lid], None, ec.d_mem, config.d_model, config.hc_mult,
-            gate=config.engram_gate or ("paper" if v41 else "demo"),
+            gate=config.engram_gate, norm_eps=config.engram_norm_eps,
             kernel_size=ec.kernel_size if use_conv else 0, dilation=ec.max_ngram_size,
             fused=v41, conv_init="zero")
     lm.init_weights()  # the swapped modules get the model's init; stores keep their own

@@ -4,8 +4,16 @@ engram.py holds the module and its decode state, gate.py the gate, conv.py the s
 """
 
 from .conv import ConvFn, EngramState, ShortConv
-from .engram import Engram, build_engram
+from .engram import (
+    LEGACY_V41_GATE,
+    LEGACY_V41_NORM_EPS,
+    PROFILE_GATE,
+    PROFILE_NORM_EPS,
+    Engram,
+    build_engram,
+)
 from .gate import GATES, GateFn, gate_fn
 
-__all__ = ["ConvFn", "Engram", "EngramState", "GATES", "GateFn", "ShortConv", "build_engram",
+__all__ = ["ConvFn", "Engram", "EngramState", "GATES", "GateFn", "LEGACY_V41_GATE",
+           "LEGACY_V41_NORM_EPS", "PROFILE_GATE", "PROFILE_NORM_EPS", "ShortConv", "build_engram",
            "gate_fn"]

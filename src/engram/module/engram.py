@@ -22,6 +22,16 @@ from . import fused as fused_kernels
 from .conv import EngramState, ShortConv
 from .gate import GATES, GateFn
 
+# Each profile's gate and gate-norm eps (spec section 3). v4.1 follows vLLM 0.32.0's DeepSeek-V4.1
+# Engram: the signed square root before the sigmoid ("matching the training kernel") and both norms
+# at the model's rms_norm_eps (1e-6 in DeepSeek-V4's config). demo-v1: the official demo's gate and
+# nn.RMSNorm's default eps (None: the dtype's machine eps).
+PROFILE_GATE = {"demo-v1": "demo", "v4.1": "demo"}
+PROFILE_NORM_EPS: dict[str, float | None] = {"demo-v1": None, "v4.1": 1e-6}
+# What the v4.1 profile was before it matched the engine (the plain sigmoid, the dtype's eps): a
+# saved model config without a recorded gate and eps was trained with these (models/model_config).
+LEGACY_V41_GATE, LEGACY_V41_NORM_EPS = "paper", float(torch.finfo(torch.float32).eps)
+
 
 class Engram(nn.Module):
     """One Engram layer: memory e[t] -> k, v -> gate alpha per branch -> alpha*v + conv(alpha*v).
@@ -34,6 +44,7 @@ class Engram(nn.Module):
         hidden_size: backbone width d.
         hc_mult: residual branches m; each has its own key projection and norms (spec section 2).
         gate: "paper" (sigmoid) or "demo" (signed square root, then sigmoid).
+        norm_eps: eps of the gate's key and hidden RMSNorms (None: the dtype's, as nn.RMSNorm).
         kernel_size: short conv kernel; 0 drops the conv (v4.1).
         dilation: conv dilation (the paper uses N, the max n-gram order).
         fused: one bias-free projection for value and keys (v4.1) instead of biased nn.Linear's.
@@ -45,7 +56,7 @@ class Engram(nn.Module):
     def __init__(self, table: TableStore | None, head_sizes: list[int] | None, d_mem: int,
                  hidden_size: int, hc_mult: int = 1, gate: str = "paper", kernel_size: int = 4,
                  dilation: int = 3, fused: bool = False, conv_init: str = "zero",
-                 kernels: bool = True):
+                 kernels: bool = True, norm_eps: float | None = None):
         super().__init__()
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
@@ -67,8 +78,10 @@ class Engram(nn.Module):
         else:
             self.value_proj = nn.Linear(d_mem, hidden_size)
             self.key_projs = nn.ModuleList([nn.Linear(d_mem, hidden_size) for _ in range(hc_mult)])
-        self.norm1 = nn.ModuleList([nn.RMSNorm(hidden_size) for _ in range(hc_mult)])  # keys
-        self.norm2 = nn.ModuleList([nn.RMSNorm(hidden_size) for _ in range(hc_mult)])  # hidden
+        self.norm1 = nn.ModuleList([nn.RMSNorm(hidden_size, eps=norm_eps)
+                                    for _ in range(hc_mult)])  # keys
+        self.norm2 = nn.ModuleList([nn.RMSNorm(hidden_size, eps=norm_eps)
+                                    for _ in range(hc_mult)])  # hidden
         self.short_conv = (ShortConv(hidden_size, hc_mult, kernel_size, dilation)
                            if kernel_size > 0 else None)
         self._kv_cache: tuple | None = None  # (weights' identity, concatenated W and bias)
@@ -139,9 +152,11 @@ class Engram(nn.Module):
                 return_gate: bool = False, alive: torch.Tensor | None = None):
         """hidden [b, t, d] or [b, t, m, d] -> Y of the same shape (and alpha [b, t, m]).
 
-        ``alive`` [b, t] (bool or 0/1): positions outside the sequence (padding, a trigger's span)
-        contribute V~ = 0, so they add no value residual and feed the short conv zeros, exactly
-        what it sees before a sequence start; alpha itself is returned unmasked.
+        ``alive`` [b, t] (bool or 0/1): positions outside the sequence (padding, a trigger's span,
+        DeepSeek-V4.1's image tokens) contribute V~ = 0, so they add no value residual and feed the
+        short conv zeros, exactly what it sees before a sequence start; without a conv (v4.1) such
+        a position passes through untouched, as the engine's token mask does. alpha itself is
+        returned unmasked.
         """
         flat = hidden.dim() == 3
         if flat and self.hc_mult != 1:
@@ -208,14 +223,16 @@ class Engram(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"d_mem={self.d_mem}, hidden={self.hidden_size}, hc_mult={self.hc_mult}, "
-                f"gate={self.gate}, fused={self.fused}, local_ids={self.head_sizes is not None}")
+                f"gate={self.gate}, eps={self.norm1[0].eps}, fused={self.fused}, "
+                f"local_ids={self.head_sizes is not None}")
 
 
 def build_engram(config: EngramConfig, layer_id: int, hidden_size: int, hc_mult: int = 1, *,
                  gate: str | None = None, conv: bool | None = None, conv_init: str = "zero",
                  table: TableStore | None | str = "memory", sparse: bool = False,
-                 init_std: float = 1.0) -> Engram:
-    """Map a config to the module for one layer, with the profile's defaults.
+                 init_std: float = 1.0, norm_eps: float | None = None) -> Engram:
+    """Map a config to the module for one layer, with the profile's defaults (``gate`` and
+    ``norm_eps`` None: PROFILE_GATE, PROFILE_NORM_EPS).
 
     ``table="memory"`` allocates an in-memory table of the layer's full size; pass a store to put
     the rows elsewhere, or None to always feed ``memory=`` yourself.
@@ -235,6 +252,7 @@ def build_engram(config: EngramConfig, layer_id: int, hidden_size: int, hc_mult:
     use_conv = (not v41) if conv is None else conv
     return Engram(
         table, None if config.global_row_ids else heads, config.d_mem, hidden_size, hc_mult,
-        gate=gate or ("paper" if v41 else "demo"),
+        gate=gate or PROFILE_GATE[config.profile],
         kernel_size=config.kernel_size if use_conv else 0, dilation=config.max_ngram_size,
-        fused=v41, conv_init=conv_init)
+        fused=v41, conv_init=conv_init,
+        norm_eps=PROFILE_NORM_EPS[config.profile] if norm_eps is None else norm_eps)

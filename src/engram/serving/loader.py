@@ -35,7 +35,8 @@ class Served:
 
 def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path | None = None,
              table_dtype: str = "fp32", cache_fraction: float = 0.0, prefetch: bool = False,
-             verify: bool = True, **options: Any) -> Served:
+             verify: bool = True, engram_layers: str | Path | None = None,
+             **options: Any) -> Served:
     """The newest checkpoint of a ``engram train --out_dir`` folder, ready to generate.
 
     ``tier="memory"`` serves the checkpoint's own tables. Any other tier (``TIERS``) serves them
@@ -43,7 +44,9 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
     when missing or stale, opened on that tier (``options``: the tier's own, e.g. ``pool_path``);
     optionally behind a hot cache of ``cache_fraction`` of each table
     (``engram.tables.cache.build_cache``: mostly static top-k by the training text's n-gram
-    frequencies, the rest LRU) and background prefetch.
+    frequencies, the rest LRU) and background prefetch. ``engram_layers``: a DeepSeek-V4.1 layer
+    set (``engram import-v41``) replacing the Engram weights and tables of a v4.1 run of the same
+    shape; its table files are served on the tier.
     """
     from ..retrieval.compress import default_tokenizer
     from ..retrieval.hot import checkpoint_hasher
@@ -70,7 +73,18 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
     if hasher is not None:  # the one training used: Engram-Nine's carries the saved hot index
         hasher = checkpoint_hasher(hasher, state, cfg.shared_tables)
     tables: dict[int, Any] = {}
-    if tier != "memory" and ecfg is not None:
+    layer_set = None
+    if engram_layers is not None:
+        from ..models.v41_layers import check_fits, read_layer_set
+
+        layer_set = read_layer_set(engram_layers)
+        check_fits(cfg.model_config(corpus.vocab_size), layer_set, nine=cfg.nine)
+        if tier != "memory":
+            counts = hasher.count_reads(corpus.train) if cache_fraction > 0 else None
+            tables = open_tier(tier, layer_set.table_dir, layer_set.config, hasher, counts=counts,
+                               cache_fraction=cache_fraction, prefetch=prefetch, verify=verify,
+                               **options)
+    if tier != "memory" and ecfg is not None and layer_set is None:
         table_dir = Path(table_dir) if table_dir is not None else run_dir / "tables"
         stale = [p for p in table_paths(table_dir, hasher) if not p.exists()
                  or (h := read_header(p)).tag != ckpt.name or h.dtype != table_dtype]
@@ -85,6 +99,10 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
                            **options)
     model = build_model(cfg, corpus, tables or None)
     load_dense_state(model, state["model"], outside=tables)
+    if layer_set is not None:
+        from ..models.v41_layers import load_layer_set
+
+        load_layer_set(model, layer_set, hasher, memory_tables=tier == "memory", verify=verify)
     model.eval()
     return Served(model, hasher, corpus.vocab, ckpt, tok, tables, corpus.train)
 

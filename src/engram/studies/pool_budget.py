@@ -142,7 +142,30 @@ def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
             os.unlink(pool_path)
         if pc.table_dir is None:
             shutil.rmtree(table_dir, ignore_errors=True)
+    summary["v41_tables"] = v41_tables()
     summary["wall_s"] = time.time() - t_start
     summary["load_avg_end"] = os.getloadavg()[0]  # other jobs on the machine during the timings
     write_report(summary, out_dir)
     return summary
+
+
+def v41_tables() -> dict[str, Any]:
+    """The table arithmetic of the real DeepSeek-V4.1 (EngramConfig.v4_1()): rows and bytes per
+    layer in FP8 + E8M0 scales (the engine's ``rows * (head_dim + head_dim // 32)``) and the
+    other row formats."""
+    from ..retrieval.config import EngramConfig
+    from ..retrieval.primes import rows_per_layer
+    from ..tables.fp8 import table_memory
+
+    cfg = EngramConfig.v4_1()
+    return table_memory(rows_per_layer(cfg), cfg.head_dim)
+
+
+def v41_lines(t: dict[str, Any]) -> list[str]:
+    gib = 1 << 30
+    lines = [f"DeepSeek-V4.1 tables (head dim {t['head_dim']}, bytes per row: "
+             + ", ".join(f"{k} {v}" for k, v in t["row_bytes"].items()) + "):"]
+    for lid, x in [*t["layers"].items(), ("all", t["total"])]:
+        lines.append(f"  layer {lid}: {x['rows']:,} rows, FP8 + E8M0 {x['fp8+e8m0']:,} B "
+                     f"({x['fp8+e8m0'] / gib:.1f} GiB; bf16 {x['bf16'] / gib:.1f} GiB)")
+    return lines

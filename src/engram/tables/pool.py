@@ -45,6 +45,7 @@ from ..retrieval.hashing import Hasher
 from . import tablefile
 from .tablefile import (
     DTYPES,
+    SCALE_FORMATS,
     SUFFIX,
     TableFileError,
     TableHeader,
@@ -168,8 +169,9 @@ def write_pool(path: str | Path, sources: dict[Key, Source], *, config: EngramCo
         head, read = _source(sources[(part, lid)], lid, config, prof)
         rb = head["dim"] * DTYPES[head["dtype"]][1]
         sw = 0 if head["scale_block"] is None else head["dim"] // head["scale_block"]
+        sb = SCALE_FORMATS[head.get("scale_format", "fp32")][1]  # bytes per scale
         e = {"header": head, "data_offset": off, "data_bytes": head["num_rows"] * rb,
-             "scale_offset": None, "scale_bytes": head["num_rows"] * sw * 4}
+             "scale_offset": None, "scale_bytes": head["num_rows"] * sw * sb}
         off = _up(off + e["data_bytes"], ALIGN)
         if e["scale_bytes"]:
             e["scale_offset"], off = off, _up(off + e["scale_bytes"], ALIGN)
@@ -332,8 +334,8 @@ class PoolTable:
         dtype = DTYPES[header.dtype][0]
         self.data = _view(region._mm, dtype, entry["data_offset"], self.num_rows, self.dim)
         self.scales = (None if not entry["scale_bytes"] else
-                       _view(region._mm, torch.float32, entry["scale_offset"], self.num_rows,
-                             header.scale_width))
+                       _view(region._mm, SCALE_FORMATS[header.scale_format][0],
+                             entry["scale_offset"], self.num_rows, header.scale_width))
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         flat = check_rows(rows, self.num_rows)  # [n]

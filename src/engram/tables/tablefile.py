@@ -9,7 +9,8 @@ on NVMe or in a pool shared by processes; this is the file every such tier maps.
     [32, 32 + len)       header: UTF-8 JSON (shape, dtype, Engram config, hash profile, layer id,
                          per-chunk crc32s)
     [data_offset, ...)   rows [r, e] in the stored dtype (fp32, bf16, fp16 or fp8 e4m3)
-    [scale_offset, ...)  fp8 only: per-block scales [r, e / block] fp32
+    [scale_offset, ...)  fp8 only: per-block scales [r, e / block], fp32 or (``scale_format``
+                         "e8m0") one byte each: a power of two's exponent, DeepSeek-V4.1's format
 
 Offsets are page-aligned so a mapped row never shares a page with the header. Every chunk of
 ``chunk_rows`` rows has a crc32 over its rows (then its scales), so a flipped byte is found and
@@ -38,6 +39,14 @@ from ..errors import UserError
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import PARTS, Hasher, differences
 from ..retrieval.primes import rows_per_layer
+from .fp8 import (  # noqa: F401  (quantize_fp8, dequantize_fp8 and FP8_MAX were defined here)
+    FP8_MAX,
+    SCALE_FORMATS,
+    check_quantized,
+    dequantize_fp8,
+    quantize_fp8,
+    quantize_fp8_e8m0,
+)
 
 MAGIC = b"ENGRAMTB"
 FORMAT_VERSION = 1
@@ -48,7 +57,6 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "fp32": (torch.float32, 4), "bf16": (torch.bfloat16, 2), "fp16": (torch.float16, 2),
     "fp8": (torch.float8_e4m3fn, 1),
 }
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # File name suffix of each part of a table set (engram.retrieval.hashing.PARTS): hashed rows of
 # one head each, or Engram-Nine's hot rows [S, K * e].
 SUFFIX = {"cold": "", "hot": ".hot"}
@@ -76,6 +84,7 @@ class TableHeader:
     hash_profile: dict[str, Any] | None
     tag: str = ""  # free-form version label of this publish (e.g. a training step)
     format: str = "engram-table"
+    scale_format: str = "fp32"  # fp8: a SCALE_FORMATS key (files before it existed: fp32)
 
     @property
     def row_bytes(self) -> int:
@@ -85,30 +94,12 @@ class TableHeader:
     def scale_width(self) -> int:
         return 0 if self.scale_block is None else self.dim // self.scale_block
 
+    @property
+    def scale_row_bytes(self) -> int:
+        return self.scale_width * SCALE_FORMATS[self.scale_format][1]
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
-
-
-# -- numerics --------------------------------------------------------------------------------------
-
-def quantize_fp8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [n, e] -> (fp8 values [n, e], fp32 scales [n, e/block]); x ~= values * scale per block.
-
-    One scale per block of ``block`` values (DeepSeek-V3's fine-grained fp8 scaling) keeps a row
-    with one large entry from flushing its small ones to zero.
-    """
-    n, e = x.shape
-    xb = x.float().view(n, e // block, block)  # [n, nb, block]
-    scale = xb.abs().amax(-1) / FP8_MAX  # [n, nb]
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block keeps 0
-    q = (xb / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(n, e), scale
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp8 values [n, e] and scales [n, nb] -> fp32 [n, e]."""
-    n, e = q.shape
-    return (q.float().view(n, scale.shape[1], -1) * scale.unsqueeze(-1)).view(n, e)
 
 
 def _row_bytes(x: torch.Tensor) -> bytes:
@@ -142,14 +133,20 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
                 dim: int | None = None, layer_id: int, config: EngramConfig,
                 profile: dict[str, Any] | None = None, dtype: str = "fp32",
                 scale_block: int = 32, chunk_rows: int | None = None, tag: str = "",
-                progress: bool = False) -> TableHeader:
+                progress: bool = False, scale_format: str = "fp32") -> TableHeader:
     """Publish a table file atomically: write aside, fsync, rename over ``path``, fsync the folder.
 
     ``rows`` is a tensor [r, e] or a function ``(start, stop) -> rows [stop-start, e]`` (so a table
-    larger than memory can be written piece by piece; then pass num_rows and dim).
+    larger than memory can be written piece by piece; then pass num_rows and dim). With fp8 the
+    function may also return rows already quantised, ``(fp8 values, scales in scale_format)``:
+    they are stored byte for byte (a DeepSeek-V4.1 table is imported without re-quantising).
+    ``scale_format``: "fp32" scales, or "e8m0" power-of-two exponent bytes (fp8 only).
     """
     if dtype not in DTYPES:
         raise UserError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if scale_format not in SCALE_FORMATS:
+        raise UserError(f"scale_format must be one of {sorted(SCALE_FORMATS)}, got "
+                         f"{scale_format!r}")
     if isinstance(rows, torch.Tensor):
         if rows.dim() != 2:
             raise ValueError(f"rows must be [num_rows, dim], got {tuple(rows.shape)}")
@@ -168,7 +165,7 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
         layer_id=int(layer_id), num_rows=int(num_rows), dim=int(dim), dtype=dtype,
         scale_block=block, data_offset=0, scale_offset=None, file_size=0, chunk_rows=chunk_rows,
         chunks=["0" * 8] * n_chunks, engram_config=config.to_dict(), hash_profile=profile,
-        tag=str(tag))
+        tag=str(tag), scale_format=scale_format if block else "fp32")
     # The crc values are fixed-width hex, so the header's length depends only on the offsets' digit
     # counts: settle them first, then write the rows, then the header in front of them.
     data_bytes = num_rows * dim * esize
@@ -177,7 +174,7 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
         hlen = len(header.to_json())
         header.data_offset = _align(_PREAMBLE.size + hlen)
         header.scale_offset = _align(header.data_offset + data_bytes) if block else None
-        header.file_size = (header.scale_offset + num_rows * header.scale_width * 4 if block
+        header.file_size = (header.scale_offset + num_rows * header.scale_row_bytes if block
                             else header.data_offset + data_bytes)
 
     path = Path(path)
@@ -190,11 +187,16 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
             for c in tqdm(range(n_chunks), disable=not progress, desc=path.name, leave=False):
                 a, b = c * chunk_rows, min(num_rows, (c + 1) * chunk_rows)
                 x = rows(a, b)
-                if tuple(x.shape) != (b - a, dim):
+                if isinstance(x, tuple) and dtype == "fp8":
+                    q, sc = check_quantized(*x, b - a, dim, block, header.scale_format,
+                                            f"rows {a}:{b}")
+                    data, scales = _row_bytes(q), _row_bytes(sc)
+                elif tuple(x.shape) != (b - a, dim):
                     raise ValueError(f"row source gave {tuple(x.shape)} for rows {a}:{b}, "
                                      f"expected {(b - a, dim)}")
-                if dtype == "fp8":
-                    q, s = quantize_fp8(x, block)
+                elif dtype == "fp8":
+                    q, s = (quantize_fp8_e8m0(x, block) if header.scale_format == "e8m0"
+                            else quantize_fp8(x, block))
                     data, scales = _row_bytes(q), _row_bytes(s)
                 else:
                     data, scales = _row_bytes(x.to(DTYPES[dtype][0])), b""
@@ -202,7 +204,7 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
                 f.write(data)
                 crc = zlib.crc32(data)
                 if block:
-                    f.seek(header.scale_offset + a * header.scale_width * 4)
+                    f.seek(header.scale_offset + a * header.scale_row_bytes)
                     f.write(scales)
                     crc = zlib.crc32(scales, crc)
                 header.chunks[c] = f"{crc:08x}"
@@ -279,7 +281,8 @@ def read_header(source: str | Path | int, name: str | None = None) -> TableHeade
             header = TableHeader(**d)
         except (ValueError, TypeError) as e:
             raise TableFileError(f"{name}: unreadable header: {e}") from e
-        if header.file_size != file_size or header.dtype not in DTYPES:
+        if (header.file_size != file_size or header.dtype not in DTYPES
+                or header.scale_format not in SCALE_FORMATS):
             raise TableFileError(f"{name}: inconsistent header")
         return header
     finally:
@@ -299,7 +302,7 @@ def verify(source: str | Path | int, header: TableHeader | None = None, *,
         fd, own = os.open(source, os.O_RDONLY), True
     try:
         header = header or read_header(fd, name)
-        rb, sb = header.row_bytes, header.scale_width * 4
+        rb, sb = header.row_bytes, header.scale_row_bytes
         from tqdm.auto import tqdm
 
         for c in tqdm(range(len(header.chunks)), disable=not progress, desc="verify", leave=False):

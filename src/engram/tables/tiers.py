@@ -30,6 +30,7 @@ from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import Hasher
 from .tablefile import (
     DTYPES,
+    SCALE_FORMATS,
     TableFileError,
     TableHeader,
     check_compatible,
@@ -192,8 +193,8 @@ class FileTable:
                        self.max_windows, self.advice)
         scales = None
         if h.scale_block:  # windows over the same rows, so one window id covers both
-            scales = _Region(fd, h.scale_offset, h.num_rows, h.scale_width, torch.float32, 4,
-                             wrows, self.max_windows, self.advice)
+            scales = _Region(fd, h.scale_offset, h.num_rows, h.scale_width,
+                             *SCALE_FORMATS[h.scale_format], wrows, self.max_windows, self.advice)
         return data, scales
 
     def refresh(self) -> bool:
@@ -254,7 +255,8 @@ class FileTable:
         if data is None:
             raise RuntimeError(f"{self.path} was closed")
         raw = torch.empty(flat.numel(), self.dim, dtype=data.dtype)  # [n, e] stored dtype
-        sc = None if scales is None else torch.empty(flat.numel(), scales.width)  # [n, nb]
+        sc = (None if scales is None  # [n, nb] fp32 or E8M0 bytes
+              else torch.empty(flat.numel(), scales.width, dtype=scales.dtype))
         self._gather(data, flat, raw)
         if scales is not None:
             self._gather(scales, flat, sc)

@@ -27,13 +27,14 @@ _STATE_PARTS = {"weight": "cold", "cold.weight": "cold", "hot.weight": "hot"}
 
 def export_tables(source: Any, directory: str | Path, *, dtype: str = "fp32",
                   hasher: Hasher | None = None, tag: str = "", scale_block: int = 32,
-                  progress: bool = False) -> dict[int, Path]:
+                  progress: bool = False, scale_format: str = "fp32") -> dict[int, Path]:
     """Write every table file of ``source`` into ``directory``; returns each layer's cold file.
 
     ``source`` is an EngramLM, or a checkpoint: a ``.safetensors`` file, a checkpoints folder, or a
     run folder (``engram train --out_dir``) holding one. ``hasher`` (``Hasher``) fixes the table
     sets, their parts and the stamps; by default the one training uses (the DeepSeek tokenizer's
     compression; a checkpoint's saved hot index). A Nine model needs its NineHasher.
+    ``scale_format`` "e8m0" stores fp8 scales as DeepSeek-V4.1 does (power-of-two exponent bytes).
 
     One file per part of each table set (``hasher.owners`` x ``hasher.parts``): ``layer{id}.table``
     and, for Engram-Nine (arXiv 2601.16531), its hot rows [S, K*e] as ``layer{id}.hot.table`` and
@@ -43,7 +44,7 @@ def export_tables(source: Any, directory: str | Path, *, dtype: str = "fp32",
     """
     config, sets, hasher, source_tag = _tables_of(source, hasher)
     kw = dict(config=config, dtype=dtype, scale_block=scale_block, tag=tag or source_tag,
-              progress=progress)
+              progress=progress, scale_format=scale_format)
     for lid, parts in sets.items():
         for part, rows in parts.items():
             write_table(table_path(directory, lid, part), rows,

@@ -93,6 +93,10 @@ class TrainConfig:
     n_head_per_ngram: int = 4
     n_embed_per_ngram: int = 128  # d_ngram; head dim = d_ngram / heads
     engram_gate: str | None = None  # None: the profile's default
+    # "demo-v1", or "v4.1": DeepSeek-V4.1's layout (one table size for all orders, global row ids,
+    # fused bias-free keys, no short conv); its layers import and export as a V4.1 checkpoint's.
+    engram_profile: str = "demo-v1"
+    engram_norm_eps: float | None = None  # Engram gate norms' eps; None: the profile's (v4.1 1e-6)
     engram_conv: bool | None = None  # short conv on/off; None: the profile's default (on)
     engram_fixed_gate: bool = False  # ablation: gate alpha fixed at 1 (no keys)
     engram_shared_key: bool = False  # ablation: with hc_mult > 1, one key for all branches
@@ -147,11 +151,14 @@ class TrainConfig:
     def engram_config(self) -> EngramConfig | None:
         if not self.engram:
             return None
+        sizes = (self.table_size if self.engram_profile == "v4.1"
+                 else [self.table_size] * (self.max_ngram_size - 1))
         return EngramConfig(
-            engram_vocab_size=[self.table_size] * (self.max_ngram_size - 1),
+            engram_vocab_size=sizes,
             max_ngram_size=self.max_ngram_size, n_embed_per_ngram=self.n_embed_per_ngram,
             n_head_per_ngram=self.n_head_per_ngram, layer_ids=list(self.engram_layers),
-            pad_id=1, seed=self.seed)  # pad = DeepSeek's EOS, which also separates documents
+            pad_id=1, seed=self.seed,  # pad = DeepSeek's EOS, which also separates documents
+            profile=self.engram_profile)
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         # A small corpus (tests, --max_chars) may have fewer ids than the default cutoffs.
@@ -165,6 +172,7 @@ class TrainConfig:
             n_shared_experts=self.n_shared_experts, top_k=self.top_k, d_expert=self.d_expert,
             engram=self.engram_config(), engram_gate=self.engram_gate, sparse_tables=True,
             table_init_std=self.table_init_std, engram_conv=self.engram_conv,
+            engram_norm_eps=self.engram_norm_eps,
             engram_fixed_gate=self.engram_fixed_gate, engram_shared_key=self.engram_shared_key)
 
     def hasher(self, tokenizer: Any = None) -> NgramHasher | None:
