@@ -121,12 +121,13 @@ def test_buckets_round_down_cap_rows_and_name_the_threads():
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert gemm.bucket(2048, 128, 384) == "1t 512x128x256"  # rows capped at 2^24 MACs
-        assert gemm.bucket(100, 128, 512) == "1t 64x128x512"
+        assert gemm.bucket(2048, 128, 384) == "1t 512x128x512"  # rows capped at 2^25 MACs
+        assert gemm.bucket(100, 128, 512) == "1t 128x128x512"  # each to the nearest power of 2
+        assert gemm.bucket(90, 128, 512) == "1t 64x128x512"
         assert gemm.bucket(2048, 1024, 5120) == "1t 64x1024x4096"  # MEASURE_ROWS at the least
         assert gemm.bucket(5, 1024, 5120) == "1t 4x1024x4096"  # a decode: its own bucket
         torch.set_num_threads(2)
-        assert gemm.bucket(2048, 128, 384) == "2t 512x128x256"
+        assert gemm.bucket(2048, 128, 384) == "2t 512x128x512"
     finally:
         torch.set_num_threads(n)
 

@@ -51,9 +51,10 @@ BACKENDS = ("auto", "torch", "onednn")
 # speed on the Zen 5): torch's, unmeasured (a decode would otherwise time a bucket per length).
 MIN_MACS = 1 << 21
 MARGIN = 1.10  # oneDNN / torch speed needed to leave torch's default (noise is ~5% here)
-MEASURE_MACS = 1 << 24  # a timed product's size: a bucket's rows are capped to fit it ...
+MEASURE_MACS = 1 << 25  # a timed product's size: a bucket's rows are capped to fit it ...
 MEASURE_ROWS = 64  # ... but not below this many rows (the per-row regime, not a decode's)
-ROUNDS = 11  # interleaved samples of each product per decision
+ROUNDS = 11  # interleaved samples of each product per decision, at most ...
+MEASURE_S = 0.1  # ... while they take under this many seconds (at least 5)
 ROUTES_ENV = "ENGRAM_GEMM_ROUTES"  # the decisions, handed to spawned workers
 _VERSION = 1  # the cache file's format
 
@@ -261,11 +262,12 @@ def _export() -> None:
 
 def measure(n: int, i: int, o: int, rounds: int = ROUNDS) -> dict:
     """Time the three products of an n x i -> o layer (y = x W^T, dX = dY W, dW = dY^T X) through
-    torch and through oneDNN on the current thread count. Rounds interleave the backends, in
-    alternating order; each product's time is its fastest sample (of ~0.2 ms): load from other
-    processes only ever adds time, and on a shared machine it adds a lot (medians moved 5x between
-    runs at a load of 8 on 2 cores, the fastest samples 5%). Random inputs from a private
-    generator: the global RNG (and so a seeded run) is untouched."""
+    torch and through oneDNN on the current thread count. Rounds (5 to ``rounds``, ~MEASURE_S)
+    interleave the backends, in alternating order; each product's time is its fastest sample (of
+    ~0.2 ms where the product is shorter): load from other processes only ever adds time, and on
+    a shared machine it adds a lot (medians moved 5x between runs at a load of 8 on 2 cores, the
+    fastest samples 5%). Random inputs from a private generator: the global RNG (and so a seeded
+    run) is untouched."""
     g = torch.Generator().manual_seed(0)
     x, w, gy = (torch.randn(*s, generator=g) for s in ((n, i), (o, i), (n, o)))
     products = {"torch": (lambda: F.linear(x, w), lambda: gy.mm(w), lambda: gy.t().mm(x)),
@@ -281,9 +283,13 @@ def measure(n: int, i: int, o: int, rounds: int = ROUNDS) -> dict:
         reps, best = {}, {}
         for name, fns in products.items():  # warm (oneDNN builds its primitives) and size
             for j, fn in enumerate(fns):
-                warm = min(clock(fn, 1), clock(fn, 1))
-                reps[name, j], best[name, j] = max(1, min(64, round(2e-4 / max(warm, 1e-7)))), warm
-        for r in range(rounds):
+                fn()
+                best[name, j] = clock(fn, 1)
+                reps[name, j] = max(1, min(64, round(2e-4 / max(best[name, j], 1e-7))))
+        t0 = time.perf_counter()
+        for r in range(rounds):  # at least 5, and no more once MEASURE_S has passed
+            if r >= 5 and time.perf_counter() - t0 > MEASURE_S:
+                break
             for name in ("torch", "onednn")[:: 1 if r % 2 else -1]:
                 for j, fn in enumerate(products[name]):
                     best[name, j] = min(best[name, j], clock(fn, reps[name, j]))

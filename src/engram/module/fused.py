@@ -38,7 +38,11 @@ _HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 # per item, then over items: a fixed split, so the same bits on any thread count.
 ITEMS = 16
 MAX_KERNEL = 4  # the conv's taps are summed 4 at a time in registers (kernels.weight_rows)
-SERIAL_BELOW = 1 << 16  # values ([n, m, d]) under which one thread beats waking the pool (decode)
+# Values ([n, m, d]) under which a call stays on one thread (a decode step: waking the pool costs
+# more than the work). Machine-dependent, but not timed (unlike engram/gemm.py's route): a call's
+# bits are the same either way, and a threshold off by 4x costs ~0.15 ms a call near it (65536
+# values of the compare module ran 0.50 ms serial, 0.36 ms on 2 threads).
+SERIAL_BELOW = 1 << 16
 
 
 def fits(*tensors: torch.Tensor | None, kernel_size: int = 0) -> bool:
@@ -109,9 +113,11 @@ def make_plan(threads: int | None = None, serial_below: int = SERIAL_BELOW) -> P
     (NUMBA_NUM_THREADS, the cores). More than one starts the pool and sets its thread count for
     the calling thread (numba's count is per thread: call this from the thread that runs the
     model; another thread's parallel calls use the whole pool)."""
-    import numba
     n = torch.get_num_threads() if threads is None else threads
-    n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+    if n <= 1:  # numba not even imported (~0.5 s)
+        return Plan(1, serial_below)
+    import numba
+    n = min(n, numba.config.NUMBA_NUM_THREADS)
     if n == 1:
         return Plan(1, serial_below)
     numba.set_num_threads(n)
