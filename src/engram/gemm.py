@@ -1,15 +1,25 @@
-"""Dense float32 matrix multiplies on CPU through oneDNN, where torch's default BLAS is slow.
+"""Dense float32 matrix multiplies on CPU: torch's BLAS (MKL) or oneDNN, whichever this machine
+runs faster at each shape, measured once.
 
 torch's CPU wheel multiplies float32 matrices with MKL, which dispatches its fast kernels by CPU
-vendor: on an AMD EPYC (Zen 5, AVX-512, 2 cores) oneDNN, which ships in the same wheel, ran
-1.45-2.5x faster on one thread at every shape this package trains with (benchmarks/
-gemm_backends.py; benchmarks/results/gemm_backends.json). ``linear`` sends a float32 CPU product
-to oneDNN when the backend says so, forward and backward, and to ``F.linear`` otherwise.
+vendor; oneDNN ships in the same wheel. Neither wins everywhere: on an AMD EPYC (Zen 5, AVX-512)
+oneDNN ran 1.45-2.5x faster on one thread at every shape this package trains with, on another
+(Zen 3, AVX2) it was the slower one (training at 0.91x MKL's tokens/s). So the route is timed, not
+read off the vendor: ``linear`` sends a float32 CPU product to oneDNN, forward and backward, where
+its shape bucket's route says so, and to ``F.linear`` otherwise.
 
-Backends (``ENGRAM_GEMM`` or :func:`set_backend`): ``torch`` (always ``F.linear``), ``onednn``
-(oneDNN for every product of at least ``MIN_MACS`` multiply-adds), ``auto`` (the default: oneDNN
-on AMD x86 processors, ``torch`` elsewhere: MKL's dispatch favours Intel's, and oneDNN was not
-measured on one here). The choice is deterministic per machine, never timed at run time.
+Backends (``ENGRAM_GEMM`` or :func:`set_backend`): ``auto`` (the default: measured), ``torch``
+(always ``F.linear``), ``onednn`` (oneDNN for every product of at least ``MIN_MACS``
+multiply-adds). Under ``auto`` a shape bucket's route is decided on its first product (or ahead,
+:func:`prepare`) by a short timing (:func:`measure`, ~0.1 s) of its forward and both backward
+products on both backends, interleaved, each product's fastest sample; oneDNN only where it is at
+least ``MARGIN`` faster, else torch's own default. The decision is then fixed for the process and
+kept in a JSON file in the user's cache (:func:`cache_path`; keyed by CPU, torch version, thread
+count and bucket): later runs on this machine reuse it, so they repeat bit for bit. It is also
+exported in ``ENGRAM_GEMM_ROUTES``, so spawned workers take their parent's decisions; one no
+process has made yet is measured by one process at a time under a file lock, and the others read
+it. With no writable cache (nor temp dir) the decisions live in the process.
+
 Results agree with MKL's to float32 rounding (summation order differs), not to the bit; oneDNN's
 are bit-identical from call to call, and on 1 or 2 threads on the AMD EPYC measured (tested).
 
@@ -19,21 +29,38 @@ Shape legend:
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
 import os
 import platform
-from contextlib import contextmanager
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-BACKENDS = ("auto", "torch", "onednn")
-# Under ~2M multiply-adds (a decode step's few rows) oneDNN's per-call cost outweighs its faster
-# loops: 8 x 128 x 384 ran at 0.66x MKL's speed, 64 x 128 x 384 at 1.3-1.6x.
-MIN_MACS = 1 << 21
+from .files import publish_text
 
-_chosen: str | None = None  # set_backend's choice; None: ENGRAM_GEMM, else "auto"
-_resolved: dict[str, str] = {}
+BACKENDS = ("auto", "torch", "onednn")
+# Under ~2M multiply-adds (a decode step's few rows) a product takes tens of microseconds either
+# way and oneDNN's per-call cost outweighs its faster loops (8 x 128 x 384 ran at 0.66x MKL's
+# speed on the Zen 5): torch's, unmeasured (a decode would otherwise time a bucket per length).
+MIN_MACS = 1 << 21
+MARGIN = 1.10  # oneDNN / torch speed needed to leave torch's default (noise is ~5% here)
+MEASURE_MACS = 1 << 25  # a timed product's size: a bucket's rows are capped to fit it ...
+MEASURE_ROWS = 64  # ... but not below this many rows (the per-row regime, not a decode's)
+ROUNDS = 11  # interleaved samples of each product per decision, at most ...
+MEASURE_S = 0.1  # ... while they take under this many seconds (at least 5)
+ROUTES_ENV = "ENGRAM_GEMM_ROUTES"  # the decisions, handed to spawned workers
+_VERSION = 1  # the cache file's format
+
+_chosen: str | None = None  # set_backend's choice or ENGRAM_GEMM's, read once
+_table: dict[str, str] = {}  # bucket key -> 'torch' / 'onednn', fixed once decided
+_loaded = False  # _table holds ENGRAM_GEMM_ROUTES' and the cache file's decisions
 
 
 def _cpuinfo(field: str, text: str | None = None) -> str:
@@ -61,48 +88,49 @@ def cpu_model() -> str:
     return _cpuinfo("model name") or platform.processor()
 
 
+def cpu_id(cpuinfo: str | None = None) -> str:
+    """The processor as the cache keys it: model name, family/model numbers and widest vector
+    ISA (a virtual machine may show only 'AMD EPYC' for a Zen 3 and a Zen 5 alike)."""
+    flags = set(_cpuinfo("flags", cpuinfo).split())
+    isa = next((f for f in ("avx512f", "avx2", "avx", "sse2", "asimd") if f in flags), "")
+    name = _cpuinfo("model name", cpuinfo) or platform.processor() or platform.machine()
+    fam, model = _cpuinfo("cpu family", cpuinfo), _cpuinfo("model", cpuinfo)
+    return f"{name} (family {fam or '?'} model {model or '?'}, {isa or '?'})"
+
+
+@functools.cache
 def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def resolve(name: str, vendor: str | None = None, machine: str | None = None) -> str:
-    """A backend name -> the backend it means here: 'torch' or 'onednn'."""
+def _check(name: str) -> str:
     if name not in BACKENDS:
         raise ValueError(f"GEMM backend must be one of {BACKENDS}, got {name!r} "
                          "(set by ENGRAM_GEMM or engram.gemm.set_backend)")
-    if name == "torch":
-        return "torch"
-    if not _onednn_available():
-        if name == "onednn":
-            raise RuntimeError("GEMM backend 'onednn': this torch build has no oneDNN "
-                               "(torch.backends.mkldnn.is_available() is False)")
-        return "torch"
-    if name == "onednn":
-        return "onednn"
-    machine = (machine or platform.machine()).lower()
-    amd = (vendor if vendor is not None else cpu_vendor()) == "AuthenticAMD"
-    return "onednn" if amd and machine in ("x86_64", "amd64") else "torch"
+    if name == "onednn" and not _onednn_available():
+        raise RuntimeError("GEMM backend 'onednn': this torch build has no oneDNN "
+                           "(torch.backends.mkldnn.is_available() is False)")
+    return name
 
 
 def backend() -> str:
-    """The backend in force: 'torch' or 'onednn' (recorded with runs and benchmarks)."""
-    name = _chosen or os.environ.get("ENGRAM_GEMM", "auto")
-    if name not in _resolved:
-        _resolved[name] = resolve(name)
-    return _resolved[name]
+    """The backend in force: 'auto' (measured per shape), 'torch' or 'onednn' (recorded with
+    runs and benchmarks; :func:`routes` says what 'auto' decided)."""
+    global _chosen
+    if _chosen is None:
+        _chosen = _check(os.environ.get("ENGRAM_GEMM", "auto"))
+    return _chosen
 
 
 def set_backend(name: str | None) -> str | None:
-    """Choose the backend for this process ('auto', 'torch', 'onednn'; None: ENGRAM_GEMM again);
+    """Choose the backend for this process ('auto', 'torch', 'onednn'; None: ENGRAM_GEMM's);
     returns the previous choice."""
     global _chosen
-    if name is not None:
-        resolve(name)  # refuse a bad name now, not at the next product
-    previous, _chosen = _chosen, name
+    previous, _chosen = _chosen, None if name is None else _check(name)
     return previous
 
 
-@contextmanager
+@contextlib.contextmanager
 def using(name: str | None):
     """The backend ``name`` inside the block (benchmarks and tests compare the two); None leaves
     the backend as it is."""
@@ -116,15 +144,220 @@ def using(name: str | None):
         set_backend(previous)
 
 
+def resolve() -> str:
+    """At a job's start: read ENGRAM_GEMM (a bad name fails here, not at the first product) and the
+    decisions already made on this machine; returns the backend."""
+    name = backend()
+    _load()
+    return name
+
+
+# -- the measured route ---------------------------------------------------------------------------
+
+def _pow2(x: int) -> int:
+    """The power of two nearest x on a log scale (x in [0.71, 1.41) times it)."""
+    p = 1 << (max(x, 1).bit_length() - 1)
+    return 2 * p if x * x >= 2 * p * p else p
+
+
+def _shape(n: int, i: int, o: int) -> tuple[int, int, int]:
+    """The bucket's shape (the one timed): each size rounded to the nearest power of two (a
+    product just over MIN_MACS is timed near its own size, not at half of it), rows capped where
+    the product would pass MEASURE_MACS (the speed ratio has levelled off there)."""
+    i, o = _pow2(i), _pow2(o)
+    return min(_pow2(n), max(MEASURE_ROWS, _pow2(MEASURE_MACS // (i * o)))), i, o
+
+
+def bucket(n: int, i: int, o: int) -> str:
+    """The bucket of an n x i -> o product on the current thread count, e.g. '1t 1024x128x256'."""
+    return "{}t {}x{}x{}".format(torch.get_num_threads(), *_shape(n, i, o))
+
+
+@functools.cache
+def _machine() -> str:
+    return f"{cpu_id()} | torch {torch.__version__}"
+
+
+def cache_path() -> Path:
+    """The decisions file: $ENGRAM_GEMM_CACHE, else gemm_routes.json in $ENGRAM_CACHE (else
+    $XDG_CACHE_HOME/engram, ~/.cache/engram)."""
+    if os.environ.get("ENGRAM_GEMM_CACHE"):
+        return Path(os.environ["ENGRAM_GEMM_CACHE"])
+    root = os.environ.get("ENGRAM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "engram")
+    return Path(root) / "gemm_routes.json"
+
+
+def _read(path: Path) -> dict:
+    """This machine's decisions in a decisions file ({} when absent, unreadable or corrupt)."""
+    try:
+        data = json.loads(path.read_text())
+        return data["machines"].get(_machine(), {}) if data.get("version") == _VERSION else {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def _write(path: Path, key: str, record: dict) -> None:
+    try:
+        data = json.loads(path.read_text())
+        assert data.get("version") == _VERSION and isinstance(data.get("machines"), dict)
+    except (OSError, ValueError, AssertionError):
+        data = {"version": _VERSION, "machines": {}}
+    data["machines"].setdefault(_machine(), {})[key] = record
+    publish_text(path, json.dumps(data, indent=1, sort_keys=True))
+
+
+def _paths() -> list[Path]:
+    """Where the decisions may live: the user's cache, else a private folder in the temp dir."""
+    tmp = Path(tempfile.gettempdir()) / f"engram-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    return [cache_path(), tmp / "gemm_routes.json"]
+
+
+@contextlib.contextmanager
+def _locked():
+    """The first writable decisions file, held exclusively (fcntl) while one process decides;
+    None where neither place is writable (the decision then stays in this process)."""
+    for path in _paths():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = open(path.with_name(path.name + ".lock"), "a")
+        except OSError:
+            continue
+        with lock:
+            try:
+                import fcntl
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            except (ImportError, OSError):
+                pass  # no locking here: concurrent first measurements may disagree
+            yield path
+        return
+    yield None
+
+
+def _load() -> None:
+    """Once per process: the parent's decisions (ENGRAM_GEMM_ROUTES), else the cache file's; all
+    handed on to this process's workers."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    try:
+        env = json.loads(os.environ.get(ROUTES_ENV) or "{}")
+        inherited = env.get("routes", {}) if env.get("machine") == _machine() else {}
+    except (ValueError, AttributeError):
+        inherited = {}
+    for path in _paths():
+        for key, rec in _read(path).items():
+            if isinstance(rec, dict) and rec.get("route") in ("torch", "onednn"):
+                _table.setdefault(key, rec["route"])
+    _table.update({k: v for k, v in inherited.items() if v in ("torch", "onednn")})
+    if _table:
+        _export()
+
+
+def _export() -> None:
+    os.environ[ROUTES_ENV] = json.dumps({"machine": _machine(), "routes": _table},
+                                        separators=(",", ":"))
+
+
+def measure(n: int, i: int, o: int, rounds: int = ROUNDS) -> dict:
+    """Time the three products of an n x i -> o layer (y = x W^T, dX = dY W, dW = dY^T X) through
+    torch and through oneDNN on the current thread count. Rounds (5 to ``rounds``, ~MEASURE_S)
+    interleave the backends, in alternating order; each product's time is its fastest sample (of
+    ~0.2 ms where the product is shorter): load from other processes only ever adds time, and on
+    a shared machine it adds a lot (medians moved 5x between runs at a load of 8 on 2 cores, the
+    fastest samples 5%). Random inputs from a private generator: the global RNG (and so a seeded
+    run) is untouched."""
+    g = torch.Generator().manual_seed(0)
+    x, w, gy = (torch.randn(*s, generator=g) for s in ((n, i), (o, i), (n, o)))
+    products = {"torch": (lambda: F.linear(x, w), lambda: gy.mm(w), lambda: gy.t().mm(x)),
+                "onednn": (lambda: _mm(x, w), lambda: _mm(gy, w.t()), lambda: _mm(gy.t(), x.t()))}
+
+    def clock(fn, reps):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps
+
+    with torch.no_grad():
+        reps, best = {}, {}
+        for name, fns in products.items():  # warm (oneDNN builds its primitives) and size
+            for j, fn in enumerate(fns):
+                fn()
+                best[name, j] = clock(fn, 1)
+                reps[name, j] = max(1, min(64, round(2e-4 / max(best[name, j], 1e-7))))
+        t0 = time.perf_counter()
+        for r in range(rounds):  # at least 5, and no more once MEASURE_S has passed
+            if r >= 5 and time.perf_counter() - t0 > MEASURE_S:
+                break
+            for name in ("torch", "onednn")[:: 1 if r % 2 else -1]:
+                for j, fn in enumerate(products[name]):
+                    best[name, j] = min(best[name, j], clock(fn, reps[name, j]))
+    t = {name: sum(best[name, j] for j in range(3)) for name in products}
+    ratio = t["torch"] / t["onednn"]
+    return {"route": "onednn" if ratio >= MARGIN else "torch", "onednn_speedup": round(ratio, 3),
+            "torch_ms": round(t["torch"] * 1e3, 4), "onednn_ms": round(t["onednn"] * 1e3, 4)}
+
+
+def _decide(n: int, i: int, o: int) -> str:
+    _load()
+    key = bucket(n, i, o)
+    if key not in _table:
+        with _locked() as path:
+            rec = _read(path).get(key) if path else None  # decided meanwhile by another process
+            if not (isinstance(rec, dict) and rec.get("route") in ("torch", "onednn")):
+                rec = {**measure(*_shape(n, i, o)), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+                if path is not None:
+                    with contextlib.suppress(OSError):
+                        _write(path, key, rec)
+        _table[key] = rec["route"]
+        _export()
+    return _table[key]
+
+
+def route(n: int, i: int, o: int) -> str:
+    """'torch' or 'onednn': where an n x i -> o float32 CPU product goes on the current thread
+    count (a bucket's first call under 'auto' measures it; decided once, then fixed)."""
+    name = backend()
+    if name == "torch" or n * i * o < MIN_MACS or not _onednn_available():
+        return "torch"
+    return "onednn" if name == "onednn" else _decide(n, i, o)
+
+
+def routes() -> dict[str, str]:
+    """The decisions this process knows, bucket -> route (recorded beside results)."""
+    _load()
+    return dict(sorted(_table.items()))
+
+
+def prepare(module: nn.Module, rows: Iterable[int]) -> dict[str, str]:
+    """At model build: decide the route of every :class:`Linear` in ``module`` at each row count in
+    ``rows`` (tokens per forward: batch x sequence) on the current thread count, so no forward
+    measures; products sized by the data (MoE experts, adaptive-softmax tails) are decided on
+    first use. A parent calls this before spawning workers with the workers' thread count set;
+    they inherit the decisions. Returns them, bucket -> route."""
+    rows = list(rows)
+    done = {}
+    for m in module.modules():
+        if isinstance(m, Linear):
+            for n in rows:
+                if n * m.in_features * m.out_features >= MIN_MACS:
+                    done[bucket(n, m.in_features, m.out_features)] = route(
+                        n, m.in_features, m.out_features)
+    return done
+
+
+# -- the products ---------------------------------------------------------------------------------
+
 def _routes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     if x.dim() < 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         return False  # F.linear handles (or refuses) the rest
     if not all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32)
                for t in (x, weight, bias)):
         return False
-    if x.shape[:-1].numel() * weight.shape[0] * weight.shape[1] < MIN_MACS:
+    if torch.is_autocast_enabled("cpu"):
         return False
-    return backend() == "onednn" and not torch.is_autocast_enabled("cpu")
+    return route(x.shape[:-1].numel(), weight.shape[1], weight.shape[0]) == "onednn"
 
 
 def _mm(a: torch.Tensor, b_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -158,7 +391,7 @@ class _OneDnnLinear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through oneDNN where the backend says so (see the module's docstring)."""
+    """F.linear, through oneDNN where the route says so (see the module's docstring)."""
     if _routes(x, weight, bias):
         return _OneDnnLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -1,7 +1,13 @@
 """The compiled gate + conv (module/fused.py) against the torch path (GateFn + ConvFn): outputs and
-every gradient, decode with a state, determinism over threads, fallbacks, and the kernels' exp."""
+every gradient, parallel kernels and serial twins alike, decode with a state, determinism over
+threads, that the parallel kernels do run, fallbacks, and the kernels' exp."""
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +17,14 @@ from engram import Engram, EngramState
 from engram.module import fused
 
 pytestmark = pytest.mark.skipif(not fused.fits(), reason="numba is not installed")
+SRC = str(Path(fused.__file__).parents[2])
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """The serial twins, and the parallel kernels on every call however small (numba's pool: two
+    threads or more on a machine with two cores or more)."""
+    return {"serial": fused.make_plan(1), "parallel": fused.make_plan(2, serial_below=0)}
 
 
 def _module(m=4, d=40, gate="demo", kernel_size=4, dilation=3, c=48, fused_kv=False, seed=0):
@@ -24,7 +38,8 @@ def _module(m=4, d=40, gate="demo", kernel_size=4, dilation=3, c=48, fused_kv=Fa
 
 
 def _run(mod, h, mem, kernels, state=None, seed=1, alive=None):
-    """Y, alpha and the gradients of a random loss on both (the gate's gradient too)."""
+    """Y, alpha and the gradients of a random loss on both (the gate's gradient too); kernels:
+    False (the torch path), True (the process's plan) or a fused.Plan."""
     mod.kernels = kernels
     mod.zero_grad(set_to_none=True)
     h = h.detach().requires_grad_()
@@ -53,22 +68,42 @@ def _close(got, want, rtol=2e-5):
     (1, 8, "demo", 3, 5, True),
 ])
 @pytest.mark.parametrize("b,t", [(2, 37), (1, 5), (3, 1)])  # t < the conv's context too
-def test_equals_torch_path(m, d, gate, kernel_size, dilation, fused_kv, b, t):
+@pytest.mark.parametrize("mode", ["serial", "parallel"])
+def test_equals_torch_path(m, d, gate, kernel_size, dilation, fused_kv, b, t, mode, plans):
     mod = _module(m, d, gate, kernel_size, dilation, fused_kv=fused_kv)
     h, mem = torch.randn(b, t, m, d), torch.randn(b, t, 48)
     if m == 1:
         h = h[:, :, 0]
-    _close(_run(mod, h, mem, True), _run(mod, h, mem, False))
+    _close(_run(mod, h, mem, plans[mode]), _run(mod, h, mem, False))
+
+
+@pytest.mark.parametrize("gate,kernel_size", [("paper", 4), ("paper", 0), ("demo", 4)])
+def test_as_accurate_as_torch_path_where_the_default_plan_goes_parallel(gate, kernel_size):
+    """At a training size (over SERIAL_BELOW values, default threshold), against float64: the
+    kernels' error is the float32 torch path's. (The demo gate's signed square root has slope
+    1/(2 sqrt|s|): among 2048 gates some score lands near 0 and both float32 paths are off by
+    ~2e-4 there, so the float32 paths are not compared with each other.)"""
+    plan = fused.make_plan(2)
+    mod = _module(gate=gate, kernel_size=kernel_size)
+    h, mem = torch.randn(4, 128, 4, 40), torch.randn(4, 128, 48)
+    assert h.numel() >= plan.serial_below
+    got, f32 = _run(mod, h, mem, plan), _run(mod, h, mem, False)
+    ref = _run(mod.double(), h.double(), mem.double(), False)
+    for k in ref:
+        scale = ref[k].abs().max().clamp_min(1e-6)
+        err, err32 = ((x[k].double() - ref[k]).abs().max() / scale for x in (got, f32))
+        assert err <= 4 * err32 + 1e-6, f"{k}: {err:.2e} against the torch path's {err32:.2e}"
 
 
 @pytest.mark.parametrize("kernel_size", [4, 0])
-def test_alive_mask_equals_torch_path(kernel_size):
+@pytest.mark.parametrize("mode", ["serial", "parallel"])
+def test_alive_mask_equals_torch_path(kernel_size, mode, plans):
     mod = _module(kernel_size=kernel_size)
     h, mem = torch.randn(3, 21, 4, 40), torch.randn(3, 21, 48)
     alive = torch.ones(3, 21, dtype=torch.bool)
     alive[1, :6] = False  # left padding
     alive[2, 9:12] = False  # a gap (a trigger table's span)
-    _close(_run(mod, h, mem, True, alive=alive), _run(mod, h, mem, False, alive=alive))
+    _close(_run(mod, h, mem, plans[mode], alive=alive), _run(mod, h, mem, False, alive=alive))
 
 
 @pytest.mark.parametrize("kernels", [True, False])
@@ -87,17 +122,20 @@ def test_left_padding_is_invisible(kernels):
     assert padded[1, :5].abs().max() == 0  # no residual at padding (SiLU(conv(0)) = 0 there)
 
 
-def test_kernels_run_and_differ_in_rounding_only():
+@pytest.mark.parametrize("mode", ["serial", "parallel"])
+def test_kernels_run_and_differ_in_rounding_only(mode, plans):
     """The equivalence above must not be the torch path twice: the bits differ somewhere."""
     mod = _module()
     h, mem = torch.randn(2, 37, 4, 40), torch.randn(2, 37, 48)
-    got, want = _run(mod, h, mem, True), _run(mod, h, mem, False)
+    got, want = _run(mod, h, mem, plans[mode]), _run(mod, h, mem, False)
     assert any(not torch.equal(got[k], want[k]) for k in want)
 
 
 @pytest.mark.parametrize("kernel_size", [4, 0])
-def test_decode_with_state_equals_full_forward(kernel_size):
+@pytest.mark.parametrize("mode", ["serial", "parallel"])
+def test_decode_with_state_equals_full_forward(kernel_size, mode, plans):
     mod = _module(kernel_size=kernel_size)
+    mod.kernels = plans[mode]
     h, mem = torch.randn(2, 23, 4, 40), torch.randn(2, 23, 48)
     with torch.no_grad():
         full = mod(h, memory=mem)
@@ -125,19 +163,63 @@ def test_training_graph_and_inference_agree():
         assert torch.equal(y.detach(), mod(h, memory=mem))
 
 
-def test_same_bits_on_any_thread_count():
+def test_same_bits_on_any_thread_count(plans):
+    """The serial twins and the parallel kernels on the pool's threads (uneven chunks too)."""
     mod = _module()
-    h, mem = torch.randn(4, 64, 4, 40), torch.randn(4, 64, 48)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _run(mod, h, mem, True)
-        torch.set_num_threads(2)
-        two = _run(mod, h, mem, True)
-    finally:
-        torch.set_num_threads(threads)
-    for k in one:
-        assert torch.equal(one[k], two[k]), k
+    for b, t in ((4, 64), (3, 50)):
+        h, mem = torch.randn(b, t, 4, 40), torch.randn(b, t, 48)
+        one, many = _run(mod, h, mem, plans["serial"]), _run(mod, h, mem, plans["parallel"])
+        for k in one:
+            assert torch.equal(one[k], many[k]), k
+
+
+def test_parallel_kernels_run_and_share_the_pool_across_threads():
+    """In a fresh process on numba's workqueue pool (which aborts the process when two threads
+    launch parallel loops at once), two threads: a small call runs the serial twins and starts no
+    pool; a large one runs the parallel kernels, which start it; two Python threads training at
+    once get the same bits as one (one at a time in the pool, the other on the twins)."""
+    code = textwrap.dedent("""
+        import copy, threading, numba, torch
+        from numba.np.ufunc import parallel
+        from engram import Engram
+        from engram.module import fused, kernels
+        torch.manual_seed(0)
+        mod = Engram(None, None, 48, 40, 4, gate="demo", conv_init="default")
+        def grads(b, t, seed=0, mod=mod):
+            g = torch.Generator().manual_seed(seed)
+            h = torch.randn(b, t, 4, 40, generator=g, requires_grad=True)
+            mem = torch.randn(b, t, 48, generator=g)
+            mod.zero_grad(set_to_none=True)
+            mod(h, memory=mem).square().sum().backward()
+            return [h.grad] + [p.grad for p in mod.parameters()]
+        mod.kernels = fused.make_plan(1)
+        grads(2, 9)
+        assert not parallel._is_initialized and not kernels.gate_forward.signatures
+        mod.kernels = plan = fused.make_plan(2)
+        assert plan.threads == 2 and plan.exclusive, plan
+        small = grads(2, 9)
+        assert not kernels.gate_forward.signatures  # under SERIAL_BELOW: the twins
+        big = [grads(4, 128, seed) for seed in range(2)]
+        assert parallel._is_initialized and numba.threading_layer() == "workqueue"
+        for fn in (kernels.gate_forward, kernels.conv_forward, kernels.backward):
+            assert fn.signatures, fn  # the parallel dispatchers ran
+        out = {}
+        def work(i):  # a module of its own: the threads share the pool, not the grads
+            own = copy.deepcopy(mod)
+            out[i] = [grads(4, 128, i % 2, own) for _ in range(3)]
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        for i in range(2):
+            for got in out[i]:
+                assert all(torch.equal(a, b) for a, b in zip(got, big[i % 2]))
+        print("ok")
+    """)
+    env = {**os.environ, "PYTHONPATH": SRC, "NUMBA_NUM_THREADS": "2",
+           "NUMBA_THREADING_LAYER": "workqueue"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-3000:]
 
 
 @pytest.mark.parametrize("case", ["kernel5", "float64", "off", "hooked"])

@@ -50,7 +50,8 @@ class Engram(nn.Module):
         fused: one bias-free projection for value and keys (v4.1) instead of biased nn.Linear's.
         conv_init: "zero" so a new module starts as a pure gated lookup, or "default" (demo).
         kernels: on CPU in float32, run the gate and conv as compiled kernels (module/fused.py;
-            equal to the torch path to ~1e-6, not to the bit); False: always the torch path.
+            equal to the torch path to ~1e-6, not to the bit) as the process's fused.plan() says,
+            or as a given fused.Plan says; False: always the torch path.
     """
 
     def __init__(self, table: TableStore | None, head_sizes: list[int] | None, d_mem: int,
@@ -210,14 +211,16 @@ class Engram(nn.Module):
         """The gate and conv after the GEMM as compiled kernels (module/fused.py): Y, alpha."""
         live = h.new_ones(h.shape[:2]) if alive is None else alive.to(h.dtype)  # [b, t]
         eps1, eps2 = self.norm1[0].eps, self.norm2[0].eps
+        plan = self.kernels if isinstance(self.kernels, fused_kernels.Plan) else None
         sc = self.short_conv
         if sc is None:
-            y, alpha, _ = fused_kernels.FusedFn.apply(kv, h, w1, w2, None, None, None, live, eps1,
-                                                      eps2, 0.0, 1, self.gate, False)
+            opts = fused_kernels.Options(self.gate, (eps1, eps2, None), plan=plan)
+            y, alpha, _ = fused_kernels.gate_conv(kv, h, w1, w2, live, None, opts)
             return y, alpha
-        y, alpha, full = fused_kernels.FusedFn.apply(
-            kv, h, w1, w2, sc.norm_weight(), sc.conv.weight, sc.past(h, state), live, eps1, eps2,
-            sc.norms[0].eps, sc.dilation, self.gate, state is not None)
+        opts = fused_kernels.Options(self.gate, (eps1, eps2, sc.norms[0].eps), sc.dilation,
+                                     keep_inputs=state is not None, plan=plan)
+        conv = fused_kernels.Conv(sc.norm_weight(), sc.conv.weight, sc.past(h, state))
+        y, alpha, full = fused_kernels.gate_conv(kv, h, w1, w2, live, conv, opts)
         sc.remember(full, state)
         return y, alpha
 
