@@ -65,7 +65,7 @@ from .process_group import (  # noqa: F401
     init_distributed,
     spawn_local,
 )
-from .train import Run, TrainConfig, build_model, build_run
+from .train import Run, TrainConfig, build_model, build_run, resolve_machine
 
 # -- building the run ------------------------------------------------------------------------------
 
@@ -112,8 +112,7 @@ def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = Non
         run = build_run(cfg, corpus)
         shard_tables(run.model, d.tables)
     elif table_init == "sharded":
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        resolve_machine(cfg.threads)
         ecfg = cfg.engram_config()
         torch.manual_seed(cfg.seed)
         tables = {} if ecfg is None else {

@@ -19,9 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import gemm
 from ..errors import UserError
 from ..models.layers import AdaptiveHead
 from ..models.model import EngramLM, ModelConfig
+from ..module import fused
 from ..retrieval.compress import Compression, build_compression
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
@@ -210,9 +212,18 @@ def build_model(cfg: TrainConfig, corpus: Corpus,
     return model
 
 
+def resolve_machine(threads: int | None) -> None:
+    """This process's machine choices, made once before any model runs, never inside a forward:
+    torch's thread count, the numba kernels' plan (module/fused.py) and the GEMM route
+    (``ENGRAM_GEMM`` and the decisions already measured on this machine, gemm.py)."""
+    if threads:
+        torch.set_num_threads(threads)
+    gemm.resolve()
+    fused.resolve()
+
+
 def build_run(cfg: TrainConfig, corpus: Corpus | None = None) -> Run:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    resolve_machine(cfg.threads)
     corpus = corpus if corpus is not None else build_corpus(cfg.data_config())
     hasher = cfg.hasher()  # compression from the full tokenizer, whatever the model's vocabulary
     if cfg.nine:  # hot slots, like hash ids, come from token ids in the data pipeline
@@ -223,6 +234,7 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None) -> Run:
         hasher = NineHasher(hasher, index, shared=cfg.shared_tables)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, corpus)
+    gemm.prepare(model, [cfg.batch_size * cfg.seq_len])  # routes measured now, not in a step
     batches = TokenBatches(corpus.train, cfg.batch_size, cfg.seq_len, corpus, hasher, seed=cfg.seed)
     optim = build_optimizers(model, cfg.lr, weight_decay=cfg.weight_decay,
                              table_lr_mult=cfg.table_lr_mult)
