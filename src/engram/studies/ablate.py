@@ -26,7 +26,8 @@ from typing import Any
 from ..errors import UserError
 from ..training.corpus import build_corpus
 from ..training.train import TrainConfig
-from .compare import CompareConfig, budget, counts, run_jobs, variant_configs
+from .common import job, largest_spread, run_jobs, seed_spread, train_run
+from .compare import CompareConfig, budget, counts, variant_configs
 
 # name -> (what it changes, the paper's expectation relative to the reference)
 VARIANTS: dict[str, tuple[str, str]] = {
@@ -90,9 +91,8 @@ def run_ablate(ac: AblateConfig, base: TrainConfig | None = None) -> dict[str, A
         names.append("hc2")  # its reference
     # hyper-connection runs are slowest: first, so the workers finish together
     order = sorted(names, key=lambda n: not n.startswith("hc2"))
-    jobs = [(n, dataclasses.replace(configs[n], seed=s, out_dir=str(out / "runs" / f"{n}-s{s}")))
-            for n in order for s in ac.seeds]
-    results = run_jobs(jobs, ac.workers, "ablation runs")
+    jobs = [job(n, configs[n], s, out / "runs") for n in order for s in ac.seeds]
+    results = run_jobs(jobs, train_run, ac.workers, "ablation runs")
     summary = summarise(results, {n: configs[n] for n in names}, corpus.vocab_size,
                         time.perf_counter() - t0, ac)
     (out / "ablate.json").write_text(json.dumps(summary, indent=2))
@@ -109,8 +109,7 @@ def summarise(results: list[dict], configs: dict[str, TrainConfig], vocab: int, 
           for n in configs}
     ref = {r["seed"]: r["val_loss"] for r in by["reference"]}
     hc = {r["seed"]: r["val_loss"] for r in by.get("hc2", [])}
-    spreads = {n: (max(r["val_loss"] for r in rs) - min(r["val_loss"] for r in rs))
-               for n, rs in by.items() if len(rs) > 1}
+    spreads = {n: seed_spread(r["val_loss"] for r in rs) for n, rs in by.items()}
     variants = {}
     for n, rs in by.items():
         base = hc if n == "hc2-shared-key" else ref
@@ -120,13 +119,13 @@ def summarise(results: list[dict], configs: dict[str, TrainConfig], vocab: int, 
             "what": VARIANTS[n][0], "paper": VARIANTS[n][1],
             "compared_with": "hc2" if n == "hc2-shared-key" else "reference",
             "val_loss": sum(losses) / len(losses), "val_loss_per_seed": losses,
-            "seed_spread": spreads.get(n), "delta_per_seed": paired,
+            "seed_spread": spreads[n], "delta_per_seed": paired,
             "delta": sum(paired) / len(paired) if paired else None,
             "params": counts(configs[n], vocab), "wall_s": sum(r["wall_s"] for r in rs),
             "config": {k: v for k, v in configs[n].to_dict().items()
                        if k in ("engram_layers", "table_size", "max_ngram_size", "compress",
                                 "engram_fixed_gate", "engram_conv", "hc_mult",
                                 "engram_shared_key", "d_ff")}}
-    return {"variants": variants, "max_seed_spread": max(spreads.values()) if spreads else None,
+    return {"variants": variants, "max_seed_spread": largest_spread(spreads.values()),
             "seeds": list(ac.seeds), "steps": ac.steps,
             "tokens_per_run": ac.steps * ac.batch_size * ac.seq_len, "wall_s": wall}

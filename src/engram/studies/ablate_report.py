@@ -5,21 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-# A difference counts as resolved when it exceeds this many times the largest seed spread.
-RESOLVE = 2.0
+from .common import RESOLVE, RULE, resolved, save, spread_note, subplots
 
 
 def plot_ablation(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     vs = summary["variants"]
     names = list(vs)
     means = [vs[n]["val_loss"] for n in names]
     lo = [m - min(vs[n]["val_loss_per_seed"]) for n, m in zip(names, means)]
     hi = [max(vs[n]["val_loss_per_seed"]) - m for n, m in zip(names, means)]
-    fig, ax = plt.subplots(figsize=(10, 4.2))
+    fig, ax = subplots(figsize=(10, 4.2))
     colors = ["tab:red" if n == "reference" else "tab:purple" if n.startswith("hc2")
               else "tab:gray" for n in names]
     ax.bar(range(len(names)), means, yerr=[lo, hi], color=colors, capsize=4, alpha=0.85)
@@ -34,9 +29,7 @@ def plot_ablation(summary: dict[str, Any], path: Path) -> None:
                  f"{summary['steps']} steps")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _fmt(x: float | None) -> str:
@@ -49,8 +42,8 @@ def verdict(delta: float | None, noise: float | None, expect_worse: bool | None)
         return "not run"
     if noise is None or noise == 0:
         return "no seed spread to judge by (one seed)"
-    if abs(delta) <= RESOLVE * noise:
-        return f"not resolved: |{delta:+.4f}| <= {RESOLVE:g} x seed spread {noise:.4f}"
+    if not resolved(delta, noise):
+        return f"not resolved: |{delta:+.4f}| <= {RESOLVE:g}x the largest seed spread {noise:.4f}"
     worse = delta > 0
     if expect_worse is None:
         return "worse" if worse else "better"
@@ -85,9 +78,9 @@ def claims(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
                     f"(per seed {', '.join(_fmt(x) for x in vs[name]['delta_per_seed'])})")
         v = verdict(d[name], noise, expect)
         if name == "no-conv" and d[name] is not None and noise:
-            v = ("holds: within noise" if abs(d[name]) <= RESOLVE * noise
-                 else f"cost {d[name]:+.4f} exceeds noise" if d[name] > 0
-                 else "holds: no cost (better without)")
+            v = ("holds: the cost is not resolved" if not resolved(d[name], noise)
+                 else f"does not hold: a resolved cost of {d[name]:+.4f}" if d[name] > 0
+                 else "holds: no cost (resolved, better without)")
         out.append((claim, measured, v))
     return out
 
@@ -97,9 +90,7 @@ def write_ablation_report(summary: dict[str, Any], path: Path) -> None:
     lines = ["# engram ablate", "",
              f"{len(vs)} variants x seeds {summary['seeds']}, {summary['steps']} steps "
              f"({summary['tokens_per_run']:,} tokens) per run; wall time {summary['wall_s']:.0f} s. "
-             f"Largest seed spread of any variant: {summary['max_seed_spread'] or float('nan'):.4f}"
-             " nats; a difference is called resolved above "
-             f"{RESOLVE:g}x that.", "",
+             + RULE + spread_note(summary["max_seed_spread"]), "",
              "| variant | what changes | val loss (mean) | per seed | delta vs its reference | "
              "total params | table params | active params |",
              "|---|---|---|---|---|---|---|---|"]

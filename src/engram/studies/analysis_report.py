@@ -9,17 +9,11 @@ from typing import Any
 
 import numpy as np
 
-
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+from .common import RULE, save, subplots
 
 
 def plot_lens(res: dict[str, Any], path: Path) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = subplots(figsize=(6, 4))
     for name, color in (("engram", "tab:red"), ("baseline", "tab:gray")):
         kl = res["lens"].get(name)
         if kl is not None:
@@ -30,15 +24,12 @@ def plot_lens(res: dict[str, Any], path: Path) -> None:
     ax.set_title("LogitLens: distance to the final prediction")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_cka(cka: list[list[float]], path: Path) -> None:
-    plt = _plt()
     m = np.asarray(cka)
-    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    fig, ax = subplots(figsize=(5.5, 4.5))
     im = ax.imshow(m, cmap="viridis", vmin=0, vmax=1, origin="lower")
     labels = ["emb"] + [f"b{i}" for i in range(m.shape[0] - 1)]
     ax.set_yticks(range(m.shape[0]), labels)
@@ -51,15 +42,12 @@ def plot_cka(cka: list[list[float]], path: Path) -> None:
             ax.text(j, i, f"{m[i, j]:.2f}", ha="center", va="bottom", fontsize=6, color="w")
     ax.set_title("linear CKA (x = best baseline match)")
     fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_retention(ret: dict[str, dict[str, float | None]], path: Path) -> None:
-    plt = _plt()
     names = [n for n in ret if "(all)" in n or n.startswith("probe")]
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = subplots(figsize=(9, 4))
     width = 0.27
     for j, (c, color) in enumerate((("zeroed", "tab:red"), ("gate0", "tab:orange"),
                                     ("gate1", "tab:blue"))):
@@ -71,9 +59,7 @@ def plot_retention(ret: dict[str, dict[str, float | None]], path: Path) -> None:
     ax.set_title("Engram suppressed: what is left")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def gate_examples(batches, ho: dict[str, Any], lang: np.ndarray, tok, vocab, out: Path,
@@ -105,8 +91,7 @@ def gate_examples(batches, ho: dict[str, Any], lang: np.ndarray, tok, vocab, out
         "<!doctype html><meta charset='utf-8'><title>Engram gates</title><style>body{font:15px/2.1 "
         "sans-serif;max-width:60em;margin:2em auto}</style><h2>Engram gate (red) and the loss a "
         "token gains when the Engram output is zeroed (blue underline)</h2>" + "".join(rows))
-    plt = _plt()
-    fig, axes = plt.subplots(2 * len(picks), 1, figsize=(13, 1.2 * len(picks) * 2))
+    fig, axes = subplots(2 * len(picks), 1, figsize=(13, 1.2 * len(picks) * 2))
     for i, (words, g, d) in enumerate(zip(texts, g_rows, d_rows)):
         for ax, vals, cmap, lo, hi, lab in ((axes[2 * i], g, "Reds", 0, 1, "gate"),
                                             (axes[2 * i + 1], d, "RdBu_r", -3, 3, "+nll zeroed")):
@@ -117,9 +102,7 @@ def gate_examples(batches, ho: dict[str, Any], lang: np.ndarray, tok, vocab, out
                           rotation=90, fontsize=6)
     fig.suptitle("Engram gate per token (red) and loss increase when the output is zeroed "
                  "(red = worse without Engram); Chinese tokens as boxes (see gates.html)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "gates_examples.png", dpi=110)
-    plt.close(fig)
+    save(fig, out / "gates_examples.png", dpi=110)
 
 
 def write_analysis(res, out: Path, model, hasher, vocab, tok, batches, ho, lang) -> None:
@@ -202,8 +185,8 @@ def verdicts(res: dict[str, Any]) -> list[tuple[str, str, str]]:
 def report(res: dict[str, Any]) -> str:
     lines = ["# engram analyze", "",
              f"Run `{res['run']}` ({res['checkpoint']}, Engram at layers {res['engram_layers']}); "
-             f"baseline `{res['baseline']}`. One seed per model: no seed spread here, so small "
-             "differences are not resolved.", "", "## The paper's claims here", "",
+             f"baseline `{res['baseline']}`. One seed per model: {RULE}", "",
+             "## The paper's claims here", "",
              "| claim | measured | verdict |", "|---|---|---|"]
     lines += [f"| {c} | {m} | {v} |" for c, m, v in verdicts(res)]
     lines += ["", "## Retention (suppressed score / full score)", "",

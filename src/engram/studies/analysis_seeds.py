@@ -1,8 +1,9 @@
 """`engram analyze` over several seeds: each claim's numbers as mean +- sd, and in how many seeds
 the claim holds, from the per-run ``analysis.json`` files (nothing is recomputed).
 
-One seed cannot tell a real effect from a lucky initialisation: the paper's claims are called
-resolved here only when they hold in every seed and the mean effect exceeds twice its spread.
+One seed cannot tell a real effect from a lucky initialisation: a claim holds here when it goes the
+paper's way in every seed, and it is resolved by common.RULE, each per-seed number a claim rests on
+(a state's KL gap, a language's gate margin) taken as one result.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import UserError
-from .analysis_report import _plt, verdicts
+from .analysis_report import verdicts
+from .common import RULE, largest_spread, resolved, save, seed_spread, subplots
 
 # Retention rows the suppression claim reads (paper: knowledge tasks fall, reading comprehension
 # stays; here: memorised continuations and fixed phrases vs function words and copying).
@@ -52,9 +54,11 @@ def seed_numbers(res: dict[str, Any]) -> dict[str, Any]:
 def _stat(xs: list[float]) -> dict[str, Any]:
     a = np.asarray([x for x in xs if x is not None and np.isfinite(x)], dtype=float)
     if a.size == 0:
-        return {"mean": None, "sd": None, "per_seed": list(xs), "positive": 0, "n": 0}
+        return {"mean": None, "sd": None, "spread": None, "per_seed": list(xs), "positive": 0,
+                "n": 0}
     return {"mean": float(a.mean()), "sd": float(a.std(ddof=1)) if a.size > 1 else 0.0,
-            "per_seed": [float(x) for x in a], "positive": int((a > 0).sum()), "n": int(a.size)}
+            "spread": seed_spread(a.tolist()), "per_seed": [float(x) for x in a],
+            "positive": int((a > 0).sum()), "n": int(a.size)}
 
 
 def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -95,19 +99,17 @@ def _stack(curves: list[list[float]]) -> dict[str, list[float]]:
             "sd": (a.std(0, ddof=1) if len(a) > 1 else np.zeros(a.shape[1])).tolist()}
 
 
-def _resolved(s: dict[str, Any]) -> bool:
-    return s["n"] > 1 and s["mean"] is not None and abs(s["mean"]) > 2 * s["sd"]
-
-
 def _all_seeds(stats: list[dict[str, Any]]) -> str:
-    """'holds' when every stat is positive in every seed and resolved; else how far it gets."""
+    """'holds' when every stat is positive in every seed, and whether each mean is resolved
+    against the largest seed spread of the stats (common.RULE); else how far it gets."""
     if not stats:
         return "untested"
     pos = sum(s["positive"] for s in stats)
     total = sum(s["n"] for s in stats)
+    spread = largest_spread(s.get("spread", seed_spread(s["per_seed"])) for s in stats)
     if pos == total:
-        return ("holds in every seed" + ("" if all(_resolved(s) for s in stats)
-                                         else ", but not resolved (mean <= 2 sd somewhere)"))
+        return "holds in every seed" + (", resolved" if all(resolved(s["mean"], spread)
+                                                            for s in stats) else ", not resolved")
     if pos == 0:
         return "does not hold in any seed"
     return f"mixed: {pos} of {total} (state, seed) pairs go the paper's way"
@@ -154,8 +156,7 @@ def seed_verdicts(c: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def plot_seeds(c: dict[str, Any], path: Path) -> None:
-    plt = _plt()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = subplots(1, 2, figsize=(11, 4))
     if "lens" in c:
         for name, color in (("engram", "tab:red"), ("baseline", "tab:gray")):
             m, s = np.asarray(c["lens"][name]["mean"]), np.asarray(c["lens"][name]["sd"])
@@ -173,17 +174,16 @@ def plot_seeds(c: dict[str, Any], path: Path) -> None:
     b.set_yticks(range(len(rows)), rows, fontsize=7)
     b.set_xlabel("retention with the Engram output zeroed")
     b.set_title("suppression, mean +- sd")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def seeds_report(c: dict[str, Any]) -> str:
     lines = ["# engram analyze: several seeds", "",
              f"{c['n_seeds']} Engram runs, each against the dense baseline of its seed:", ""]
     lines += [f"- `{r}` vs `{b}`" for r, b in zip(c["runs"], c["baselines"])]
-    lines += ["", "A claim is resolved when it goes the paper's way in every seed and its mean "
-              "exceeds twice its seed spread (sd). Each seed's full analysis is in its own folder.",
+    lines += ["", "A claim holds when it goes the paper's way in every seed. " + RULE + " Here each "
+              "per-seed number a claim rests on (a state's KL gap, a language's gate margin) is one "
+              "result. Each seed's full analysis is in its own folder.",
               "", "## The paper's claims here", "",
               "| claim | measured (mean +- sd) | per seed | across seeds |", "|---|---|---|---|"]
     for k, (claim, measured, verdict) in enumerate(c["verdicts"]):

@@ -11,15 +11,14 @@ sparse baseline. Here:
 - ``moe``: the backbone with an MoE FFN (1 shared + top-1 routed, expert width d_ff/2, so activated
   FFN equals dense), with as many routed experts as it takes to match the Engram model's total.
 
-Each variant runs for every seed; seeds give the run-to-run noise. Runs go to worker processes with
-one thread each (on 2 cores that beats one process with 2 threads for these small matmuls).
+Each variant runs for every seed; seeds give the run-to-run noise. Runs go to worker processes
+(studies/common.py: one thread each, resumable).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing as mp
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,8 @@ import torch
 from .. import gemm
 from ..models.model import EngramLM
 from ..training.corpus import build_corpus
-from ..training.train import TrainConfig, allocator_env, build_run, train, try_resume
+from ..training.train import TrainConfig, build_run, try_resume
+from .common import RULE, job, largest_spread, resolved, run_jobs, seed_spread, train_run
 
 VARIANTS = ("dense", "engram", "moe")
 
@@ -45,14 +45,17 @@ class CompareConfig:
     seq_len: int = 128
     eval_every: int = 80
     eval_batches: int = 16
+    # A checkpoint this often (and at the end): an interrupted run resumes from its last one.
+    ckpt_every: int = 160
 
 
 def budget(base: TrainConfig, cc: CompareConfig) -> TrainConfig:
-    """The shared token budget and bookkeeping of every run of a study."""
+    """The shared token budget and bookkeeping of every run of a study (study-nine's config has no
+    ``ckpt_every``: its runs keep no checkpoints)."""
     return dataclasses.replace(base, steps=cc.steps, batch_size=cc.batch_size, seq_len=cc.seq_len,
                                eval_every=cc.eval_every, eval_batches=cc.eval_batches,
-                               ckpt_every=cc.steps, log_every=10, warmup=max(1, cc.steps // 10),
-                               final_eval_full=True)
+                               ckpt_every=getattr(cc, "ckpt_every", cc.steps), log_every=10,
+                               warmup=max(1, cc.steps // 10), final_eval_full=True)
 
 
 def counts(cfg: TrainConfig, vocab: int) -> dict[str, int]:
@@ -85,34 +88,6 @@ def variant_configs(base: TrainConfig, vocab: int) -> dict[str, TrainConfig]:
     return {"dense": dense, "engram": engram, "moe": dataclasses.replace(moe0, n_routed_experts=n)}
 
 
-def _job(args: tuple[str, TrainConfig]) -> dict[str, Any]:
-    name, cfg = args
-    torch.set_num_threads(1)
-    t0 = time.perf_counter()
-    run = train(cfg, progress=False)
-    wall = time.perf_counter() - t0
-    tokens = cfg.steps * cfg.batch_size * cfg.seq_len * cfg.grad_accum
-    pc = run.model.param_counts()
-    return {"name": name, "seed": cfg.seed, "val_loss": run.history[-1]["val_loss"],
-            "total_params": pc["total"], "active_params": pc["active"],
-            "table_params": pc["table"], "tokens": tokens, "wall_s": wall,
-            "tokens_per_s": sum(r["tok_s"] for r in run.history) / len(run.history),
-            "history": run.history, "out_dir": cfg.out_dir}
-
-
-def run_jobs(jobs: list[tuple[str, TrainConfig]], workers: int, desc: str) -> list[dict[str, Any]]:
-    """Train every (name, config) in ``workers`` spawned processes; results in completion order."""
-    from tqdm.auto import tqdm
-
-    results = []
-    with allocator_env(), mp.get_context("spawn").Pool(workers) as pool:
-        for r in tqdm(pool.imap_unordered(_job, jobs), total=len(jobs), desc=desc):
-            results.append(r)
-            tqdm.write(f"  {r['name']} seed {r['seed']}: val loss {r['val_loss']:.4f} "
-                       f"({r['wall_s']:.0f}s)")
-    return results
-
-
 def run_compare(cc: CompareConfig, base: TrainConfig | None = None) -> dict[str, Any]:
     out = Path(cc.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,28 +96,28 @@ def run_compare(cc: CompareConfig, base: TrainConfig | None = None) -> dict[str,
     corpus = build_corpus(base.data_config())  # built once here; workers hit the disk cache
     configs = variant_configs(base, corpus.vocab_size)
     # Slowest first (MoE routes, Engram looks up): the workers then finish at about the same time.
-    jobs = [(name, dataclasses.replace(configs[name], seed=s,
-                                       out_dir=str(out / "runs" / f"{name}-s{s}")))
+    jobs = [job(name, configs[name], s, out / "runs")
             for name in ("moe", "engram", "dense") for s in cc.seeds]
-    results = run_jobs(jobs, cc.workers, "compare runs")
+    results = run_jobs(jobs, train_run, cc.workers, "compare runs")
     summary = summarise(results, configs, corpus, time.perf_counter() - t0)
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     from .report import plot_losses, render_gates, write_report
 
     plot_losses(results, out / "loss.png")
-    eng = next(r for r in results if r["name"] == "engram" and r["seed"] == cc.seeds[0])
-    gate_stats = render_gates(_load(configs["engram"], eng["out_dir"], corpus), corpus,
-                              out / "gates.html", out / "gates.png")
+    eng = next(j for j in jobs if j.name == "engram" and j.seed == cc.seeds[0])
+    gate_stats = render_gates(_load(eng.cfg, corpus), corpus, out / "gates.html", out / "gates.png")
     summary["gates"] = gate_stats
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     write_report(summary, out / "report.md")
     return summary
 
 
-def _load(cfg: TrainConfig, out_dir: str, corpus):
-    run = build_run(dataclasses.replace(cfg, out_dir=out_dir, seed=int(out_dir.rsplit("-s", 1)[1])),
-                    corpus)
-    try_resume(run)
+def _load(cfg: TrainConfig, corpus):
+    """A finished run, read back from its checkpoint."""
+    run = build_run(cfg, corpus)
+    if not try_resume(run):
+        raise FileNotFoundError(f"{cfg.out_dir} has no checkpoint to draw its gates from (its "
+                                "result.json was kept, its checkpoints are gone)")
     return run
 
 
@@ -158,18 +133,21 @@ def summarise(results: list[dict], configs: dict[str, TrainConfig], corpus, wall
                       "config": {k: v for k, v in configs[name].to_dict().items()
                                  if k in ("d_ff", "moe", "n_routed_experts", "engram", "table_size",
                                           "engram_layers", "d_model", "n_layer")}}
-        noise[name] = max(losses) - min(losses) if len(losses) > 1 else None
+        noise[name] = seed_spread(losses)
     gap = runs["dense"]["val_loss"] - runs["engram"]["val_loss"]
-    spread = [n for n in noise.values() if n is not None]
+    vs_moe = runs["moe"]["val_loss"] - runs["engram"]["val_loss"]
+    spread = largest_spread(noise.values())
     # Same seed = same batch order for every variant, so per-seed differences are paired.
     paired = [d - e for d, e in zip(runs["dense"]["val_loss_per_seed"],
                                     runs["engram"]["val_loss_per_seed"])]
-    return {"runs": runs, "noise_seed_spread": noise, "engram_gain_per_seed": paired,
-            "engram_gain_vs_dense": gap, "engram_gain_vs_moe": runs["moe"]["val_loss"] -
-            runs["engram"]["val_loss"], "gain_over_max_noise": gap / max(spread) if spread and
-            max(spread) > 0 else None, "corpus": {"vocab": corpus.vocab_size,
-                                                  "train_tokens": int(len(corpus.train)),
-                                                  "val_tokens": int(len(corpus.val)),
-                                                  "sources": list(configs["dense"].sources),
-                                                  "max_chars": configs["dense"].max_chars},
+    return {"runs": runs, "noise_seed_spread": noise, "max_seed_spread": spread,
+            "engram_gain_per_seed": paired, "engram_gain_vs_dense": gap,
+            "engram_gain_vs_moe": vs_moe,
+            "gain_over_max_noise": gap / spread if spread else None,
+            "resolved": {"engram_vs_dense": resolved(gap, spread),
+                         "engram_vs_moe": resolved(vs_moe, spread), "rule": RULE},
+            "corpus": {"vocab": corpus.vocab_size, "train_tokens": int(len(corpus.train)),
+                       "val_tokens": int(len(corpus.val)),
+                       "sources": list(configs["dense"].sources),
+                       "max_chars": configs["dense"].max_chars},
             "machine": {"cpu": gemm.cpu_model(), "gemm": gemm.backend()}, "wall_s": wall}

@@ -332,12 +332,10 @@ def run_finetune(cfg: FinetuneConfig, model: nn.Module | None = None,
 
 
 def plot_finetune(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .common import save, subplots
 
     colors = {"engram": "tab:red", "lora": "tab:blue", "base": "tab:gray"}
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax0, ax1) = subplots(1, 2, figsize=(11, 4))
     for name, m in summary["methods"].items():
         loss = np.array([c["loss"] for c in m["curve"]])
         ema = np.empty_like(loss)
@@ -359,9 +357,7 @@ def plot_finetune(summary: dict[str, Any], path: Path) -> None:
     for ax in (ax0, ax1):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def format_summary(summary: dict[str, Any]) -> str:

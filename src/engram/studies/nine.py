@@ -18,8 +18,6 @@ so curves compare. At the end, the alpha-bucket table (loss and hot share per al
 from __future__ import annotations
 
 import dataclasses
-import json
-import multiprocessing as mp
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +34,7 @@ from ..training.corpus import build_corpus
 from ..training.hooks import SaveCheckpoints
 from ..training.loop import Run, fit, restore
 from ..training.train import FileCheckpoints, TrainConfig, build_run
+from .common import Job, finished, job, run_jobs
 from .compare import budget
 
 
@@ -215,45 +214,14 @@ def train_and_watch(cfg: TrainConfig, ref_rows: int, bins: int, corpus=None) -> 
             "hot_index_bytes": run.hasher.index.nbytes()}
 
 
-def _job(args: tuple[str, TrainConfig, int, int]) -> dict[str, Any]:
-    name, cfg, ref_rows, bins = args
-    torch.set_num_threads(1)
-    return {"name": name, "seed": cfg.seed, "config": json.loads(json.dumps(cfg.to_dict())),
-            "ref_hot_rows": ref_rows, **train_and_watch(cfg, ref_rows, bins)}
+def watch_run(j: Job) -> dict[str, Any]:
+    """The work of one study-nine run (common.run_jobs): train and watch the tiers."""
+    return train_and_watch(j.cfg, j.args["ref_hot_rows"], j.args["alpha_bins"])
 
 
-def _same(want: dict | None, got: dict | None) -> bool:
-    skip = {"out_dir"}
-    return (want is not None and got is not None
-            and {k: v for k, v in json.loads(json.dumps(want)).items() if k not in skip}
-            == {k: v for k, v in got.items() if k not in skip})
-
-
-def run_jobs(jobs: list, workers: int, done: list[dict] | None = None,
-             save: Path | None = None) -> list[dict[str, Any]]:
-    """Run the jobs; each finished run is appended to ``save`` (JSON) at once, so an interrupted
-    study keeps what it finished and a rerun with the same configs skips those runs."""
-    from tqdm.auto import tqdm
-
-    results = list(done or [])
-    key = {(r["name"], r["seed"]) for r in results}
-    todo = [j for j in jobs if (j[0], j[1].seed) not in key]
-
-    def keep(r: dict) -> None:
-        results.append(r)
-        if save is not None:
-            save.write_text(json.dumps(results))
-        tqdm.write(f"  {r['name']} seed {r['seed']}: val {r['final']['val_loss']:.4f}, "
-                   f"delta {r['final']['hot_cold_delta']:+.3f} ({r['train_s']:.0f}s)")
-
-    if workers <= 1:  # in-process (tests, one core)
-        for j in tqdm(todo, desc="study-nine runs"):
-            keep(_job(j))
-        return results
-    with mp.get_context("spawn").Pool(workers) as pool:
-        for r in tqdm(pool.imap_unordered(_job, todo), total=len(todo), desc="study-nine runs"):
-            keep(r)
-    return results
+def _line(r: dict[str, Any]) -> str:
+    return (f"{r['name']} seed {r['seed']}: val {r['final']['val_loss']:.4f}, "
+            f"delta {r['final']['hot_cold_delta']:+.3f} ({r['train_s']:.0f}s)")
 
 
 def run_nine_study(sc: NineStudyConfig, base: TrainConfig | None = None) -> dict[str, Any]:
@@ -271,20 +239,13 @@ def run_nine_study(sc: NineStudyConfig, base: TrainConfig | None = None) -> dict
             raise UserError(f"unknown configurations {unknown}; these exist: {list(configs)}")
         configs = {k: v for k, v in configs.items() if k in sc.only}
     # Seed-major: an interrupted study still has every configuration at its first seeds.
-    jobs = [(name, dataclasses.replace(cfg, seed=s, out_dir=str(out / "runs" / f"{name}-s{s}")),
-             sc.ref_hot_rows, sc.alpha_bins)
+    jobs = [job(name, cfg, s, out / "runs", ref_hot_rows=sc.ref_hot_rows, alpha_bins=sc.alpha_bins)
             for s in sc.seeds for name, cfg in configs.items()]
-    raw = out / "runs.json"
-    done = []
-    if raw.exists():  # finished runs of the same configurations are kept, not rerun
-        want = {(j[0], j[1].seed): j[1].to_dict() for j in jobs}
-        done = [r for r in json.loads(raw.read_text())
-                if _same(want.get((r["name"], r["seed"])), r.get("config"))
-                and r.get("ref_hot_rows") == sc.ref_hot_rows]
-    results = run_jobs(jobs, sc.workers, done, raw)
+    reused = sum(finished(j) is not None for j in jobs)  # read back, not trained again
+    results = run_jobs(jobs, watch_run, sc.workers, "study-nine runs", _line)
     from .nine_report import summarise, write_outputs
 
     summary = summarise(results, configs, sc, corpus, time.perf_counter() - t0)
-    summary["reused_runs"] = len(done)
+    summary["reused_runs"] = reused
     write_outputs(summary, out)
     return summary

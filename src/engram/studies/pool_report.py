@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .common import save, subplots
 from .pool_tiers import break_even
 
 US = 1e6
@@ -112,13 +113,10 @@ def verdict(summary: dict) -> list[str]:
 
 
 def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib import colormaps
 
     modes = list(summary["modes"])
-    fig, axes = plt.subplots(2, len(modes), figsize=(7.5 * len(modes), 9), squeeze=False)
+    fig, axes = subplots(2, len(modes), figsize=(7.5 * len(modes), 9), squeeze=False)
     for c, mode in enumerate(modes):
         m = summary["modes"][mode]
         ax = axes[0][c]
@@ -127,7 +125,7 @@ def plot(summary: dict, path: Path) -> None:
         names = list(next(iter(m["layers"].values()))["tiers"])
         for i, name in enumerate(names):
             lat = max(lay["tiers"][name]["latency_us"] for lay in m["layers"].values())
-            ax.axhline(lat, color=plt.cm.tab10(i % 10), ls="--", lw=1.2, label=f"{name} read")
+            ax.axhline(lat, color=colormaps["tab10"](i % 10), ls="--", lw=1.2, label=f"{name} read")
         for lid in m["layers"]:
             ax.axvline(int(lid), color="0.8", lw=6, zorder=0)
         ax.set_yscale("log")
@@ -155,9 +153,7 @@ def plot(summary: dict, path: Path) -> None:
                           "(0 drawn at 0.03)")
             ax.set_ylabel("read latency of the step's rows, us")
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
 
 
 def markdown(summary: dict) -> str:

@@ -10,14 +10,11 @@ import torch
 
 from ..retrieval.compress import default_tokenizer
 from ..training.batches import val_batches
+from .common import RULE, figure, largest_spread, resolved, save, spread_note, subplots
 
 
 def plot_losses(results: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = subplots(1, 2, figsize=(11, 4))
     colors = {"dense": "tab:gray", "engram": "tab:red", "moe": "tab:blue"}
     for r in sorted(results, key=lambda r: (r["name"], r["seed"])):
         h = r["history"]
@@ -34,9 +31,7 @@ def plot_losses(results: list[dict], path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 @torch.no_grad()
@@ -91,12 +86,8 @@ def _gates_png(gates: torch.Tensor, texts: list[list[str]], path: Path, layer: i
     """Top: Latin-script windows as text, each token on its gate's shade (the paper's figure);
     bottom: every window as a heatmap. Matplotlib's stock fonts have no CJK glyphs, so Chinese
     windows appear in the heatmap and in gates.html only."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     latin = [i for i, ws in enumerate(texts) if _latin("".join(ws))]
-    fig = plt.figure(figsize=(11, 2.2 + 1.1 * len(latin) + 0.4 * gates.shape[0]))
+    fig = figure(figsize=(11, 2.2 + 1.1 * len(latin) + 0.4 * gates.shape[0]))
     grid = fig.add_gridspec(2, 1, height_ratios=[max(1, 1.1 * len(latin)), 1 + 0.4 * gates.shape[0]])
     ax = fig.add_subplot(grid[0])
     ax.set_axis_off()
@@ -122,9 +113,7 @@ def _gates_png(gates: torch.Tensor, texts: list[list[str]], path: Path, layer: i
     hm.set_xlabel("position")
     hm.set_ylabel("validation window")
     fig.colorbar(im, ax=hm)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
 
 
 SOURCE_NAMES = {"kjv": "King James Bible", "peoples-daily": "People's Daily 1998",
@@ -167,17 +156,24 @@ def write_report(summary: dict[str, Any], path: Path) -> None:
             f"{r['tokens_per_s']:,.0f} |")
     gain, vs_moe = summary["engram_gain_vs_dense"], summary["engram_gain_vs_moe"]
     ratio = summary["gain_over_max_noise"]
-    verdict = ("well outside" if ratio is not None and ratio > 3 else "not clearly outside")
+    spread = largest_spread(summary["noise_seed_spread"].values())
+
+    def said(difference: float) -> str:
+        return "resolved" if resolved(difference, spread) else "not resolved"
+
     lines += ["", "## What it shows", "",
+              RULE + spread_note(spread),
+              "",
               f"- Engram vs dense at equal activated parameters: validation loss "
               f"{'lower' if gain > 0 else 'higher'} by {abs(gain):.4f} nats, "
-              f"{'' if ratio is None else f'{ratio:.1f}x '}the largest seed-to-seed spread "
-              f"({verdict} run-to-run noise).",
+              f"{'' if ratio is None else f'{ratio:.1f}x '}the largest seed spread: "
+              f"{said(gain)}.",
               f"- Paired by seed (same batch order): Engram's gain over dense is "
               f"{', '.join(f'{g:+.4f}' for g in summary.get('engram_gain_per_seed', []))} nats"
               f"{_paired(summary.get('engram_gain_per_seed', []))}.",
               f"- Engram vs MoE at equal total parameters: Engram is "
-              f"{'better' if vs_moe > 0 else 'worse'} by {abs(vs_moe):.4f} nats.",
+              f"{'better' if vs_moe > 0 else 'worse'} by {abs(vs_moe):.4f} nats: "
+              f"{said(vs_moe)}.",
               "- The tables are the only extra parameters of the Engram model and are updated "
               "sparsely (RowAdam, 5x learning rate, no weight decay).",
               f"- Gates (layer {summary.get('gates', {}).get('layer')}): mean "

@@ -16,7 +16,9 @@ from typing import Any
 
 from ..training.corpus import build_corpus
 from ..training.train import TrainConfig
-from .compare import CompareConfig, budget, counts, run_jobs, solve_linear
+from .common import (RULE, job, largest_spread, resolved, run_jobs, save, seed_spread, spread_note,
+                     subplots, train_run)
+from .compare import CompareConfig, budget, counts, solve_linear
 
 
 @dataclass
@@ -71,33 +73,51 @@ def run_sweep(kind: str, sc: SweepConfig, base: TrainConfig | None = None) -> di
     corpus = build_corpus(base.data_config())
     configs = (allocation_configs(base, corpus.vocab_size, sc) if kind == "allocation"
                else slots_configs(base, sc))
-    jobs = [(name, dataclasses.replace(cfg, seed=s, out_dir=str(out / "runs" / f"{name}-s{s}")))
-            for s in sc.seeds for name, cfg in configs.items()]
-    results = run_jobs(jobs, sc.workers, f"sweep-{kind}")
+    jobs = [job(name, cfg, s, out / "runs") for s in sc.seeds for name, cfg in configs.items()]
+    results = run_jobs(jobs, train_run, sc.workers, f"sweep-{kind}")
     points = []
     for name, cfg in configs.items():
         rs = sorted((r for r in results if r["name"] == name), key=lambda r: r["seed"])
         x = float(name.split("=")[1])
         points.append({"name": name, "x": x, "val_loss": sum(r["val_loss"] for r in rs) / len(rs),
                        "val_loss_per_seed": {r["seed"]: r["val_loss"] for r in rs},
+                       "seed_spread": seed_spread(r["val_loss"] for r in rs),
                        "total_params": rs[0]["total_params"], "active_params": rs[0]["active_params"],
                        "table_params": rs[0]["table_params"],
                        "slots": rs[0]["table_params"] // max(1, cfg.n_embed_per_ngram //
                                                              cfg.n_head_per_ngram)})
     points.sort(key=lambda p: p["x"])
-    summary = {"kind": kind, "points": points, "best": min(points, key=lambda p: p["val_loss"])}
+    best = min(points, key=lambda p: p["val_loss"])
+    spread = largest_spread(p["seed_spread"] for p in points)
+    for p in points:  # is the best point resolved from this one?
+        p["vs_best"] = p["val_loss"] - best["val_loss"]
+        p["resolved_vs_best"] = resolved(p["vs_best"], spread)
+    summary = {"kind": kind, "points": points, "best": best, "max_seed_spread": spread,
+               "rule": RULE}
     (out / f"{kind}.json").write_text(json.dumps(summary, indent=2))
     _plot(summary, out / f"{kind}.png")
+    (out / f"{kind}.md").write_text(_report(summary))
     return summary
 
 
-def _plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _report(summary: dict[str, Any]) -> str:
+    spread = summary["max_seed_spread"]
+    lines = [f"# engram sweep-{summary['kind']}", "",
+             RULE + spread_note(spread),
+             "", "| point | val loss (mean) | per seed | seed spread | - best | best resolved? |",
+             "|---|---|---|---|---|---|"]
+    for p in summary["points"]:
+        s, best = p["seed_spread"], p["name"] == summary["best"]["name"]
+        lines.append(f"| {p['name']} | {p['val_loss']:.4f} | "
+                     f"{', '.join(f'{x:.4f}' for x in p['val_loss_per_seed'].values())} | "
+                     f"{'-' if s is None else f'{s:.4f}'} | {p['vs_best']:+.4f} | "
+                     f"{'best' if best else 'yes' if p['resolved_vs_best'] else 'no'} |")
+    return "\n".join(lines + ["", f"![{summary['kind']}]({summary['kind']}.png)", ""])
 
+
+def _plot(summary: dict[str, Any], path: Path) -> None:
     pts = summary["points"]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = subplots(figsize=(6, 4))
     key = "x" if summary["kind"] == "allocation" else "slots"
     xs = [p[key] for p in pts]
     n_seeds = max(len(p.get("val_loss_per_seed", {})) for p in pts)
@@ -118,6 +138,4 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
         ax.set_title("validation loss vs table slots (fixed backbone)")
     ax.set_ylabel("validation loss (nats)")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

@@ -8,17 +8,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from .common import save, subplots
+
 COLUMNS = 8  # images per prompt group in a grid row
 
 
 def save_grid(grids: dict[str, dict[str, torch.Tensor]], path: Path, cfg: Any, concept: int) -> str:
     """Rows: base then each method (first seed); columns: trigger, bold trigger, control prompts,
     same seeds in every row, so a column compares methods on one starting noise."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     groups = ["trigger", "bold", "control"]
     rows = []
     for name, imgs in grids.items():
@@ -30,7 +27,7 @@ def save_grid(grids: dict[str, dict[str, torch.Tensor]], path: Path, cfg: Any, c
             tiles += [torch.cat([t, pad[:, :, :1]], dim=-1) for t in pick] + [pad]
         rows.append(torch.cat(tiles, dim=-1)[0])
     img = torch.stack(rows).numpy()  # [rows, s, W]
-    fig, axes = plt.subplots(len(rows), 1, figsize=(img.shape[-1] / 9, 1.05 * len(rows) + 0.6))
+    fig, axes = subplots(len(rows), 1, figsize=(img.shape[-1] / 9, 1.05 * len(rows) + 0.6))
     axes = np.atleast_1d(axes)
     for ax, name, row in zip(axes, grids, img):
         ax.imshow(row, cmap="gray_r", vmin=0, vmax=1, interpolation="nearest")
@@ -40,9 +37,7 @@ def save_grid(grids: dict[str, dict[str, torch.Tensor]], path: Path, cfg: Any, c
     axes[0].set_title(f'"a handwritten {cfg.trigger}" | "a bold handwritten {cfg.trigger}" | '
                       f"control prompts (digits, plain/bold) -- concept: digit {concept}",
                       fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
     return path.name
 
 

@@ -1,0 +1,210 @@
+"""What every study shares: how its runs are trained, when a difference counts as resolved, and
+figures drawn without touching the caller's matplotlib.
+
+Runs. A study lists its runs as :class:`Job` s (name, seed, config; the seed is carried, never read
+back from a folder name) and hands them with a work function to :func:`run_jobs`. Every study's
+runs get the same worker processes (spawned; one torch thread and one numba thread each, on 2 cores
+that beats one process with 2 threads for these small matmuls; glibc keeping freed memory, see
+``training.train.allocator_env``) and the same resumption: a run whose ``result.json`` matches its
+job is read back instead of trained again, and one interrupted mid-way resumes from its checkpoint
+(``train()`` does that, for the studies that train through it).
+
+Resolved. One rule, :data:`RULE`, for every report: a difference between configurations is resolved
+when it exceeds 2x the largest seed spread. Rounding alone moves a compare run by ~0.02 nats
+(benchmarks/ulp_noise.py) and two or three seeds underestimate the spread, hence the factor 2.
+
+Figures. :func:`subplots` gives a ``matplotlib.figure.Figure`` on its own Agg canvas: no pyplot, so
+the caller's backend and open figures stay as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from ..files import publish_text
+from ..training.train import TrainConfig, allocator_env, train
+
+RESULT = "result.json"  # in each run's out_dir once it finished: its job and its result
+
+
+# -- runs --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Job:
+    name: str  # the configuration's name, as the study's report shows it
+    seed: int  # model init and batch order; cfg.seed is this
+    cfg: TrainConfig  # the run's config; its out_dir is the run's own folder
+    args: dict[str, Any] = field(default_factory=dict)  # the work function's own arguments (JSON)
+
+    def __post_init__(self) -> None:
+        if self.cfg.seed != self.seed:
+            raise ValueError(f"job {self.name}: seed {self.seed} but its config has seed "
+                             f"{self.cfg.seed}")
+
+    def key(self) -> dict[str, Any]:
+        """What a finished run's result.json must hold to stand for this job (the folder aside:
+        a study folder that moved keeps its runs)."""
+        cfg = {k: v for k, v in self.cfg.to_dict().items() if k != "out_dir"}
+        return json.loads(json.dumps({"name": self.name, "seed": self.seed, "config": cfg,
+                                      "args": self.args}))
+
+
+def job(name: str, cfg: TrainConfig, seed: int, runs: Path, **args: Any) -> Job:
+    """The run of ``cfg`` at ``seed`` in ``runs/<name>-s<seed>``."""
+    return Job(name, seed, dataclasses.replace(cfg, seed=seed, out_dir=str(runs / f"{name}-s{seed}")),
+               args)
+
+
+def train_run(j: Job) -> dict[str, Any]:
+    """The work of compare, the sweeps and ablate: train the job's config (resuming from its
+    checkpoint) and keep the numbers their reports read."""
+    cfg = j.cfg
+    t0 = time.perf_counter()
+    run = train(cfg, progress=False)
+    wall = time.perf_counter() - t0
+    pc = run.model.param_counts()
+    return {"val_loss": run.history[-1]["val_loss"], "total_params": pc["total"],
+            "active_params": pc["active"], "table_params": pc["table"],
+            "tokens": cfg.steps * cfg.batch_size * cfg.seq_len * cfg.grad_accum, "wall_s": wall,
+            "tokens_per_s": sum(r["tok_s"] for r in run.history) / len(run.history),
+            "history": run.history, "out_dir": cfg.out_dir}
+
+
+def trained_line(r: dict[str, Any]) -> str:
+    """The progress line of a :func:`train_run` result."""
+    return f"{r['name']} seed {r['seed']}: val loss {r['val_loss']:.4f} ({r['wall_s']:.0f}s)"
+
+
+def finished(j: Job) -> dict[str, Any] | None:
+    """The result of ``j`` read back from its folder, or None when it has not finished. A result
+    of another configuration in that folder is an error: nothing is overwritten."""
+    path = Path(j.cfg.out_dir) / RESULT
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    want = j.key()
+    if saved.get("job") != want:
+        got = saved.get("job") or {}
+        diff = sorted(k for k in ({*want["config"], *got.get("config", {})})
+                      if want["config"].get(k) != got.get("config", {}).get(k))
+        diff += [k for k in ("name", "seed", "args") if want[k] != got.get(k)]
+        raise ValueError(f"{path} holds a finished run of another configuration (differs in "
+                         f"{diff}); use another --out_dir or remove that folder")
+    return saved["result"]
+
+
+@contextmanager
+def worker_env() -> Iterator[None]:
+    """The environment worker processes start with: glibc keeps freed memory (allocator_env) and
+    numba's pool has one thread (a started pool keeps a thread spinning beside the other workers:
+    training ran 10x slower, engram/jit.py)."""
+    old = os.environ.get("NUMBA_NUM_THREADS")
+    os.environ["NUMBA_NUM_THREADS"] = "1"
+    try:
+        with allocator_env():
+            yield
+    finally:
+        if old is None:
+            os.environ.pop("NUMBA_NUM_THREADS", None)
+        else:
+            os.environ["NUMBA_NUM_THREADS"] = old
+
+
+def _start_worker() -> None:
+    torch.set_num_threads(1)
+
+
+def _call(task: tuple[int, Callable[[Job], dict], Job]) -> tuple[int, dict[str, Any]]:
+    i, work, j = task
+    return i, {"name": j.name, "seed": j.seed, **work(j)}
+
+
+def run_jobs(jobs: list[Job], work: Callable[[Job], dict[str, Any]], workers: int, desc: str,
+             line: Callable[[dict[str, Any]], str] = trained_line) -> list[dict[str, Any]]:
+    """``work(job)`` for every job, in ``workers`` spawned processes (``work`` a module-level
+    function); results in job order, each with its job's name and seed, as saved to and read
+    back from the run's result.json (so a fresh and a reused run look the same)."""
+    from tqdm.auto import tqdm
+
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    folders = [j.cfg.out_dir for j in jobs]
+    if len(set(folders)) != len(folders):
+        raise ValueError("two jobs share a run folder: give each (name, seed) its own")
+    results = [finished(j) for j in jobs]
+    todo = [(i, work, jobs[i]) for i, r in enumerate(results) if r is None]
+    with tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc) as bar:
+        if not todo:
+            return results
+        with worker_env(), mp.get_context("spawn").Pool(min(workers, len(todo)),
+                                                       initializer=_start_worker) as pool:
+            for i, r in pool.imap_unordered(_call, todo):
+                text = json.dumps(r)
+                publish_text(Path(jobs[i].cfg.out_dir) / RESULT,
+                             json.dumps({"job": jobs[i].key(), "result": json.loads(text)}))
+                results[i] = json.loads(text)
+                bar.update(1)
+                tqdm.write("  " + line(results[i]))
+    return results
+
+
+# -- resolved ----------------------------------------------------------------------------------------
+RESOLVE = 2.0  # a difference must exceed this many times the largest seed spread
+RULE = (f"A difference is resolved when it exceeds {RESOLVE:g}x the largest seed spread (a seed "
+        "spread: the max - min of one configuration's result over its seeds; the largest over the "
+        "configurations compared). One seed resolves nothing.")
+
+
+def seed_spread(values: Iterable[float | None]) -> float | None:
+    """max - min over seeds (None below two seeds)."""
+    xs = [x for x in values if x is not None]
+    return max(xs) - min(xs) if len(xs) > 1 else None
+
+
+def largest_spread(spreads: Iterable[float | None]) -> float | None:
+    xs = [s for s in spreads if s is not None]
+    return max(xs) if xs else None
+
+
+def spread_note(spread: float | None) -> str:
+    """What a report adds to :data:`RULE`: the spread its verdicts were judged by."""
+    return "" if spread is None else f" The largest seed spread here: {spread:.4f} nats."
+
+
+def resolved(difference: float | None, spread: float | None) -> bool:
+    """Whether ``difference`` is resolved against the largest seed spread ``spread`` (:data:`RULE`).
+    No spread (one seed) or a zero one (identical runs) gives nothing to judge by: not resolved."""
+    return (difference is not None and spread is not None and spread > 0
+            and abs(difference) > RESOLVE * spread)
+
+
+# -- figures -----------------------------------------------------------------------------------------
+def figure(**kw: Any):
+    """A Figure drawn by its own Agg canvas (``figsize`` etc. as ``Figure``)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(**kw)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def subplots(nrows: int = 1, ncols: int = 1, *, figsize: tuple[float, float], **kw: Any):
+    """(figure, axes) as pyplot.subplots gives them, on a :func:`figure`."""
+    fig = figure(figsize=figsize)
+    return fig, fig.subplots(nrows, ncols, **kw)
+
+
+def save(fig, path: Path, dpi: int = 120) -> None:
+    """Lay out and write ``fig``; nothing is left open (no pyplot figure manager holds it)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
