@@ -12,13 +12,20 @@ from .retrieval.compress import DEAD, Compression, build_compression, default_to
 from .retrieval.config import EngramConfig
 from .retrieval.hashing import HashStream, NgramHasher
 from .retrieval.primes import prime_table_sizes, rows_per_layer
+from .serving.hf_auto import register_when_imported as _register_when_imported
 from .tables.store import MemoryTable, TableStore
 from .training.optim import RowAdam, build_optimizers
+
+# AutoConfig / AutoModelForCausalLM learn "engram_lm" once transformers' Auto modules load (now,
+# if they already have): no trust_remote_code, and no transformers import here (serving/hf_auto.py).
+_register_when_imported()
+
+DISTRIBUTION = "torch-engram"  # the name on the package index; `engram` there is another project
 
 try:
     from importlib.metadata import version as _version
 
-    __version__ = _version("engram")
+    __version__ = _version(DISTRIBUTION)
 except Exception:  # a source tree that was never installed
     __version__ = "unknown"
 

@@ -31,6 +31,7 @@ COMMANDS = {
     "ablate": "which parts of Engram matter: placement, compression, gate, conv, keys, orders",
     "analyze": "what the memory does: LogitLens, CKA, suppression, probes, gate statistics",
     "pool-budget": "will each Engram layer's rows arrive within its prefetch window, per tier",
+    "lm-eval": "lm-evaluation-harness on an export-hf directory: lm-eval's options, model `engram`",
 }
 
 
@@ -214,6 +215,12 @@ def _analyze(argv: list[str]) -> int:
     return 0
 
 
+def _lm_eval(argv: list[str]) -> int:
+    from .studies.harness import cli_lm_eval
+
+    return cli_lm_eval(argv)
+
+
 def _pool_budget(argv: list[str]) -> int:
     from .studies.pool_budget import cli_pool_budget
 
@@ -225,7 +232,7 @@ RUNNERS: dict[str, Callable[[list[str]], int]] = {
     "sweep-allocation": _sweep("sweep-allocation"), "sweep-slots": _sweep("sweep-slots"),
     "generate": _generate, "finetune": _finetune, "export-hf": _export_hf,
     "study-nine": _study_nine, "study-vision": _study_vision, "eval": _eval,
-    "ablate": _ablate, "analyze": _analyze, "pool-budget": _pool_budget,
+    "ablate": _ablate, "analyze": _analyze, "pool-budget": _pool_budget, "lm-eval": _lm_eval,
 }
 
 
@@ -233,7 +240,7 @@ def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("engram")
+        return version("torch-engram")
     except PackageNotFoundError:  # running from a source tree that was never installed
         return "unknown (not installed)"
 

@@ -24,6 +24,7 @@ VLLM_PYTHON = os.environ.get("ENGRAM_VLLM_PYTHON") or (
 pytestmark = [pytest.mark.skipif(VLLM_PYTHON is None, reason="vLLM is not installed (see README)"),
               pytest.mark.usefixtures("one_thread")]
 MAX_NEW = 8
+RUNS = {}  # the memory tier's vLLM tokens, for the transformers comparison below
 
 
 def run_vllm(model_dir, ps, tmp_path, name, overrides=None, kv_blocks=None, max_new=MAX_NEW):
@@ -56,6 +57,8 @@ def served(tmp_path_factory, deepseek):
 def test_vllm_greedy_equals_engram_generate(served, tmp_path, overrides):
     out, ps, want, _ = served
     got = run_vllm(out, ps, tmp_path, "run", overrides)
+    if overrides is None:
+        RUNS["memory"] = got
     assert len(ps) == 64 and max(map(len, ps)) > 64  # chunked prefill
     mismatched = [i for i, (g, w) in enumerate(zip(got["tokens"], want)) if g != w]
     assert not mismatched, (f"{len(mismatched)} of {len(ps)} requests differ, e.g. #{mismatched[0]}:"
@@ -73,3 +76,15 @@ def test_vllm_preempted_requests_resume_exactly(served, tmp_path):
     got = run_vllm(out, ps, tmp_path, "preempt", kv_blocks=10, max_new=40)
     assert got["tokens"] == reference(model, hasher, vocab, ps, 40)
     assert got["counters"]["vllm:num_preemptions"] > 0, got["counters"]
+
+
+def test_transformers_generate_equals_vllm(served, tmp_path):
+    """The same export through AutoModelForCausalLM (left-padded batches of 16): vLLM's tokens."""
+    from test_hf_model import greedy
+    from transformers import AutoModelForCausalLM
+
+    out, ps, want, _ = served
+    got = RUNS.get("memory") or run_vllm(out, ps, tmp_path, "hf")
+    m = AutoModelForCausalLM.from_pretrained(out)
+    hf = [t for a in range(0, len(ps), 16) for t in greedy(m, ps[a:a + 16], max_new=MAX_NEW)]
+    assert hf == got["tokens"] == want
