@@ -219,3 +219,27 @@ def test_a_trained_run_generates_engram_generate_s_tokens(tmp_path, capsys):
     got = pipe(texts[1], max_new_tokens=5, do_sample=False, return_full_text=False,
                add_special_tokens=False)
     assert got[0]["generated_text"] == tok.decode(want[1], skip_special_tokens=True)
+
+
+def test_peft_lora_trains_on_top(exported):
+    """LoRA (PEFT) on the attention projections of the loaded model: labels give a loss that
+    training lowers, through padded rows, while the model's own weights stay as loaded."""
+    peft = pytest.importorskip("peft")
+    out, ps, _, _ = exported
+    m = AutoModelForCausalLM.from_pretrained(out)
+    before = {k: v.clone() for k, v in m.lm.state_dict().items()}
+    lora = peft.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["qkv"]))
+    opt = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-2)
+    ids, mask = left_padded(ps[:4])
+    labels = torch.where(mask.bool(), ids, -100)
+    losses = []
+    for _ in range(4):
+        loss = lora(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    merged = lora.merge_and_unload()
+    assert not torch.equal(merged.lm.blocks[0].attn.qkv.weight, before["blocks.0.attn.qkv.weight"])
+    assert torch.equal(merged.lm.embed.weight, before["embed.weight"])

@@ -164,7 +164,8 @@ class EngramLMForCausalLM(PreTrainedModel, GenerationMixin):
                 raise TypeError(f"{type(cache).__name__} cannot hold Engram's n-gram history and "
                                 "conv state; continue with the EngramCache a forward returned")
             cache = None  # an empty cache a caller made: ours replaces it
-        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
+        if use_cache is None:  # training (labels) keeps no cache, and may pad on the right
+            use_cache = labels is None and getattr(self.config, "use_cache", True)
         b, t = input_ids.shape
         mask = (torch.ones(b, t, dtype=torch.bool) if attention_mask is None
                 else attention_mask[:, -t:].bool().cpu())  # [b, t] the new positions
