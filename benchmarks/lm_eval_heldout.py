@@ -59,7 +59,7 @@ def heldout_docs(cfg: TrainConfig, per_source: int, max_chars: int) -> list[dict
     out = []
     for source in cfg.sources:
         docs = [d for d in load_documents(source, cfg.max_chars) if d.id in val][:per_source]
-        out += [{"id": d.id, "text": d.text.strip()[:max_chars]} for d in docs]
+        out += [{"id": d.id, "text": d.text.strip()[:max_chars].strip()} for d in docs]
     return out
 
 

@@ -34,7 +34,6 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from ..serving.hf_model import EngramLMForCausalLM
-from ..serving.loader import TIERS
 from .evaluate import IGNORE, score_documents
 
 
@@ -52,8 +51,7 @@ class EngramHarnessLM(TemplateLM):
             raise ValueError(f"model_args {unknown} are not arguments of the engram model type "
                              "(pretrained, tier, cache_fraction, prefetch, batch_size, "
                              "max_length, device, max_gen_toks)")
-        if tier is not None and tier not in TIERS:
-            raise ValueError(f"model_args tier={tier!r} is not a tier; known tiers: {TIERS}")
+        # checked by the export's reader: an unknown tier is refused with the known ones
         serving = {k: v for k, v in (("tier", tier), ("cache_fraction", cache_fraction),
                                      ("prefetch", prefetch)) if v is not None}
         self.model = EngramLMForCausalLM.from_pretrained(pretrained, engram_serving=serving)
@@ -172,6 +170,11 @@ def cli_lm_eval(argv: list[str]) -> int:
     if argv[0] == "run" and not any(a in ("-M", "--model") or a.startswith("--model=")
                                     for a in argv):
         argv = ["run", "--model", "engram", *argv[1:]]
+    if any(a in ("-h", "--help") for a in argv):
+        print("engram lm-eval: lm-eval's own options below; --model is engram unless given.\n"
+              "model_args of engram: pretrained=OUT (an `engram export-hf` directory), tier "
+              "(memory, file, pinned, shared; default: the export's), cache_fraction, prefetch, "
+              "batch_size [16], max_length [the model's], max_gen_toks [256], device [cpu]\n")
     saved = sys.argv
     sys.argv = ["engram lm-eval", *argv]
     try:
