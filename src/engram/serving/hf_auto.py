@@ -50,7 +50,8 @@ def register_when_imported() -> None:
     for name, register in _AFTER.items():
         if name in sys.modules:
             _safely(register)
-    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+    if not all(name in sys.modules for name in _AFTER) and \
+            not any(isinstance(f, _AfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport())
 
 
@@ -90,6 +91,8 @@ class _ThenRegister(importlib.abc.Loader):
     def exec_module(self, module: Any) -> None:
         self.loader.exec_module(module)
         _safely(self.register)
+        if all(name in sys.modules for name in _AFTER):  # nothing left to watch
+            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImport)]
 
     def __getattr__(self, name: str) -> Any:  # get_data, get_filename, resource readers, ...
         return getattr(self.loader, name)
