@@ -151,10 +151,13 @@ class EngramLMForCausalLM(PreTrainedModel, GenerationMixin):
                 past_key_values: EngramCache | None = None, labels: torch.Tensor | None = None,
                 use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
                 inputs_embeds: torch.Tensor | None = None, return_dict: bool | None = None,
+                position_ids: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None,
                 **kwargs: Any) -> CausalLMOutputWithPast:
         """input_ids [b, t] tokenizer ids, attention_mask [b, past + t] (left padding; right
         padding too without a cache) -> logits [b, k, W]. Positions count each row's own tokens,
-        so ``position_ids`` are not needed (and ignored)."""
+        so ``position_ids`` are not needed; they and ``token_type_ids`` (tokenizers return them)
+        are ignored."""
         if inputs_embeds is not None or input_ids is None:
             raise ValueError("Engram hashes the token ids (its n-grams): pass input_ids, not "
                              "inputs_embeds")
