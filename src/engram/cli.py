@@ -49,13 +49,15 @@ COMMANDS: dict[str, Command] = {}  # name -> declaration, in `engram --help` ord
 
 def command(name: str, help: str, *, args: Sequence[Arg] = (),
             configs: Sequence[Config | type | str] = (), about: str = "",
-            reads: Sequence[str] = (), writes: Sequence[str] = ()):
-    """Declare the decorated function as ``engram NAME`` (see the module docstring)."""
+            reads: Sequence[str] = (), writes: Sequence[str] = (), passthrough: bool = False):
+    """Declare the decorated function as ``engram NAME`` (see the module docstring);
+    ``passthrough``: the function takes the raw argv (a command that hands over to another
+    program's own command line, e.g. lm-eval's)."""
     def declare(run: Callable[..., int | None]) -> Callable[..., int | None]:
         assert name not in COMMANDS, f"command {name!r} declared twice"
         COMMANDS[name] = Command(name, help, run, tuple(args),
                                  tuple(c if isinstance(c, Config) else Config(c) for c in configs),
-                                 about, tuple(reads), tuple(writes))
+                                 about, tuple(reads), tuple(writes), passthrough)
         return run
     return declare
 
@@ -343,6 +345,16 @@ def _pool_budget(pc, tc) -> None:
     print(f"wrote {pc.out_dir}/budget.json, budget.png, report.md ({summary['wall_s']:.0f} s)")
 
 
+@command("lm-eval", "lm-evaluation-harness on an export-hf directory: lm-eval's options, model "
+         "`engram`", passthrough=True,
+         about="Every option is lm-eval's own (`lm-eval run --help`); --model is engram unless "
+         "given, e.g. engram lm-eval --model_args pretrained=OUT,tier=file --tasks TASK.")
+def _lm_eval(argv: list[str]) -> int:
+    from .studies.harness import cli_lm_eval
+
+    return cli_lm_eval(argv)
+
+
 V41_ABOUT = "OUT appears whole or not at all; an existing non-empty OUT is refused."
 
 
@@ -372,7 +384,7 @@ def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("engram")
+        return version("torch-engram")
     except PackageNotFoundError:  # running from a source tree that was never installed
         return "unknown (not installed)"
 

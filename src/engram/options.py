@@ -210,6 +210,7 @@ class Command:
     about: str = ""  # more text for `engram CMD --help`
     reads: tuple[str, ...] = ()  # args / options naming files or folders the command reads
     writes: tuple[str, ...] = ()  # args / options naming places the command writes
+    passthrough: bool = False  # run(argv): the options are another program's (lm-eval's)
 
     def parser(self) -> ConfigParser:
         p = new_parser(f"engram {self.name}", self.help + (f". {self.about}" if self.about else ""))
@@ -227,6 +228,8 @@ class Command:
                                                for f in fields_of(c.ref)}
 
     def __call__(self, argv: Sequence[str]) -> int:
+        if self.passthrough:
+            return self.run(list(argv)) or 0
         p = self.parser()
         ns = p.parse_args(self._undeprecate(list(argv)))
         values = [getattr(ns, a.name) for a in self.args]
