@@ -168,17 +168,21 @@ def build_export_model(out_dir: str | Path, config: dict[str, Any]):
     # Engram-Nine's hot index (keys, MPHF, fingerprints) comes from the table files
     hasher = read_index_files(table_dir, mc.engram, NgramHasher(mc.engram, build_compression(tok)),
                               config.get("engram_nine"))
-    counts = None
-    if serving["cache_fraction"] > 0:
-        from safetensors.torch import load_file
-
-        raw = load_file(str(table_dir / "row_counts.safetensors"))
-        counts = {lid: {part: raw[f"{lid}{SUFFIX[part]}"].long() for part in hasher.parts}
-                  for lid in hasher.owners}
+    counts = read_row_counts(table_dir, hasher) if serving["cache_fraction"] > 0 else None
     tables = open_tier(serving["tier"], table_dir, mc.engram, hasher, counts=counts,
                        cache_fraction=serving["cache_fraction"], prefetch=serving["prefetch"],
                        verify=serving["verify"])
     return build_lm(mc, hasher, tables).eval(), hasher, vocab_size
+
+
+def read_row_counts(table_dir: Path, hasher: Hasher) -> dict[int, dict[str, torch.Tensor]]:
+    """An export's row_counts.safetensors as ``hasher.count_reads`` gives them: {owner layer: {part:
+    counts}} (written once per table set and part by :func:`export_model`: "3", "3.hot")."""
+    from safetensors.torch import load_file
+
+    raw = load_file(str(Path(table_dir) / "row_counts.safetensors"))
+    return {lid: {part: raw[f"{lid}{SUFFIX[part]}"].long() for part in hasher.parts}
+            for lid in hasher.owners}
 
 
 def load_dense(model: EngramLM, tensors: dict[str, torch.Tensor]) -> torch.Tensor:

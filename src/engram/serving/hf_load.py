@@ -92,7 +92,7 @@ def save_export(model: Any, out_dir: str | Path) -> Path:
     """Write ``model`` as an export; its serving keys, table dtype and row counts (for a hot
     cache) are the ones it was loaded with."""
     from ..tables.tablefile import read_header, table_path
-    from .hf_export import export_model
+    from .hf_export import export_model, read_row_counts
 
     out = Path(out_dir)
     serving = {**SERVING_DEFAULTS, **(getattr(model.config, "engram_serving", None) or {})}
@@ -108,19 +108,9 @@ def save_export(model: Any, out_dir: str | Path) -> Path:
         if first.exists():
             dtype = read_header(first).dtype
         if (src / "row_counts.safetensors").exists():
-            counts = _read_counts(src, bool(getattr(model.config, "engram_nine", None)))
+            counts = read_row_counts(src, model.hasher)
     return export_model(model.lm, model.hasher, model.vocab_map.vocab, out, counts=counts,
                         tier=serving["tier"], table_dtype=dtype,
                         cache_fraction=serving["cache_fraction"] if counts is not None else 0.0,
                         prefetch=serving["prefetch"],
                         tag=getattr(model.config, "engram_checkpoint", "") or "")
-
-
-def _read_counts(table_dir: Path, nine: bool) -> dict[int, Any]:
-    """row_counts.safetensors as export_model takes them: {layer: counts} or, for Engram-Nine,
-    {layer: (cold counts, hot counts)}."""
-    from safetensors.torch import load_file
-
-    raw = load_file(str(table_dir / "row_counts.safetensors"))
-    counts = {int(k): v.long() for k, v in raw.items() if not k.endswith(".hot")}
-    return {k: (v, raw[f"{k}.hot"].long()) for k, v in counts.items()} if nine else counts
