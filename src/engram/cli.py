@@ -350,6 +350,16 @@ def _pool_budget(pc, tc) -> None:
          about="Every option is lm-eval's own (`lm-eval run --help`); --model is engram unless "
          "given, e.g. engram lm-eval --model_args pretrained=OUT,tier=file --tasks TASK.")
 def _lm_eval(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):  # lm-eval's own help, from a process of its own:
+        import subprocess  # this one stays free of torch (lm-eval imports it)
+
+        from .schema import constant
+
+        print("engram lm-eval: lm-eval's own options below; --model is engram unless given.\n"
+              "model_args of engram: pretrained=OUT (an `engram export-hf` directory), tier ("
+              + "|".join(constant("engram.tables.registry:TIERS")) + "; default: the export's), cache_fraction, prefetch, batch_size "
+              "[16], max_length [the model's], max_gen_toks [256], device [cpu]\n", flush=True)
+        return subprocess.call([sys.executable, "-m", "lm_eval", "run", "--help"])
     from .studies.harness import cli_lm_eval
 
     return cli_lm_eval(argv)

@@ -170,11 +170,6 @@ def cli_lm_eval(argv: list[str]) -> int:
     if argv[0] == "run" and not any(a in ("-M", "--model") or a.startswith("--model=")
                                     for a in argv):
         argv = ["run", "--model", "engram", *argv[1:]]
-    if any(a in ("-h", "--help") for a in argv):
-        print("engram lm-eval: lm-eval's own options below; --model is engram unless given.\n"
-              "model_args of engram: pretrained=OUT (an `engram export-hf` directory), tier "
-              "(memory, file, pinned, shared; default: the export's), cache_fraction, prefetch, "
-              "batch_size [16], max_length [the model's], max_gen_toks [256], device [cpu]\n")
     saved = sys.argv
     sys.argv = ["engram lm-eval", *argv]
     try:
