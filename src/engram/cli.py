@@ -359,7 +359,7 @@ def _lm_eval(argv: list[str]) -> int:
               "model_args of engram: pretrained=OUT (an `engram export-hf` directory), tier ("
               + "|".join(constant("engram.tables.registry:TIERS")) + "; default: the export's), cache_fraction, prefetch, batch_size "
               "[16], max_length [the model's], max_gen_toks [256], device [cpu]\n", flush=True)
-        return subprocess.call([sys.executable, "-m", "lm_eval", "run", "--help"])
+        raise SystemExit(subprocess.call([sys.executable, "-m", "lm_eval", "run", "--help"]))
     from .studies.harness import cli_lm_eval
 
     return cli_lm_eval(argv)
