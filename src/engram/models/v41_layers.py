@@ -269,14 +269,15 @@ def _requantized_wkv(w: torch.Tensor, scale: torch.Tensor, block: list[int]):
 
 # -- our models <-> layer sets ---------------------------------------------------------------------
 
-def check_fits(mc: Any, ls: LayerSet, nine: bool = False) -> None:
-    """Refuse a model config (ModelConfig) the layer set does not fit, naming what differs."""
+def check_fits(mc: Any, ls: LayerSet, parts: tuple[str, ...] = ("cold",)) -> None:
+    """Refuse a model config (ModelConfig) the layer set does not fit, naming what differs;
+    ``parts``: the table parts the model's hasher reads (``Hasher.parts``; a layer set has one)."""
     v, ec = ls.v41, mc.engram
-    if ec is None or ec.profile != "v4.1" or nine:
-        kind = "no Engram" if ec is None else "Engram-Nine" if nine else ec.profile
+    if ec is None or ec.profile != "v4.1":
         raise UserError(f"a V4.1 layer set loads into a model with the v4.1 Engram profile, this "
-                         f"one has {kind}")
-    want = {"Engram layer ids": (v.layer_ids, list(ec.layer_ids)),
+                        f"one has {'no Engram' if ec is None else ec.profile}")
+    want = {"table parts": (("cold",), tuple(parts)),
+            "Engram layer ids": (v.layer_ids, list(ec.layer_ids)),
             "hidden size": (v.hidden_size, mc.d_model), "hc_mult": (v.hc_mult, mc.hc_mult),
             "head dim": (v.head_dim, ec.head_dim), "memory width": (ls.config.d_mem, ec.d_mem),
             "gate": (ls.meta["gate"], mc.engram_gate),
