@@ -12,7 +12,6 @@ Shape legend:
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,9 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..errors import InputNotFound, UserError
+from ..errors import UserError
+from ..outputs import read_text, write_json
+from ..ranges import AT_LEAST_1, check_ranges
 
 IGNORE = -100  # target id left out of the loss (torch's cross-entropy convention)
 
@@ -35,6 +36,9 @@ class EvalConfig:
     seq_len: int | None = None  # window length; None: the run's training length
     json: str | None = None  # also write the result here
 
+    def __post_init__(self) -> None:
+        check_ranges(self, max_chars=AT_LEAST_1, batch_size=AT_LEAST_1, seq_len=AT_LEAST_1)
+
 
 def read_documents(ec: EvalConfig) -> list[str]:
     """The text to score as documents, from exactly one of ``text`` / ``source``."""
@@ -45,9 +49,7 @@ def read_documents(ec: EvalConfig) -> list[str]:
 
         return [d.text for d in load_documents(ec.source, ec.max_chars)]
     path = Path(ec.text)
-    if not path.is_file():
-        raise InputNotFound(f"--text {path}: no such file")
-    text = path.read_text("utf-8", errors="replace")[:ec.max_chars]
+    text = read_text(path, "--text")[:ec.max_chars]  # a binary file is refused, not scored
     docs = [p.strip() for p in text.split("\n\n") if p.strip()]
     if not docs:
         raise UserError(f"--text {path} holds no text")
@@ -145,5 +147,5 @@ def run_eval(run_dir: str, ec: EvalConfig, progress: bool = True) -> dict[str, A
     res.update({"run": str(run_dir), "checkpoint": served.checkpoint.name, "documents": len(docs),
                 "text": ec.text, "source": ec.source, "seq_len": seq_len})
     if ec.json:
-        Path(ec.json).write_text(json.dumps(res, indent=2))
+        write_json(ec.json, res, "engram eval", indent=2)
     return res

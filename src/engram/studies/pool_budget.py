@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..errors import UserError
+from ..ranges import AT_LEAST_1, NON_NEGATIVE, check_ranges
 from ..training.train import TrainConfig
 from .pool_report import layer_budget, write_report
 from .pool_steps import build_setup, step_rows, steps, time_layers
@@ -81,6 +82,7 @@ class PoolBudgetConfig:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.cache_fraction < 1 or any(x < 0 for x in self.inject_us):
             raise UserError("need 0 <= cache_fraction < 1 and inject_us >= 0")
+        check_ranges(self, threads=AT_LEAST_1, seed=NON_NEGATIVE)  # and every float finite
 
 
 def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
