@@ -166,7 +166,9 @@ def _demo(o: DemoOptions) -> None:
 @command("train", "train one LM (dense, MoE or Engram) on the package corpus; torchrun for several",
          configs=(TRAIN, Config(Launch, "run options")), writes=(Out("out_dir", "run"),),
          about="Under torchrun (WORLD_SIZE > 1): DDP and row-sharded tables. Ctrl-C or SIGTERM "
-         "saves a checkpoint of the step reached; the same command resumes from it.")
+         "saves a checkpoint of the step reached; the same command resumes from it.",
+         interrupted="stopped at once (before training began, or a second Ctrl-C): the run "
+         "folder's newest checkpoint, if any, is intact and the same command resumes from it")
 def _train(cfg, launch: Launch) -> None:
     from .training.checkpoint import saved_step
 

@@ -46,16 +46,18 @@ def _handler(say: str | None, escalate: bool, also: Callable[[int], None] | None
 
 
 def install(say: str | None = None, escalate: bool = False,
-            also: Callable[[int], None] | None = None) -> Callable[[], None] | None:
-    """Make SIGINT and SIGTERM set the flag (see :func:`stop_requests`) until the returned
-    function restores the previous handlers; None (nothing changed) outside the main thread or
-    where such handlers are in place already (a study's worker keeps its own quiet ones)."""
+            also: Callable[[int], None] | None = None,
+            signals: tuple[int, ...] = SIGNALS) -> Callable[[], None] | None:
+    """Make ``signals`` set the flag (see :func:`stop_requests`) until the returned function
+    restores the previous handlers; None (nothing changed) outside the main thread or where SIGINT
+    sets the flag already (a study's worker keeps its own: SIGINT only, since the pool ends its
+    workers with SIGTERM and a worker that ignored it would never be joined)."""
     if threading.current_thread() is not threading.main_thread() or \
             getattr(signal.getsignal(signal.SIGINT), "engram_stop", False):
         return None
-    old = {s: signal.getsignal(s) for s in SIGNALS}
+    old = {s: signal.getsignal(s) for s in signals}
     handle = _handler(say, escalate, also)
-    for s in SIGNALS:
+    for s in signals:
         signal.signal(s, handle)
 
     def restore() -> None:

@@ -126,11 +126,12 @@ def worker_env() -> Iterator[None]:
 
 def _start_worker() -> None:
     torch.set_num_threads(1)
-    # A signal (Ctrl-C reaches every process of the terminal's group; the parent forwards
-    # SIGTERM) only sets the flag: the job in hand stops at its next step and saves a checkpoint
-    # (loop.fit), the jobs after it do not start. A KeyboardInterrupt here would kill the worker
-    # and leave the pool waiting for its result.
-    interrupts.install()
+    # SIGINT (Ctrl-C reaches every process of the terminal's group; the parent forwards its own
+    # SIGINT or SIGTERM as one) only sets the flag: the job in hand stops at its next step and
+    # saves a checkpoint (loop.fit), the jobs after it do not start. A KeyboardInterrupt here would
+    # kill the worker and leave the pool waiting for its result. SIGTERM keeps ending the worker:
+    # it is how the pool stops its workers (a checkpoint being written then stays the old one).
+    interrupts.install(signals=(signal.SIGINT,))
 
 
 _stopped: list[bool] = []  # in a worker: a signal stopped one of its jobs
