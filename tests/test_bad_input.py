@@ -87,7 +87,7 @@ CASES = [
     ("pool-budget {root}/run --table_dir {root}/run", "holds an engram run"),
     ("pool-budget {root}/nope", "RUN_DIR {root}/nope: no such file"),
     ("import-v41 {root}/nope {root}/v41", "SRC {root}/nope: no such file"),
-    ("import-v41 {root}/run {root}/foreign", "not a v41-layers folder"),
+    ("import-v41 {root}/run {root}/foreign", "foreign exists and is not empty"),
     ("export-v41 {root}/run {root}/plain.txt", "is a file, not a folder"),
     # file outputs: new, or this command's own earlier output
     ("demo --json {root}", "is a folder; name a file"),

@@ -310,10 +310,11 @@ class Command:
             of = str(Path(of).resolve()) if of is not None else None
             if w.kind == outputs.FILE:
                 outputs.check_file(path, by, label)
+            elif w.whole:
+                outputs.check_new_folder(path, label)
             else:
                 outputs.check_folder(path, w.kind, label, of)
-                if not w.whole:
-                    places.append((w, path, label, of))
+                places.append((w, path, label, of))
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK", "0") != "0":
             return []  # under torchrun rank 0 creates the folders; the others only check
         return [(outputs.claim_folder(path, w.kind, by, label, of), Path(path))

@@ -148,6 +148,17 @@ def _a(kind: str) -> str:
     return ("an " if kind[0] in "aeiou" else "a ") + kind
 
 
+def check_new_folder(path: str | Path, label: str) -> None:
+    """Refuse (OutputExists) a folder output that must appear whole: anything but a new or empty
+    folder."""
+    path = Path(path)
+    if not path.is_dir():
+        check_folder(path, "new", label)  # a file, a path under a file, no permission
+    elif any(path.iterdir()):
+        raise OutputExists(f"{label} {path} exists and is not empty; name a new or empty folder "
+                           "(nothing was written)")
+
+
 def claim_folder(path: str | Path, kind: str, command: str, label: str,
                  of: str | None = None) -> Path | None:
     """:func:`check_folder`, then create the folder (and missing parents) and mark it. Returns the
@@ -248,5 +259,5 @@ def read_text(path: str | Path, label: str) -> str:
 
 
 __all__ = ["FILE", "MARKER", "SIGNATURES", "WRITTEN_BY", "check_file", "check_folder",
-           "check_input", "claim_folder", "finite", "mark", "read_marker", "read_text", "release",
+           "check_input", "check_new_folder", "claim_folder", "finite", "mark", "read_marker", "read_text", "release",
            "write_json"]
