@@ -144,6 +144,9 @@ CASES = [
     ("train --mphf_engine nope", "(choose from torch, bbhash)"),
     ("train --engram_profile v5", "(choose from demo-v1, v4.1)"),
     ("ablate --variants nope", "bad value for --variants: nope"),
+    ("eval {root}/run --source nope", "bad value for --source: nope (choose from kjv"),
+    ("finetune --forget_sources kjv,nope", "bad value for --forget_sources: nope"),
+    ("pool-budget --modes train", "bad value for --modes: train (choose from prefill, decode)"),
     ("train --stepz 3", "did you mean --steps?"),
     # found only once the work started: the folder it made is removed again
     ("train --out_dir {root}/late --n_layer 2 --engram_layers 5 --max_chars 20000",

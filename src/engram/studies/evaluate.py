@@ -13,7 +13,7 @@ Shape legend:
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -30,7 +30,8 @@ IGNORE = -100  # target id left out of the loss (torch's cross-entropy conventio
 @dataclass
 class EvalConfig:
     text: str | None = None  # a UTF-8 text file; paragraphs (blank-line separated) are documents
-    source: str | None = None  # or a corpus source by name (kjv, peoples-daily, python-doc, ...)
+    # or a corpus source by name
+    source: str | None = field(default=None, metadata={"choices": "engram.training.corpus:SOURCES"})
     max_chars: int | None = None  # keep the first max_chars characters (None: all)
     batch_size: int = 16  # windows per forward pass
     seq_len: int | None = None  # window length; None: the run's training length

@@ -51,8 +51,11 @@ class FinetuneConfig:
     threads: int | None = None  # torch threads; None leaves the default
     methods: tuple[str, ...] = field(default=METHODS, metadata={"choices": METHODS})
     # -- data --
-    train_source: str = "kjv"  # fine-tuning text (engram.training.corpus.SOURCES)
-    forget_sources: tuple[str, ...] = ("python-doc",)  # other kinds of text, never trained on
+    # fine-tuning text (engram.training.corpus.SOURCES)
+    train_source: str = field(default="kjv", metadata={"choices": "engram.training.corpus:SOURCES"})
+    # other kinds of text, never trained on
+    forget_sources: tuple[str, ...] = field(default=("python-doc",),
+                                            metadata={"choices": "engram.training.corpus:SOURCES"})
     max_chars: int = 1_000_000  # per source: a prefix keeps tokenising cheap
     val_fraction: float = 0.05  # held-out documents of the fine-tuning text
     seq_len: int = 64

@@ -27,7 +27,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,9 @@ DEFAULT_TIERS = ("memory", "shared", "pool", "file", "file_cold", "file_cold_cac
 class PoolBudgetConfig:
     out_dir: str = "out/pool"  # budget.json, budget.png, report.md, table files
     run_dir: str | None = None  # a trained run (engram train --out_dir); None: random weights
-    modes: tuple[str, ...] = ("prefill", "decode")  # serving shapes to budget
+    # serving shapes to budget
+    modes: tuple[str, ...] = field(default=("prefill", "decode"),
+                                   metadata={"choices": ("prefill", "decode")})
     batch: int = 4  # sequences per step
     prefill_len: int = 128  # prefill: tokens per sequence (<= the model's seq_len)
     decode_context: int = 64  # decode: prompt length already in the KV cache before the step
