@@ -184,4 +184,5 @@ def test_out_is_never_overwritten_or_half_written(imported, tmp_path, capsys):
     assert main(["import-v41", str(root / "ckpt"), str(out)]) == 2
     assert "not empty" in capsys.readouterr().err and (out / "keep.txt").read_text() == "mine"
     assert main(["import-v41", str(tmp_path / "nope"), str(tmp_path / "o2")]) == 2
-    assert "no config.json" in capsys.readouterr().err and not (tmp_path / "o2").exists()
+    assert "nope: no such file or folder" in capsys.readouterr().err  # checked before any work
+    assert not (tmp_path / "o2").exists()

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import InputNotFound, UserError
+from ..files import publish
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
 from ..tables.fp8 import FP8_MAX, e8m0_to_float, quantize_fp8_e8m0
@@ -148,7 +149,8 @@ def import_v41(ckpt_dir: str | Path, out_dir: str | Path, *, tokenizer: Any = No
                             profile=hasher.profile(lid), dtype="fp8",
                             scale_block=QUANT_BLOCK, scale_format="e8m0", tag=ckpt.name,
                             progress=progress)
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS))
+        state = {k: v.contiguous() for k, v in weights.items()}
+        publish(tmp / WEIGHTS, lambda p: save_file(state, p))
         _write_meta(tmp, ecfg, cfg, dtypes, source=str(ckpt))
     return Path(out_dir)
 
@@ -349,6 +351,6 @@ def write_layer_set(model: Any, hasher: NgramHasher, out_dir: str | Path, *, tag
                         dim=store.dim, layer_id=lid, config=ec, profile=hasher.profile(lid),
                         dtype="fp8", scale_block=QUANT_BLOCK, scale_format="e8m0", tag=tag,
                         progress=progress)
-        save_file(weights, str(tmp / WEIGHTS))
+        publish(tmp / WEIGHTS, lambda p: save_file(weights, p))
         _write_meta(tmp, ec, cfg, dtypes, source=tag or "engram model")
     return Path(out_dir)

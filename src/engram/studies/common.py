@@ -23,6 +23,7 @@ import dataclasses
 import json
 import multiprocessing as mp
 import os
+import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,10 +32,14 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from .. import interrupts
+from ..errors import Interrupted
 from ..files import publish_text
 from ..training.train import TrainConfig, allocator_env, train
 
 RESULT = "result.json"  # in each run's out_dir once it finished: its job and its result
+STOPPING = ("engram: stopping: each run in progress saves a checkpoint after its current step "
+            "(Ctrl-C again: stop now, without saving)")
 
 
 # -- runs --------------------------------------------------------------------------------------------
@@ -121,11 +126,36 @@ def worker_env() -> Iterator[None]:
 
 def _start_worker() -> None:
     torch.set_num_threads(1)
+    # SIGINT (Ctrl-C reaches every process of the terminal's group; the parent forwards its own
+    # SIGINT or SIGTERM as one) only sets the flag: the job in hand stops at its next step and
+    # saves a checkpoint (loop.fit), the jobs after it do not start. A KeyboardInterrupt here would
+    # kill the worker and leave the pool waiting for its result. SIGTERM keeps ending the worker:
+    # it is how the pool stops its workers (a checkpoint being written then stays the old one).
+    interrupts.install(signals=(signal.SIGINT,))
+
+
+_stopped: list[bool] = []  # in a worker: a signal stopped one of its jobs
 
 
 def _call(task: tuple[int, Callable[[Job], dict], Job]) -> tuple[int, dict[str, Any]]:
     i, work, j = task
-    return i, {"name": j.name, "seed": j.seed, **work(j)}
+    if _stopped or interrupts.requested():
+        raise Interrupted(f"{j.name} seed {j.seed} not started")
+    try:
+        return i, {"name": j.name, "seed": j.seed, **work(j)}
+    except Interrupted:
+        _stopped.append(True)
+        raise
+
+
+def _forward(signum: int) -> None:
+    """A signal to the parent reaches every worker (a Ctrl-C already has: once more is harmless)."""
+    for child in mp.active_children():
+        if child.pid is not None:
+            try:
+                os.kill(child.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
 
 
 def run_jobs(jobs: list[Job], work: Callable[[Job], dict[str, Any]], workers: int, desc: str,
@@ -147,13 +177,23 @@ def run_jobs(jobs: list[Job], work: Callable[[Job], dict[str, Any]], workers: in
             return results
         with worker_env(), mp.get_context("spawn").Pool(min(workers, len(todo)),
                                                        initializer=_start_worker) as pool:
-            for i, r in pool.imap_unordered(_call, todo):
-                text = json.dumps(r)
-                publish_text(Path(jobs[i].cfg.out_dir) / RESULT,
-                             json.dumps({"job": jobs[i].key(), "result": json.loads(text)}))
-                results[i] = json.loads(text)
-                bar.update(1)
-                tqdm.write("  " + line(results[i]))
+            try:
+                with interrupts.stop_requests(STOPPING, also=_forward):
+                    for i, r in pool.imap_unordered(_call, todo):
+                        text = json.dumps(r)
+                        publish_text(Path(jobs[i].cfg.out_dir) / RESULT,
+                                     json.dumps({"job": jobs[i].key(), "result": json.loads(text)}))
+                        results[i] = json.loads(text)
+                        bar.update(1)
+                        tqdm.write("  " + line(results[i]))
+            except Interrupted:
+                pool.close()
+                pool.join()  # the workers save their checkpoints; jobs not started stay so
+                interrupts.clear()
+                done = sum(r is not None for r in results)
+                raise Interrupted(f"{done} of {len(jobs)} runs finished and are kept; the runs in "
+                                  "progress saved a checkpoint of the step they reached; the same "
+                                  "command resumes") from None
     return results
 
 

@@ -27,7 +27,9 @@ from typing import Any
 import torch
 
 from .. import gemm
+from ..errors import UserError
 from ..models.model import EngramLM
+from ..ranges import AT_LEAST_1, NON_NEGATIVE, check_ranges
 from ..training.corpus import build_corpus
 from ..training.train import TrainConfig, build_run, try_resume
 from .common import RULE, job, largest_spread, resolved, run_jobs, seed_spread, train_run
@@ -47,6 +49,14 @@ class CompareConfig:
     eval_batches: int = 16
     # A checkpoint this often (and at the end): an interrupted run resumes from its last one.
     ckpt_every: int = 160
+
+    def __post_init__(self) -> None:
+        self.seeds = tuple(self.seeds)
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise UserError(f"seeds must be non-empty and distinct, got {self.seeds}")
+        check_ranges(self, seeds=NON_NEGATIVE, workers=AT_LEAST_1, steps=AT_LEAST_1,
+                     batch_size=AT_LEAST_1, seq_len=AT_LEAST_1, eval_every=AT_LEAST_1,
+                     eval_batches=AT_LEAST_1, ckpt_every=AT_LEAST_1)
 
 
 def budget(base: TrainConfig, cc: CompareConfig) -> TrainConfig:

@@ -12,15 +12,16 @@ Shape legend:
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import InputNotFound, UserError
+from ..errors import UserError
+from ..outputs import read_text, write_json
+from ..ranges import AT_LEAST_1, check_ranges
 from ..serving.vocab import unknown_inputs
 
 IGNORE = -100  # target id left out of the loss (torch's cross-entropy convention)
@@ -29,7 +30,8 @@ IGNORE = -100  # target id left out of the loss (torch's cross-entropy conventio
 @dataclass
 class EvalConfig:
     text: str | None = None  # a UTF-8 text file; paragraphs (blank-line separated) are documents
-    source: str | None = None  # or a corpus source by name (kjv, peoples-daily, python-doc, ...)
+    # or a corpus source by name
+    source: str | None = field(default=None, metadata={"choices": "engram.training.corpus:SOURCES"})
     max_chars: int | None = None  # keep the first max_chars characters (None: all)
     batch_size: int = 16  # windows per forward pass
     seq_len: int | None = None  # window length; None: the run's training length
@@ -37,6 +39,9 @@ class EvalConfig:
     # Also score each document alone, after EOS (lm-evaluation-harness's rolling log-likelihood):
     # per-document log-likelihoods in nats under "per_document" (`engram lm-eval` gives the same).
     per_document: bool = False
+
+    def __post_init__(self) -> None:
+        check_ranges(self, max_chars=AT_LEAST_1, batch_size=AT_LEAST_1, seq_len=AT_LEAST_1)
 
 
 def read_documents(ec: EvalConfig) -> list[str]:
@@ -48,9 +53,7 @@ def read_documents(ec: EvalConfig) -> list[str]:
 
         return [d.text for d in load_documents(ec.source, ec.max_chars)]
     path = Path(ec.text)
-    if not path.is_file():
-        raise InputNotFound(f"--text {path}: no such file")
-    text = path.read_text("utf-8", errors="replace")[:ec.max_chars]
+    text = read_text(path, "--text")[:ec.max_chars]  # a binary file is refused, not scored
     docs = [p.strip() for p in text.split("\n\n") if p.strip()]
     if not docs:
         raise UserError(f"--text {path} holds no text")
@@ -187,5 +190,5 @@ def run_eval(run_dir: str, ec: EvalConfig, progress: bool = True) -> dict[str, A
         res["per_document"] = score_documents(served.model, served.hasher, served.vocab,
                                               [e.ids for e in encs], eos, seq_len, ec.batch_size)
     if ec.json:
-        Path(ec.json).write_text(json.dumps(res, indent=2))
+        write_json(ec.json, res, "engram eval", indent=2)
     return res
