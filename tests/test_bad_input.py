@@ -153,6 +153,9 @@ CASES = [
      "Engram layer ids [5] are out of range"),
     ("study-nine --out_dir {root}/late --only nope --steps 1 --seeds 0 --max_chars 20000",
      "unknown configurations ['nope']"),
+    # lm-eval's own command line, our model type: a tier the registry does not know
+    ("lm-eval --model_args pretrained={root}/export,tier=nvme --tasks engram_docs --include_path "
+     + str(Path(__file__).parent / "data" / "lm_eval"), "engram_serving.tier must be one of"),
 ]
 
 

@@ -170,6 +170,8 @@ def cli_lm_eval(argv: list[str]) -> int:
     if argv[0] == "run" and not any(a in ("-M", "--model") or a.startswith("--model=")
                                     for a in argv):
         argv = ["run", "--model", "engram", *argv[1:]]
+    if argv[0] == "run" and _named_model(argv) == "engram":
+        _check_model_args(_model_args(argv))
     saved = sys.argv
     sys.argv = ["engram lm-eval", *argv]
     try:
@@ -178,3 +180,43 @@ def cli_lm_eval(argv: list[str]) -> int:
         sys.argv = saved
     return 0
 
+
+
+def _named_model(argv: list[str]) -> str:
+    for i, a in enumerate(argv):
+        if a in ("-M", "--model") and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--model="):
+            return a.split("=", 1)[1]
+    return "engram"
+
+
+def _model_args(argv: list[str]) -> dict[str, str]:
+    """``--model_args`` as lm-eval reads it (``k=v,k2=v2`` or several ``k=v`` words)."""
+    words: list[str] = []
+    for i, a in enumerate(argv):
+        if a.startswith("--model_args="):
+            words.append(a.split("=", 1)[1])
+        elif a in ("-a", "--model_args"):
+            for b in argv[i + 1:]:
+                if b.startswith("-"):
+                    break
+                words.append(b)
+    pairs = [p for w in words for p in w.split(",") if p]
+    return {k.strip(): v.strip() for k, _, v in (p.partition("=") for p in pairs)}
+
+
+def _check_model_args(args: dict[str, str]) -> None:
+    """What the user can fix, refused in one line before lm-eval starts (it logs and builds its
+    task list first, and reports a model's error as a traceback)."""
+    from ..errors import InputNotFound, UserError
+    from ..tables.registry import TIERS
+
+    if "pretrained" not in args:
+        raise UserError("--model_args needs pretrained=DIR (an `engram export-hf` directory)")
+    root = Path(args["pretrained"])
+    if not (root / "config.json").is_file():
+        raise InputNotFound(f"pretrained={root}: no config.json there (an `engram export-hf` "
+                            "directory is expected)")
+    if "tier" in args and args["tier"] not in TIERS:
+        raise UserError(f"engram_serving.tier must be one of {TIERS}, got {args['tier']!r}")
