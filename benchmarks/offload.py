@@ -53,6 +53,7 @@ from engram.training.export import export_tables
 
 sys.path.insert(0, str(Path(__file__).parent))
 from offload_tiers import (  # noqa: E402  (benchmarks/offload_tiers.py)
+    BASELINE,
     Tiers,
     bench_decode,
     bench_prefill,
@@ -220,9 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-mb", type=int, default=512, help="address-space budget of that run")
     p.add_argument("--only-beyond", action="store_true")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--max-chars", type=int, default=None, help="per corpus source (None: all)")
     p.add_argument("--tmp", default=None, help="folder for the table files (removed at the end)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny tables and rounds: the whole script in seconds (CI)")
     p.add_argument("--_beyond-child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.smoke:
+        args.table_gb, args.reps, args.decode_reps, args.new_tokens = 0.004, 2, 1, 3
+        args.prefill_len, args.decode_batch, args.decode_prompt = 32, 2, 8
+        args.beyond_gb, args.budget_mb, args.max_chars = 0.2, 64, 200_000
     if args._beyond_child:
         beyond_ram_child(args._beyond_child[0], int(args._beyond_child[1]))
         return 0
@@ -235,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.only_beyond:
             t0 = time.perf_counter()
-            corpus = build_corpus(DataConfig())
+            corpus = build_corpus(DataConfig(max_chars=args.max_chars))
             mc = reference_model(args.table_gb, corpus.vocab_size)
             hasher = NgramHasher(mc.engram, build_compression())
             torch.manual_seed(0)
@@ -246,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
             folders = {k: folder / k for k in ("warm", "cold", "ahead")}
             for f in folders.values():  # one copy per tier that must be evicted on its own
                 export_tables(memory, f, hasher=hasher, tag="offload", progress=True)
-            counts = count_rows(hasher, corpus.train)
-            tiers = Tiers(memory, folders, hasher, counts, args.cache_fraction, args.io_threads)
+            reads = hasher.count_reads(corpus.train)  # {layer: {part: counts}}: the hot caches'
+            counts = {lid: r["cold"] for lid, r in reads.items()}
+            tiers = Tiers(memory, folders, hasher, reads, args.cache_fraction, args.io_threads)
             served = tiers.all(lookahead=True)
             cold_files = served["file_cold_cached"].evict
             for f in cold_files:
@@ -259,14 +268,14 @@ def main(argv: list[str] | None = None) -> int:
             stats = {"prefill_lookahead": stats_of(lookahead.model)}
             close({"ahead": lookahead})
             decode, same_decode = bench_decode(served, corpus, hasher, args)
-            stats.update({k: stats_of(t.model) for k, t in served.items() if k != "memory"})
+            stats.update({k: stats_of(t.model) for k, t in served.items() if k != BASELINE})
             close(served)
             result = {"prefill": prefill, "decode": decode,
                       "gather": bench_gather(memory, folders["warm"], hasher, corpus,
                                              args.io_threads),
                       "cache": bench_hit_rate(hasher, mc.engram, corpus, counts, png)}
-            result["ratios"] = {ph: {k: v / result[ph]["memory"]
-                                     for k, v in result[ph].items() if k != "memory"}
+            result["ratios"] = {ph: {k: v / result[ph][BASELINE]
+                                     for k, v in result[ph].items() if k != BASELINE}
                                 for ph in ("prefill", "decode")}
             result["setup"] = {
                 "table_bytes": table_bytes, "cache_fraction": args.cache_fraction,
@@ -297,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         for ph in ("prefill", "decode"):
             r = result["ratios"][ph]
             q = result["setup"][f"{ph}_detail"]["paired_ratios"]
-            print(f"{ph}: memory {result[ph]['memory']:.0f} tok/s; vs memory: "
+            print(f"{ph}: {BASELINE} {result[ph][BASELINE]:.0f} tok/s; vs {BASELINE}: "
                   + ", ".join(f"{k} {v:.3f}x (paired {q[k]:.3f})" for k, v in r.items()))
         g, c = result["gather"], result["cache"]
         print(f"gather: file {g['rows_per_s']:.3g} rows/s, index_select "
