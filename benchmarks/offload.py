@@ -2,12 +2,16 @@
 
     python benchmarks/offload.py --json out/offload.json [--png out/offload_hit_rate.png]
     python benchmarks/offload.py --beyond-gb 32 --json out/beyond.json   # a table larger than RAM
+    python benchmarks/offload.py --smoke --json out/offload.json   # tiny tables, every tier (CI)
 
 Measures, in one process and against the in-memory baseline measured in the same run (machines are
 noisy; tiers are interleaved batch by batch):
-  prefill and decode tokens/s with the tables (a) in memory, (b) in a table file through the page
-  cache, (c) in a table file behind the hot cache + background prefetch, (d) like (c) after the
-  file's pages were evicted (posix_fadvise DONTNEED);
+  prefill and decode tokens/s with the tables (a) in the model's memory (``model``, the baseline),
+  (b) on each tier of the tier registry named in --tiers (engram.tables.registry; default the ones
+  that read the table files where they lie: ``file``, the page cache; ``shared``, one mapping for
+  every process; ``pool``, a pool region filled from the files), (c) in table files behind the hot
+  cache + background prefetch (``file_cached``), (d) like (c) after the files' pages were evicted
+  (posix_fadvise DONTNEED; ``file_cold_cached``, and ``_lookahead`` announcing the next batch);
   gather rows/s of the file tier vs torch.index_select on an in-memory tensor;
   cache hit rate vs cache size (fraction of the table) on real tokenised text (held-out split, the
   static part chosen by n-gram row frequency on the training split), with the rows' fitted Zipf
@@ -45,7 +49,9 @@ from engram import (
     build_compression,
     build_engram,
 )
+from engram.gemm import cpu_model
 from engram.tables.cache import build_cache, count_rows, zipf_exponent
+from engram.tables.registry import TIERS
 from engram.tables.tablefile import table_path, write_table
 from engram.tables.tiers import FileTable
 from engram.training.corpus import DataConfig, build_corpus
@@ -63,6 +69,8 @@ from offload_tiers import (  # noqa: E402  (benchmarks/offload_tiers.py)
     stats_of,
 )
 
+# The registered tiers that read the table files where they lie (the others copy them into memory).
+DISK_TIERS = ("file", "shared", "pool")
 FRACTIONS = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
 
 
@@ -222,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only-beyond", action="store_true")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-chars", type=int, default=None, help="per corpus source (None: all)")
+    p.add_argument("--tiers", default=",".join(DISK_TIERS),
+                   help=f"registered tiers to serve from besides the baseline, of {TIERS} (the "
+                        "in-memory ones hold another copy of the tables each)")
     p.add_argument("--tmp", default=None, help="folder for the table files (removed at the end)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny tables and rounds: the whole script in seconds (CI)")
@@ -231,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         args.table_gb, args.reps, args.decode_reps, args.new_tokens = 0.004, 2, 1, 3
         args.prefill_len, args.decode_batch, args.decode_prompt = 32, 2, 8
         args.beyond_gb, args.budget_mb, args.max_chars = 0.2, 64, 200_000
+        args.tiers = ",".join(TIERS)  # every tier: tiny tables
+    if set(args.tiers.split(",")) - set(TIERS):
+        p.error(f"--tiers: unknown {sorted(set(args.tiers.split(',')) - set(TIERS))}; of {TIERS}")
     if args._beyond_child:
         beyond_ram_child(args._beyond_child[0], int(args._beyond_child[1]))
         return 0
@@ -257,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             reads = hasher.count_reads(corpus.train)  # {layer: {part: counts}}: the hot caches'
             counts = {lid: r["cold"] for lid, r in reads.items()}
             tiers = Tiers(memory, folders, hasher, reads, args.cache_fraction, args.io_threads)
-            served = tiers.all(lookahead=True)
+            served = tiers.all(lookahead=True, registered=tuple(args.tiers.split(",")))
             cold_files = served["file_cold_cached"].evict
             for f in cold_files:
                 f.evict()
@@ -292,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                 "tiers_agree": {"prefill_logits": same_prefill.pop("same"),
                                 "decode_tokens": same_decode.pop("same")},
                 "prefill_detail": same_prefill, "decode_detail": same_decode,
-                "tier_stats": stats, "cpus": os.cpu_count(),
+                "tier_stats": stats, "cpus": os.cpu_count(), "cpu": cpu_model(),
+                "tiers": args.tiers.split(","), "tiers_skipped": tiers.skipped,
                 "loadavg_1min": [load0, os.getloadavg()[0]]}  # other jobs on the machine
             del memory, tiers, served, lookahead
         result["beyond_ram"] = bench_beyond_ram(folder, args.beyond_gb, args.budget_mb)

@@ -85,9 +85,12 @@ class Tiers:
         load_dense_state(m, self.state, outside=tables)
         return m.eval()
 
-    def all(self, lookahead: bool) -> dict[str, Tier]:
+    def all(self, lookahead: bool, registered: tuple[str, ...] = tuple(REGISTRY)) -> dict[str, Tier]:
+        """The baseline, the ``registered`` tiers (registry names) that open here, and the file
+        tier behind the hot cache and prefetch, warm and cold."""
         out = {BASELINE: Tier(self.memory)}
-        for name, tier in REGISTRY.items():
+        for name in registered:
+            tier = REGISTRY[name]
             why = tier.missing()
             if why:
                 self.skipped[name] = why
