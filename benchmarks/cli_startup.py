@@ -66,7 +66,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="fresh processes per figure (median)")
     ap.add_argument("--demo_reps", type=int, default=3, help="fresh processes for engram demo")
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "cli_startup.json"))
+    ap.add_argument("--smoke", action="store_true",
+                    help="one process per figure (CI: checks the script runs; figures meaningless)")
     args = ap.parse_args()
+    if args.smoke:
+        args.reps = args.demo_reps = 1
     sys.path.insert(0, str(SRC))
     from engram.cli import COMMANDS
 

@@ -72,7 +72,15 @@ def main_(argv: list[str] | None = None) -> int:
     p.add_argument("--per_source", type=int, default=12, help="held-out documents per source")
     p.add_argument("--max_chars", type=int, default=3000, help="characters kept per document")
     p.add_argument("--batch_size", type=int, default=16, help="windows per forward")
+    p.add_argument("--json", default=None,
+                   help="where the summary goes (None: OUT/lm_eval_heldout.json)")
+    p.add_argument("--smoke", action="store_true",
+                   help="3 steps, 2 documents a source, in a temporary folder (CI: the script runs)")
     a = p.parse_args(argv)
+    if a.smoke:
+        import tempfile
+        tmp = Path(tempfile.mkdtemp(prefix="lm_eval_smoke_"))
+        a.out, a.work, a.steps, a.per_source, a.max_chars = tmp / "out", tmp / "work", 3, 2, 300
     out, work = Path(a.out).resolve(), Path(a.work).resolve()
     out.mkdir(parents=True, exist_ok=True)
     timings = {}
@@ -130,7 +138,7 @@ def main_(argv: list[str] | None = None) -> int:
         "engram_eval_stream_loss": ev["loss"], "timings_s": timings,
         "cpu": cpu_model(), "threads": os.cpu_count(),
     }
-    (out / "lm_eval_heldout.json").write_text(json.dumps(summary, indent=1))
+    Path(a.json or out / "lm_eval_heldout.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: summary[k] for k in ("lm_eval", "per_document_equal", "nats_per_token",
                                               "timings_s")}, indent=1))
     return 0

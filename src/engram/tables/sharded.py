@@ -25,7 +25,6 @@ u unique ids on this rank, s ids other ranks (and this one) asked this rank for,
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
