@@ -10,25 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 from engram import EngramConfig, NgramHasher, build_compression, build_engram
 from engram.retrieval.reference import NumpyReferenceHasher
-
-
-def timeit(fn, repeat: int = 15, warmup: int = 2) -> float:
-    """Median seconds per call."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from timing import median_seconds  # benchmarks/timing.py: the script's folder is on sys.path
 
 
 def bench_hashing(comp, cfg: EngramConfig, batch: int, seq: int, repeat: int = 15,
@@ -36,8 +23,8 @@ def bench_hashing(comp, cfg: EngramConfig, batch: int, seq: int, repeat: int = 1
     x = torch.randint(0, comp.raw_vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     ours, ref = NgramHasher(cfg, comp), NumpyReferenceHasher(cfg, comp.lookup)
     xn = x.numpy()
-    t_ours = timeit(lambda: ours.hash(x), repeat, warmup)
-    t_ref = timeit(lambda: ref.hash(xn), repeat, warmup)
+    t_ours = median_seconds(lambda: ours.hash(x), repeat, warmup)
+    t_ref = median_seconds(lambda: ref.hash(xn), repeat, warmup)
     same = all((ours.hash(x)[lid].numpy() == ref.hash(xn)[lid]).all() for lid in cfg.layer_ids)
     if not same and cfg.profile == "demo-v1":
         raise AssertionError("torch hasher disagrees with the NumPy port")
@@ -64,10 +51,10 @@ def bench_module(comp, batch: int, seq: int, hidden: int, table_size: int, repea
         def step():
             m.zero_grad(set_to_none=True)
             m(h, ids).sum().backward()
-        out[f"hc{hc}_tokens_per_s"] = batch * seq / timeit(step, repeat, warmup)
+        out[f"hc{hc}_tokens_per_s"] = batch * seq / median_seconds(step, repeat, warmup)
     lin = torch.nn.Linear(hidden, hidden)
     hl = torch.randn(batch, seq, hidden, requires_grad=True)
-    t_lin = timeit(lambda: lin(hl).sum().backward(), repeat, warmup)
+    t_lin = median_seconds(lambda: lin(hl).sum().backward(), repeat, warmup)
     out["linear_tokens_per_s"] = batch * seq / t_lin
     out["hc1_vs_linear"] = out["hc1_tokens_per_s"] / out["linear_tokens_per_s"]
     out.update(batch=batch, seq=seq, hidden=hidden, table_rows=hasher.num_rows(cfg.layer_ids[0]))

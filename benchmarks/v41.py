@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -28,19 +26,10 @@ from engram.gemm import cpu_model
 from engram.tables.fp8 import dequantize_fp8, quantize_fp8_e8m0, row_bytes
 from engram.tables.tablefile import write_table
 from engram.tables.tiers import FileTable
+from timing import median_seconds  # benchmarks/timing.py: the script's folder is on sys.path
 
 DIM, BLOCK = 256, 32
 
-
-def timeit(fn, repeat: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -95,7 +84,7 @@ def main() -> None:
             for name, fn in paths_.items():
                 if "fp8+e8m0" in name:
                     assert torch.equal(fn(), want), name
-            times = {name: timeit(fn, a.repeat) for name, fn in paths_.items()}
+            times = {name: median_seconds(fn, a.repeat) for name, fn in paths_.items()}
             base = times["fp32 gather (memory)"]
             res["lookups"][shape] = {name: {"rows_per_s": n / t, "vs_fp32_gather": base / t}
                                      for name, t in times.items()}
