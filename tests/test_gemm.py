@@ -33,6 +33,7 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setenv(gemm.ROUTES_ENV, "")  # restored (unset) afterwards, whatever _export sets
     monkeypatch.delenv("ENGRAM_GEMM", raising=False)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # a quiet machine
     return tmp_path / "cache" / "gemm_routes.json"
 
 
@@ -164,6 +165,32 @@ def test_first_use_measures_once_then_the_file_decides(fresh):
     os.environ[gemm.ROUTES_ENV] = ""
     assert gemm.route(300, 128, 256) == other
     assert json.loads(fresh.read_text())["machines"][gemm._machine()][key]["route"] == other
+
+
+@needs_onednn
+def test_a_decision_made_on_a_busy_machine_is_measured_again_when_quiet(fresh, monkeypatch):
+    key = gemm.bucket(300, 128, 256)
+    busy = 4.0 * (os.cpu_count() or 1)
+    monkeypatch.setattr(os, "getloadavg", lambda: (busy, busy, busy))
+    gemm.route(300, 128, 256)
+    rec = json.loads(fresh.read_text())["machines"][gemm._machine()][key]
+    assert rec["busy"] is True
+    # Another busy process takes it as it is (no new timing: the marked record stays)
+    data = json.loads(fresh.read_text())
+    data["machines"][gemm._machine()][key] = {**rec, "route": "torch", "measured": "then"}
+    fresh.write_text(json.dumps(data))
+    gemm._table.clear()
+    gemm._loaded = False
+    os.environ[gemm.ROUTES_ENV] = ""
+    assert gemm.route(300, 128, 256) == "torch"
+    # A process on a quiet machine measures again and replaces it, unmarked
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    gemm._table.clear()
+    gemm._loaded = False
+    os.environ[gemm.ROUTES_ENV] = ""
+    gemm.route(300, 128, 256)
+    again = json.loads(fresh.read_text())["machines"][gemm._machine()][key]
+    assert again["busy"] is False and again["measured"] != "then"
 
 
 @needs_onednn

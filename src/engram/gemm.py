@@ -18,7 +18,8 @@ kept in a JSON file in the user's cache (:func:`cache_path`; keyed by CPU, torch
 count and bucket): later runs on this machine reuse it, so they repeat bit for bit. It is also
 exported in ``ENGRAM_GEMM_ROUTES``, so spawned workers take their parent's decisions; one no
 process has made yet is measured by one process at a time under a file lock, and the others read
-it. With no writable cache (nor temp dir) the decisions live in the process.
+it. A decision measured while the machine was busy (load average above its cores) is used, and
+marked: the first process that finds the machine quiet measures it again. With no writable cache (nor temp dir) the decisions live in the process.
 
 Results agree with MKL's to float32 rounding (summation order differs), not to the bit; oneDNN's
 are bit-identical from call to call, and on 1 or 2 threads on the AMD EPYC measured (tested).
@@ -246,13 +247,31 @@ def _load() -> None:
         inherited = env.get("routes", {}) if env.get("machine") == _machine() else {}
     except (ValueError, AttributeError):
         inherited = {}
+    quiet = not _busy()
     for path in _paths():
         for key, rec in _read(path).items():
-            if isinstance(rec, dict) and rec.get("route") in ("torch", "onednn"):
+            if _usable(rec, quiet):
                 _table.setdefault(key, rec["route"])
     _table.update({k: v for k, v in inherited.items() if v in ("torch", "onednn")})
     if _table:
         _export()
+
+
+def _busy() -> bool:
+    """More runnable processes than cores (the 1-minute load average): a timing then measures the
+    contention as much as the backends (two oneDNN threads waiting on a descheduled one ran 18x
+    slower than MKL here at load 8 on 2 cores, at a shape where they are 1.7x faster alone)."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1)
+    except (OSError, AttributeError):
+        return False
+
+
+def _usable(rec: object, quiet: bool) -> bool:
+    """A cached decision is taken as it is, except one measured on a busy machine once the machine
+    is quiet: that one is measured again (and replaced), so contention is never kept for good."""
+    return (isinstance(rec, dict) and rec.get("route") in ("torch", "onednn")
+            and not (rec.get("busy") and quiet))
 
 
 def _export() -> None:
@@ -305,8 +324,10 @@ def _decide(n: int, i: int, o: int) -> str:
     if key not in _table:
         with _locked() as path:
             rec = _read(path).get(key) if path else None  # decided meanwhile by another process
-            if not (isinstance(rec, dict) and rec.get("route") in ("torch", "onednn")):
-                rec = {**measure(*_shape(n, i, o)), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+            busy = _busy()
+            if not _usable(rec, not busy):
+                rec = {**measure(*_shape(n, i, o)), "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+                       "busy": busy}
                 if path is not None:
                     with contextlib.suppress(OSError):
                         _write(path, key, rec)
