@@ -300,6 +300,10 @@ class Command:
                     outputs.check_input(v, label)
         places = []
         by = f"engram {self.name}"
+        # Under torchrun, rank 0 checks, creates and marks the output folders; the other ranks
+        # do not look (they would race rank 0's writes: a marker being published is a stray file
+        # for a moment). A refusal on rank 0 makes torchrun stop them.
+        follower = int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK", "0") != "0"
         for w in self.writes:
             i, label = self._where(w.name)
             path = self._get(values, w.name)
@@ -307,7 +311,7 @@ class Command:
                 path = w.default(lambda n: self._get(values, n))
                 if path is not None and i >= len(self.args):  # the command sees where it writes
                     values[i] = dataclasses.replace(values[i], **{w.name: path})
-            if path is None:
+            if path is None or follower:
                 continue
             of = self._get(values, w.of) if w.of is not None else None
             of = str(Path(of).resolve()) if of is not None else None
@@ -318,8 +322,6 @@ class Command:
             else:
                 outputs.check_folder(path, w.kind, label, of)
                 places.append((w, path, label, of))
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK", "0") != "0":
-            return []  # under torchrun rank 0 creates the folders; the others only check
         return [(outputs.claim_folder(path, w.kind, by, label, of), Path(path))
                 for w, path, label, of in places]
 
