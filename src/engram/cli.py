@@ -65,6 +65,13 @@ STUDY_BASE = Config(TRAIN, "TrainConfig options (the base of every run; the stud
                     "above set each run's token budget)")
 
 
+def _on_this_machine(base) -> None:
+    """A study's --device and --precision, checked before its first run (UserError)."""
+    from .training.precision import resolve
+
+    resolve(base.device, base.precision)
+
+
 # -- options only the command line has -------------------------------------------------------------
 
 @dataclass
@@ -160,6 +167,7 @@ def _train(cfg, launch: Launch) -> None:
 @command("compare", "the main job: dense vs Engram vs MoE at matched parameters, seeds, report",
          configs=("engram.studies.compare:CompareConfig", STUDY_BASE), writes=("out_dir",))
 def _compare(cc, base) -> None:
+    _on_this_machine(base)
     from .studies.compare import run_compare
 
     s = run_compare(cc, base)
@@ -169,6 +177,7 @@ def _compare(cc, base) -> None:
 
 
 def _sweep(kind: str, sc, base) -> None:
+    _on_this_machine(base)
     from .studies.sweep import run_sweep
 
     s = run_sweep(kind, sc, base)
@@ -267,6 +276,7 @@ def _export_hf(run_dir: str, out_dir: str, t: Tables) -> None:
 @command("study-nine", "Engram-Nine: collision-free hot tier vs hashed tables at equal parameters",
          configs=("engram.studies.nine:NineStudyConfig", STUDY_BASE), writes=("out_dir",))
 def _study_nine(sc, base) -> None:
+    _on_this_machine(base)
     from .studies.nine import run_nine_study
 
     s = run_nine_study(sc, base)
@@ -299,6 +309,7 @@ def _eval(run_dir: str, ec) -> None:
 @command("ablate", "which parts of Engram matter: placement, compression, gate, conv, keys, orders",
          configs=("engram.studies.ablate:AblateConfig", STUDY_BASE), writes=("out_dir",))
 def _ablate(ac, base) -> None:
+    _on_this_machine(base)
     from .studies.ablate import run_ablate
 
     s = run_ablate(ac, base)

@@ -301,9 +301,18 @@ class AdaptiveHead(nn.Module):
 
     def log_probs(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., d] -> log-probabilities [..., V] in model-id order."""
+        if torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):  # see token_nll
+                return self.log_probs(x.float())
         lp = self.asm.log_prob(x.reshape(-1, x.shape[-1]))  # [n, V] in class order
         return lp.index_select(1, self.rank).view(*x.shape[:-1], -1)
 
     def token_nll(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """x [n, d], targets [n] model ids -> negative log-likelihood [n]."""
+        if torch.is_autocast_enabled(x.device.type):
+            # In float32 under autocast (bf16/fp16 runs), as autocast keeps every loss: torch's
+            # adaptive softmax also writes its low-precision cluster outputs into a float32 buffer
+            # (index_copy_), which refuses mixed dtypes.
+            with torch.autocast(x.device.type, enabled=False):
+                return self.token_nll(x.float(), targets)
         return -self.asm(x, self.rank[targets]).output

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import InputNotFound, UserError
+from ..training.precision import PRECISIONS, autocast, check_names, model_device, resolve
 
 IGNORE = -100  # target id left out of the loss (torch's cross-entropy convention)
 
@@ -34,6 +35,12 @@ class EvalConfig:
     batch_size: int = 16  # windows per forward pass
     seq_len: int | None = None  # window length; None: the run's training length
     json: str | None = None  # also write the result here
+    device: str = "cpu"  # where the model runs: cpu, cuda, cuda:N or auto
+    # fp32, or bf16 / fp16: the forward under autocast (a bf16 run's checkpoint loads either way)
+    precision: str = field(default="fp32", metadata={"choices": PRECISIONS})
+
+    def __post_init__(self) -> None:
+        check_names(self.device, self.precision)
 
 
 def read_documents(ec: EvalConfig) -> list[str]:
@@ -92,8 +99,10 @@ def windows(n: int, seq_len: int) -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def score_stream(model: torch.nn.Module, hasher: Any, vocab: np.ndarray, raw: np.ndarray,
-                 seq_len: int, batch_size: int = 16, progress: bool = False) -> dict[str, Any]:
-    """Next-token loss of ``model`` on the raw-id stream [n]; unseen ids are context only."""
+                 seq_len: int, batch_size: int = 16, progress: bool = False,
+                 precision: str = "fp32") -> dict[str, Any]:
+    """Next-token loss of ``model`` (on any device; forwards under ``precision``'s autocast) on
+    the raw-id stream [n]; unseen ids are context only."""
     from tqdm.auto import tqdm
 
     if len(raw) < 2:
@@ -105,6 +114,7 @@ def score_stream(model: torch.nn.Module, hasher: Any, vocab: np.ndarray, raw: np
         groups.setdefault(t, []).append(s)
     total, scored = 0.0, 0
     model.eval()
+    dev = model_device(model)
     bar = tqdm(total=len(spans), disable=not progress, desc="eval windows")
     for t, starts in groups.items():
         for i in range(0, len(starts), batch_size):
@@ -114,9 +124,12 @@ def score_stream(model: torch.nn.Module, hasher: Any, vocab: np.ndarray, raw: np
             y = torch.from_numpy(loc[idx[:, 1:]])  # [b, t]
             y = torch.where(y < 0, IGNORE, y)
             ids = hasher.hash(x_raw) if hasher is not None else None
-            with unknown_inputs(model, x_loc < 0):
+            if dev.type != "cpu":  # hashed on the CPU, from token ids, as in training
+                x_loc, y = x_loc.to(dev), y.to(dev)
+                ids = None if ids is None else {k: v.to(dev) for k, v in ids.items()}
+            with unknown_inputs(model, x_loc < 0), autocast(precision, dev):
                 out = model(x_loc.clamp_min(0), ids)
-            total += float(model.token_nll(out, y, ignore_index=IGNORE).sum())
+                total += float(model.token_nll(out, y, ignore_index=IGNORE).sum())
             scored += int((y != IGNORE).sum())
             bar.update(len(idx))
     bar.close()
@@ -132,7 +145,9 @@ def run_eval(run_dir: str, ec: EvalConfig, progress: bool = True) -> dict[str, A
     from ..serving.loader import load_run
     from ..training.corpus import EOS_TOKEN
 
+    device = resolve(ec.device, ec.precision)  # before any work
     served = load_run(run_dir)
+    served.model.to(device)
     docs = read_documents(ec)
     eos = served.tokenizer.token_to_id(EOS_TOKEN)
     raw = encode(served.tokenizer, docs, eos)
@@ -141,7 +156,7 @@ def run_eval(run_dir: str, ec: EvalConfig, progress: bool = True) -> dict[str, A
         raise UserError(f"seq_len={seq_len} exceeds the run's max_seq_len="
                          f"{served.model.config.max_seq_len}")
     res = score_stream(served.model, served.hasher, served.vocab, raw, seq_len, ec.batch_size,
-                       progress)
+                       progress, ec.precision)
     res.update({"run": str(run_dir), "checkpoint": served.checkpoint.name, "documents": len(docs),
                 "text": ec.text, "source": ec.source, "seq_len": seq_len})
     if ec.json:

@@ -19,12 +19,15 @@ What differs between ways of training is passed in as small objects, not subclas
 
 Step, evaluation and clipping exist only here (clipping's arithmetic in ``optim.clip_grad_norm_``).
 
+Device, precision and compile (cfg.device / precision / compile; training/precision.py):
+batches are made on the CPU and reach the model's device in ``Ranks.cut``; the forward and loss
+of :func:`train_step` and :func:`evaluate` run under the precision's autocast (none for fp32); under
+fp16 the loss scale (``run.optim.scaler``) scales the loss before ``backward`` and unscales the
+grads before ``ranks.clip``, and a step whose grads are not finite on any rank is skipped. The
+model is placed and compiled in place by ``train.build_run`` (``train.place``), so
+``Ranks.forward_module``'s module (the model, or DDP around it) and evaluation run it compiled.
+
 Where later changes plug in, one place each:
-- device, precision, compile: batches reach the device in ``Ranks.cut``; the one training forward
-  and backward is the ``sync_grads`` block of :func:`train_step` (autocast there and in
-  :func:`evaluate`, a grad scaler's ``scale`` before ``backward``, ``unscale_`` before
-  ``ranks.clip``, its ``step`` where ``run.optim.step()`` is); ``Ranks.forward_module`` is the one
-  module a training forward runs through (compile it there).
 - a non-finite loss or gradient: :func:`train_step` holds the step's loss and the global grad
   norm ``ranks.clip`` returns, before ``run.optim.step()``; SIGINT/SIGTERM: the head of
   :func:`fit`'s loop, then ``Hook.end`` (``SaveCheckpoints`` saving a step it has not saved).
@@ -48,6 +51,7 @@ from .batches import Batch, val_batches
 from .checkpoint import CheckpointError
 from .corpus import Corpus
 from .optim import Optimizers, clip_grad_norm_
+from .precision import autocast, model_device
 
 
 class BatchSource(Protocol):
@@ -189,19 +193,32 @@ def restore(run: Run, checkpoints: Checkpoints, resume: bool = True) -> bool:
 
 def train_step(run: Run, ranks: Ranks = ONE_PROCESS) -> float:
     """One optimiser step at ``run.step`` (its micro-batches, clip, update); returns the loss of
-    the global batch (the mean over ranks of each rank's mean)."""
+    the global batch (the mean over ranks of each rank's mean). Under fp16 a step whose gradient
+    is not finite (on any rank) is skipped and the loss scale backs off."""
     cfg, loss_sum = run.cfg, 0.0
     module = ranks.forward_module(run.model)
+    scaler = run.optim.scaler
     for micro in range(cfg.grad_accum):
         b = ranks.cut(run.batches.batch(run.step * cfg.grad_accum + micro), run.model)
         with ranks.sync_grads(last=micro == cfg.grad_accum - 1):
-            loss = run.model.loss(module(b.inputs, b.hash_ids), b.targets) / cfg.grad_accum
-            loss.backward()
+            with _autocast(run):  # the forward and loss only: backward runs as autocast recorded
+                loss = run.model.loss(module(b.inputs, b.hash_ids), b.targets) / cfg.grad_accum
+            (loss if scaler is None else scaler.scale_loss(loss)).backward()
         loss_sum += float(loss.detach())
-    ranks.clip(run.model, cfg.grad_clip)
-    run.optim.step()
+    finite = scaler is None or scaler.unscale_(run.model.parameters(), ranks.sum)
+    if finite:
+        ranks.clip(run.model, cfg.grad_clip)
+        run.optim.step()
+    if scaler is not None:
+        scaler.update(finite)
     run.optim.zero_grad(set_to_none=True)
     return ranks.sum([loss_sum])[0] / ranks.world
+
+
+def _autocast(run: Run) -> AbstractContextManager:
+    """The precision's autocast on the model's device (none for fp32)."""
+    precision = getattr(run.cfg, "precision", "fp32")
+    return nullcontext() if precision == "fp32" else autocast(precision, model_device(run.model))
 
 
 def validation(run: Run, full: bool = False) -> Iterator[Batch]:
@@ -219,7 +236,8 @@ def evaluate(run: Run, full: bool = False, ranks: Ranks = ONE_PROCESS) -> float:
     total, count = 0.0, 0
     for b in validation(run, full):
         b = ranks.cut(b, run.model)  # may be empty on a rank: it still joins the lookups
-        total += float(run.model.token_nll(run.model(b.inputs, b.hash_ids), b.targets).sum())
+        with _autocast(run):
+            total += float(run.model.token_nll(run.model(b.inputs, b.hash_ids), b.targets).sum())
         count += b.targets.numel()
     run.model.train()
     total, count = ranks.sum([total, count])
