@@ -195,13 +195,17 @@ class HyperConnection(nn.Module):
         self.res = nn.Parameter(torch.empty(hc_mult, hc_mult))  # R [m, m]
         self.out = nn.Parameter(torch.empty(hc_mult))  # w [m]
 
+    # Both in the residual stream's dtype even under autocast (bf16/fp16 runs), as a plain
+    # residual's "+" is: autocast would round the branches to bf16 in the einsum's product.
     def read(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("btmd,m->btd", h, self.mix.to(h.dtype))  # [b, t, m, d] -> [b, t, d]
+        with torch.autocast(h.device.type, enabled=False):
+            return torch.einsum("btmd,m->btd", h, self.mix.to(h.dtype))  # [b, t, m, d] -> [b, t, d]
 
     def write(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """h [b, t, m, d], sublayer output y [b, t, d] -> [b, t, m, d]."""
-        mixed = torch.einsum("btmd,mn->btnd", h, self.res.to(h.dtype))
-        return mixed + y.unsqueeze(2) * self.out.to(h.dtype)[:, None]
+        with torch.autocast(h.device.type, enabled=False):
+            mixed = torch.einsum("btmd,mn->btnd", h, self.res.to(h.dtype))
+            return mixed + y.to(h.dtype).unsqueeze(2) * self.out.to(h.dtype)[:, None]
 
     def extra_repr(self) -> str:
         return f"hc_mult={self.hc_mult}, index={self.index}"
