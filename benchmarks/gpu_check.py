@@ -17,7 +17,8 @@ with CUDA present), ``ddp`` (``engram train`` under torchrun, a rank per GPU ove
 compiled, sharded tables; with more than one GPU), ``sharded`` (NCCL sharded lookup, with more
 than one GPU).
 
-About 4 minutes on one H200 (``precision`` compiles for about a minute). ``--isolate`` runs each step in a process of its own, killed past its
+About 4 minutes on one H200 (``precision`` compiles for about a minute). ``--isolate`` runs each
+step in a process of its own, killed past its
 limit (LIMIT_S; ``--budget`` seconds in all). Without CUDA it exits 2 after writing
 ``{"cuda": false, ...}``; ``--device cpu --quick`` runs the steps' logic on the CPU (how this script
 is tested; its figures mean nothing). ``--summary FILE`` prints a result's table.

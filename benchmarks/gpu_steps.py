@@ -224,7 +224,13 @@ def check_precision(args) -> dict:
     from engram.studies.compare import CompareConfig, budget, variant_configs
     from engram.tables.store import MemoryTable
     from engram.training.corpus import build_corpus
-    from engram.training.train import TrainConfig, build_run, evaluate, lr_at, train_step
+    from engram.training.train import (
+        TrainConfig,
+        build_run,
+        evaluate,
+        lr_at,
+        train_step,
+    )
 
     steps, warm = (12, 3) if args.quick else (40, 4)
     base = budget(TrainConfig(out_dir="/tmp/engram-gpu-check", eval_batches=4,
@@ -268,7 +274,8 @@ def check_precision(args) -> dict:
         # steps of a tiny model); here a 5x looser bound for the larger model and the GPU kernels.
         gap = abs(out[name]["val_loss"] - out["fp32"]["val_loss"])
         out[f"{name}_val_gap"] = gap
-        out[f"{name}_over_fp32_tokens_per_s"] = out[name]["tokens_per_s"] / out["fp32"]["tokens_per_s"]
+        out[f"{name}_over_fp32_tokens_per_s"] = (out[name]["tokens_per_s"]
+                                                 / out["fp32"]["tokens_per_s"])
         if not gap < 0.05:
             raise AssertionError(f"{name} validation loss {out[name]['val_loss']:.4f} is {gap:.4f} "
                                  f"from fp32's {out['fp32']['val_loss']:.4f}")
@@ -295,7 +302,8 @@ def check_ddp(args) -> dict:
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=LIMIT_S["ddp"],
                        env=_env())
     if p.returncode != 0:
-        raise AssertionError(f"torchrun failed (rc {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
+        raise AssertionError(f"torchrun failed (rc {p.returncode}):\n"
+                             f"{(p.stdout + p.stderr)[-3000:]}")
     rec = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     cfg = json.loads((out / "config.json").read_text())
     losses = [r["loss"] for r in rec]

@@ -41,7 +41,13 @@ from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.training.corpus import build_corpus
 from engram.training.loop import lr_at
 from engram.training.precision import DTYPES, autocast_supported
-from engram.training.train import ALLOCATOR_ENV, TrainConfig, build_run, evaluate, train_step
+from engram.training.train import (
+    ALLOCATOR_ENV,
+    TrainConfig,
+    build_run,
+    evaluate,
+    train_step,
+)
 
 MIN_NOISE = 0.03
 SMOKE = dict(max_chars=200_000, n_layer=2, d_model=64, n_head=2, seq_len=32, batch_size=4,
@@ -174,8 +180,10 @@ def main(argv: list[str] | None = None) -> dict:
     if "engram_fp32_compiled" in res:
         c = res["engram_fp32_compiled"]
         out["compile"] = {"tokens_per_s_over_eager": c["tokens_per_s"] / ref["tokens_per_s"],
-                          "first_step_s": c["first_step_s"], "eager_first_step_s": ref["first_step_s"],
-                          "loss_last_steps_minus_eager": c["loss_last_steps"] - ref["loss_last_steps"]}
+                          "first_step_s": c["first_step_s"],
+                          "eager_first_step_s": ref["first_step_s"],
+                          "loss_last_steps_minus_eager": c["loss_last_steps"]
+                          - ref["loss_last_steps"]}
     route = {}
     for model in ("engram", "dense"):
         auto = res[f"{model}_fp32"]["tokens_per_s"]

@@ -4,12 +4,11 @@ hand-written autograd Functions in float64, outputs and every gradient."""
 
 import pytest
 import torch
+from test_engram import VARIANTS, _ids, _module
 
 from engram import build_engram
 from engram.module.conv import ConvFn, conv_plain
 from engram.module.gate import GateFn, gate_plain
-
-from test_engram import VARIANTS, _ids, _module
 
 
 def _grads(out, inputs):
@@ -36,7 +35,8 @@ def test_gate_plain_equals_gate_fn(kind, m):
 def test_conv_plain_equals_conv_fn(residual):
     g = torch.Generator().manual_seed(0)
     b, t, m, d, k, dil = 2, 9, 2, 8, 4, 3
-    x, past = torch.randn(b, t, m, d, generator=g), torch.randn(b, (k - 1) * dil, m * d, generator=g)
+    x = torch.randn(b, t, m, d, generator=g)
+    past = torch.randn(b, (k - 1) * dil, m * d, generator=g)
     nw, cw = 1 + 0.1 * torch.randn(m, d, generator=g), torch.randn(m * d, 1, k, generator=g)
     inputs = [z.double().requires_grad_() for z in (x, nw, cw)]
     want = ConvFn.apply(inputs[0], past.double(), inputs[1], inputs[2], None, dil, residual)

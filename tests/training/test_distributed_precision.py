@@ -8,8 +8,14 @@ picks the process group's backend, and refuses what the machine cannot give befo
 import pytest
 import torch
 from safetensors import safe_open
-from test_distributed import STEPS, _cfg, _metrics, _train_worker
-from test_distributed import corpus, reference  # noqa: F401  (fixtures)
+from test_distributed import (  # noqa: F401  (corpus, reference: fixtures)
+    STEPS,
+    _cfg,
+    _metrics,
+    _train_worker,
+    corpus,
+    reference,
+)
 
 from engram.errors import UserError
 from engram.training.checkpoint import latest_checkpoint, load_checkpoint

@@ -8,7 +8,6 @@ import json
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -151,7 +150,8 @@ def test_unscale_divides_dense_and_sparse_grads_and_sees_inf_in_either():
     s = LossScaler(init_scale=4.0)
     assert s.unscale_([dense, table])
     assert torch.equal(dense.grad, torch.full((3,), 2.0))
-    assert torch.equal(table.grad.coalesce().to_dense()[1], torch.full((2,), 2.0, dtype=torch.float16))
+    assert torch.equal(table.grad.coalesce().to_dense()[1],
+                       torch.full((2,), 2.0, dtype=torch.float16))
     table.grad = torch.sparse_coo_tensor(torch.tensor([[2]]), torch.tensor([[float("inf"), 0.0]]),
                                          (5, 2)).to(torch.float16)
     assert not s.unscale_([dense, table])

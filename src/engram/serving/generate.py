@@ -29,8 +29,14 @@ from ..models.model import DecodeCache, EngramLM
 from ..module import EngramState
 from ..retrieval.hashing import HashStream, NgramHasher
 from ..tables.prefetch import prefetch_batch
-from ..training.precision import (PRECISIONS, autocast, check_names, check_precision,
-                                  model_device, resolve)
+from ..training.precision import (
+    PRECISIONS,
+    autocast,
+    check_names,
+    check_precision,
+    model_device,
+    resolve,
+)
 
 
 @dataclass

@@ -22,7 +22,13 @@ import numpy as np
 import torch
 
 from ..errors import InputNotFound, UserError
-from ..training.precision import PRECISIONS, autocast, check_names, model_device, resolve
+from ..training.precision import (
+    PRECISIONS,
+    autocast,
+    check_names,
+    model_device,
+    resolve,
+)
 
 IGNORE = -100  # target id left out of the loss (torch's cross-entropy convention)
 

@@ -36,8 +36,15 @@ from ..models.hf import eject, engram_runtime, freeze_base, inject
 from ..retrieval.config import EngramConfig
 from ..training.corpus import _in_val, load_documents
 from ..training.optim import build_optimizers, clip_grad_norm_
-from ..training.precision import (PRECISIONS, LossScaler, autocast, cast_tables, check_names,
-                                  model_device, resolve)
+from ..training.precision import (
+    PRECISIONS,
+    LossScaler,
+    autocast,
+    cast_tables,
+    check_names,
+    model_device,
+    resolve,
+)
 
 METHODS = ("engram", "lora")
 SMOLLM2 = "smollm2"

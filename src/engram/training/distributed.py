@@ -58,6 +58,7 @@ from .dist_checkpoint import (  # noqa: F401
 from .hooks import LogMetrics, SaveCheckpoints
 from .loop import fit, restore
 from .optim import Optimizers, RowAdam, build_optimizers, clip_grad_norm_
+from .precision import LossScaler
 from .process_group import (  # noqa: F401
     Dist,
     DistributedError,
@@ -66,7 +67,6 @@ from .process_group import (  # noqa: F401
     init_distributed,
     spawn_local,
 )
-from .precision import LossScaler
 from .train import Run, TrainConfig, build_model, build_run, place, resolve_machine
 
 # -- building the run ------------------------------------------------------------------------------

@@ -132,8 +132,9 @@ class LossScaler:
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000):
-        self.scale, self.growth_factor, self.backoff_factor = init_scale, growth_factor, backoff_factor
-        self.growth_interval, self.good_steps = growth_interval, 0
+        self.scale, self.good_steps = init_scale, 0
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale

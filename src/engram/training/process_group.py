@@ -83,10 +83,10 @@ def backend_for(device: str) -> str | None:
         raise UserError(f"device {device!r}: under torchrun each rank takes its own GPU "
                         "(LOCAL_RANK); use --device cuda")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", int(os.environ.get("LOCAL_RANK", 0)) + 1))
-    if not torch.cuda.is_available() or torch.cuda.device_count() < local:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < local:
         raise UserError(f"device {device!r}: {local} rank(s) on this machine need a GPU each, "
-                        f"torch sees {torch.cuda.device_count() if torch.cuda.is_available() else 0}"
-                        "; use --device cpu or auto")
+                        f"torch sees {gpus}; use --device cpu or auto")
     return "nccl"
 
 

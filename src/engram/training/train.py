@@ -27,6 +27,7 @@ from ..module import fused
 from ..retrieval.compress import Compression, build_compression
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
+from . import precision as precision_
 from .batches import TokenBatches
 from .checkpoint import (
     CheckpointError,
@@ -37,7 +38,6 @@ from .checkpoint import (
 from .corpus import Corpus, DataConfig, build_corpus
 from .hooks import LogMetrics, SaveCheckpoints, log_record  # noqa: F401  (log_record: its old home)
 from .loop import ONE_PROCESS, Run, evaluate, fit, lr_at, restore, train_step  # noqa: F401
-from . import precision as precision_
 from .optim import build_optimizers
 from .precision import PRECISIONS, LossScaler, check_names
 
