@@ -27,6 +27,7 @@ import torch
 from ..errors import UserError
 from ..models.model import DecodeCache, EngramLM
 from ..module import EngramState
+from ..ranges import check_ranges
 from ..retrieval.hashing import HashStream, NgramHasher
 from ..tables.prefetch import prefetch_batch
 from ..training.precision import (
@@ -68,6 +69,7 @@ class GenerationConfig:
         if self.top_k is not None and self.top_k < 1:
             raise UserError(f"top_k must be >= 1 or None, got {self.top_k}")
         self.stop_ids = tuple(int(i) for i in self.stop_ids)
+        check_ranges(self)  # temperature nan / inf: a NaN passes every comparison above
         check_names(self.device or "cpu", self.precision)
 
 

@@ -115,7 +115,7 @@ def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = Non
         run = build_run(cfg, corpus, d.device)
         shard_tables(run.model, d.tables)
     elif table_init == "sharded":
-        resolve_machine(cfg.threads, str(d.device), cfg.precision)
+        resolve_machine(cfg.threads, str(d.device), cfg.precision, cfg.compile)
         ecfg = cfg.engram_config()
         torch.manual_seed(cfg.seed)
         tables = {} if ecfg is None else {

@@ -28,9 +28,12 @@ model is placed and compiled in place by ``train.build_run`` (``train.place``), 
 ``Ranks.forward_module``'s module (the model, or DDP around it) and evaluation run it compiled.
 
 Where later changes plug in, one place each:
-- a non-finite loss or gradient: :func:`train_step` holds the step's loss and the global grad
-  norm ``ranks.clip`` returns, before ``run.optim.step()``; SIGINT/SIGTERM: the head of
-  :func:`fit`'s loop, then ``Hook.end`` (``SaveCheckpoints`` saving a step it has not saved).
+- a non-finite loss or gradient: :func:`train_step` checks the step's loss and the global grad
+  norm ``ranks.clip`` returns before ``run.optim.step()`` (``errors.NonFinite``, naming the step;
+  nothing of it is applied or saved); under fp16 a step the loss scale skips on purpose (its
+  gradient overflowed at a scale above 1) is not one; SIGINT/SIGTERM: a flag (engram/interrupts.py)
+  read at the head of :func:`fit`'s loop and summed over the ranks, then ``Hook.end``
+  (``SaveCheckpoints`` saves the step reached), then ``errors.Interrupted``.
 - memory-mapped token shards: ``run.batches`` (a :class:`BatchSource`) and :func:`validation`.
 """
 
@@ -45,6 +48,8 @@ from typing import Any, Iterator, Protocol, Sequence
 import torch
 from torch import nn
 
+from .. import interrupts
+from ..errors import Interrupted, NonFinite
 from ..models.model import EngramLM
 from ..retrieval.hashing import NgramHasher
 from .batches import Batch, val_batches
@@ -52,6 +57,9 @@ from .checkpoint import CheckpointError
 from .corpus import Corpus
 from .optim import Optimizers, clip_grad_norm_
 from .precision import autocast, model_device
+
+STOPPING = ("engram: stopping after this step and saving a checkpoint (Ctrl-C again: stop now, "
+            "without saving)")
 
 
 class BatchSource(Protocol):
@@ -188,13 +196,18 @@ def restore(run: Run, checkpoints: Checkpoints, resume: bool = True) -> bool:
         raise CheckpointError(f"{Path(run.cfg.out_dir)} already holds a checkpoint; pass "
                               "resume=True or use another out_dir (nothing was overwritten)")
     checkpoints.load(run, found)
+    if run.step > run.cfg.steps:  # training nothing and rewriting config.json would hide it
+        raise CheckpointError(f"{Path(run.cfg.out_dir)} holds a checkpoint at step {run.step}, "
+                              f"past steps={run.cfg.steps}: pass --steps {run.step} or more to "
+                              "continue it, or use another out_dir (nothing was changed)")
     return True
 
 
 def train_step(run: Run, ranks: Ranks = ONE_PROCESS) -> float:
     """One optimiser step at ``run.step`` (its micro-batches, clip, update); returns the loss of
     the global batch (the mean over ranks of each rank's mean). Under fp16 a step whose gradient
-    is not finite (on any rank) is skipped and the loss scale backs off."""
+    is not finite (on any rank) at a loss scale above 1 is skipped and the scale backs off;
+    otherwise a non-finite loss or gradient norm raises NonFinite."""
     cfg, loss_sum = run.cfg, 0.0
     module = ranks.forward_module(run.model)
     scaler = run.optim.scaler
@@ -205,14 +218,22 @@ def train_step(run: Run, ranks: Ranks = ONE_PROCESS) -> float:
                 loss = run.model.loss(module(b.inputs, b.hash_ids), b.targets) / cfg.grad_accum
             (loss if scaler is None else scaler.scale_loss(loss)).backward()
         loss_sum += float(loss.detach())
+    # fp16: a gradient that overflowed at a loss scale above 1 is the scale's doing (skip the step,
+    # back off); one at a scale of 1 or less, or a non-finite loss, is the run's.
+    scaled = scaler is not None and scaler.may_overflow
     finite = scaler is None or scaler.unscale_(run.model.parameters(), ranks.sum)
-    if finite:
-        ranks.clip(run.model, cfg.grad_clip)
+    norm = float(ranks.clip(run.model, cfg.grad_clip)) if finite else math.inf  # global
+    mean = ranks.sum([loss_sum])[0] / ranks.world
+    if not math.isfinite(mean) or not (math.isfinite(norm) or scaled):  # would poison the weights
+        raise NonFinite(f"step {run.step + 1}: the loss is {mean:g} and the gradient norm "
+                        f"{norm:g}; training stopped before applying it (lower --lr, or check "
+                        "the data)", run.step + 1)
+    if math.isfinite(norm):
         run.optim.step()
     if scaler is not None:
-        scaler.update(finite)
+        scaler.update(math.isfinite(norm))
     run.optim.zero_grad(set_to_none=True)
-    return ranks.sum([loss_sum])[0] / ranks.world
+    return mean
 
 
 def _autocast(run: Run) -> AbstractContextManager:
@@ -245,10 +266,27 @@ def evaluate(run: Run, full: bool = False, ranks: Ranks = ONE_PROCESS) -> float:
 
 
 def fit(run: Run, hooks: Sequence[Hook] = (), ranks: Ranks = ONE_PROCESS) -> Run:
-    """Train ``run`` from run.step to run.cfg.steps, calling every hook after every step."""
+    """Train ``run`` from run.step to run.cfg.steps, calling every hook after every step.
+
+    SIGINT / SIGTERM stop it at the head of the next step (on every rank at the same one); the
+    hooks' ``end`` still runs (the checkpoint hook saves the step reached), then Interrupted."""
+    with interrupts.stop_requests(STOPPING if ranks.logs else None):
+        stopped = _fit(run, hooks, ranks)
+    if stopped:
+        interrupts.clear()
+        raise Interrupted(f"stopped at step {run.step} of {run.cfg.steps}")
+    return run
+
+
+def _fit(run: Run, hooks: Sequence[Hook], ranks: Ranks) -> bool:
+    """:func:`fit`'s loop; True when a signal stopped it."""
+    stopped = False
     for h in hooks:
         h.start(run)
     while run.step < run.cfg.steps:
+        if ranks.sum([float(interrupts.requested())])[0]:  # any rank's signal stops them all
+            stopped = True
+            break
         try:
             lr = lr_at(run.step, run.cfg)
             run.optim.set_lr(lr)
@@ -264,4 +302,4 @@ def fit(run: Run, hooks: Sequence[Hook] = (), ranks: Ranks = ONE_PROCESS) -> Run
             raise err from e
     for h in hooks:
         h.end(run)
-    return run
+    return stopped

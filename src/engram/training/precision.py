@@ -14,12 +14,16 @@ or ``auto`` (CUDA when torch sees a GPU, else the CPU). ``--precision``:
   needs the loss scaled (:class:`LossScaler`); bf16 has float32's range and needs none.
 
 Errors are the user's (:class:`engram.errors.UserError`) and come before any work: an unknown
-name, ``cuda`` without a GPU, a precision the device's autocast does not support.
+name, ``cuda`` without a GPU, a precision the device's autocast does not support, ``--compile``
+where torch.compile cannot build code (no C++ compiler for the CPU, no Triton for CUDA).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import sys
 import warnings
 from contextlib import AbstractContextManager, nullcontext
 from typing import Callable, Iterable
@@ -91,10 +95,36 @@ def check_precision(precision: str, device: torch.device) -> None:
                         + ("" if precision == "bf16" else " or bf16"))
 
 
-def resolve(device: str, precision: str) -> torch.device:
-    """Both checks at a job's start, before any work: the device, and the precision on it."""
+def check_compile(device: torch.device) -> None:
+    """UserError unless ``torch.compile`` can build code for ``device`` here: TorchDynamo on this
+    Python, a C++ compiler for the CPU (inductor's: ``$CXX``, else g++), Triton for CUDA. Checked
+    up front because otherwise the first training step fails after the data and model are built."""
+    import torch._dynamo  # only when compiling: the import takes a second
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise UserError(f"--compile: torch {torch.__version__} cannot compile on Python "
+                        f"{sys.version.split()[0]}; leave --compile off")
+    if device.type == "cpu":
+        cxx = os.environ.get("CXX", "g++")
+        if shutil.which(cxx) is None:
+            raise UserError(f"--compile on the CPU needs a C++ compiler; {cxx!r} (from $CXX, "
+                            "else g++) is not on PATH; install one or leave --compile off")
+    elif device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise UserError(f"--compile on {device} needs Triton, which this torch "
+                            f"({torch.__version__}) cannot import; install triton or leave "
+                            "--compile off")
+
+
+def resolve(device: str, precision: str, compile: bool = False) -> torch.device:
+    """Every check at a job's start, before any work: the device, the precision on it, and
+    whether it can compile (when asked)."""
     dev = resolve_device(device)
     check_precision(precision, dev)
+    if compile:
+        check_compile(dev)
     return dev
 
 
@@ -138,6 +168,12 @@ class LossScaler:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
+
+    @property
+    def may_overflow(self) -> bool:
+        """Whether a non-finite gradient may be the scale's own doing (a scale above 1 enlarges
+        the gradients); at 1 or below it is the run's (training.loop raises NonFinite)."""
+        return self.scale > 1.0
 
     def unscale_(self, params: Iterable[torch.Tensor],
                  sum_ranks: Callable[[list[float]], list[float]] | None = None) -> bool:
