@@ -8,12 +8,17 @@ exit status 1 if any failed): ``hashing`` (NgramHasher on CUDA == CPU, demo-v1 a
 ``module`` (the Engram module at the demo's shapes, fp32 and bf16, against float64 on the CPU:
 output, dh, every parameter's gradient; tokens/s, decode latency), ``train`` (compare's dense,
 Engram and MoE models trained briefly on CUDA: loss falls, validation, optimiser state on the
-device, tokens/s), ``tiers`` (pinned host tables and side-stream prefetch, plain, behind a CUDA
-cache and over a device PinnedTable, against an in-memory CUDA table in a pipelined loop),
-``cuda_tests`` (the CUDA-marked tests and the test files that run other code with CUDA present),
-``sharded`` (NCCL sharded lookup, with more than one GPU).
+device, tokens/s), ``precision`` (compare's Engram model trained with ``--precision bf16`` and
+bf16 + ``--compile`` against fp32 on the device: losses fall and agree, bf16 tables and float32
+optimiser state on the device, tokens/s of each), ``tiers`` (pinned host tables and side-stream
+prefetch, plain, behind a CUDA cache and over a device PinnedTable, against an in-memory CUDA table
+in a pipelined loop), ``cuda_tests`` (the CUDA-marked tests and the test files that run other code
+with CUDA present), ``ddp`` (``engram train`` under torchrun, a rank per GPU over NCCL, bf16 and
+compiled, sharded tables; with more than one GPU), ``sharded`` (NCCL sharded lookup, with more
+than one GPU).
 
-About 2-3 minutes on one H200. ``--isolate`` runs each step in a process of its own, killed past its
+About 4 minutes on one H200 (``precision`` compiles for about a minute). ``--isolate`` runs each
+step in a process of its own, killed past its
 limit (LIMIT_S; ``--budget`` seconds in all). Without CUDA it exits 2 after writing
 ``{"cuda": false, ...}``; ``--device cpu --quick`` runs the steps' logic on the CPU (how this script
 is tested; its figures mean nothing). ``--summary FILE`` prints a result's table.

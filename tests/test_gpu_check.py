@@ -140,3 +140,15 @@ def test_module_and_train_steps_run_on_cpu(tmp_path):
     assert all(train[v]["last_loss"] < train[v]["first_loss"] for v in ("dense", "engram", "moe"))
     assert train["engram"]["row_adam_kernel_steps"] > 0  # on the CPU the kernels run
     assert res["steps"]["cuda_tests"]["tests"] > 30
+
+
+@pytest.mark.slow
+def test_precision_and_ddp_steps_run_on_cpu(tmp_path):
+    """The new options' steps: bf16 and bf16 + compile against fp32, and `engram train` under
+    torchrun (2 ranks over gloo on the CPU)."""
+    res = _run_on_cpu(tmp_path, "precision,ddp")
+    prec = res["steps"]["precision"]
+    assert prec["bf16_val_gap"] < 0.05 and prec["bf16_compiled_val_gap"] < 0.05
+    assert all(prec[v]["last_loss"] < prec[v]["first_loss"] for v in ("fp32", "bf16"))
+    ddp = res["steps"]["ddp"]
+    assert ddp["world"] == 2 and ddp["backend"] == "gloo"

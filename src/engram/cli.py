@@ -86,6 +86,13 @@ RUNS_KEPT = ("finished runs are kept; a run in progress resumes from its checkpo
              "command runs again")
 
 
+def _on_this_machine(base) -> None:
+    """A study's --device, --precision and --compile, checked before its first run (UserError)."""
+    from .training.precision import resolve
+
+    resolve(base.device, base.precision, base.compile)
+
+
 # -- options only the command line has -------------------------------------------------------------
 
 @dataclass
@@ -203,6 +210,7 @@ def _train(cfg, launch: Launch) -> None:
          configs=("engram.studies.compare:CompareConfig", STUDY_BASE),
          writes=(Out("out_dir", "compare"),), interrupted=RUNS_KEPT)
 def _compare(cc, base) -> None:
+    _on_this_machine(base)
     from .studies.compare import run_compare
 
     s = run_compare(cc, base)
@@ -212,6 +220,7 @@ def _compare(cc, base) -> None:
 
 
 def _sweep(kind: str, sc, base) -> None:
+    _on_this_machine(base)
     from .studies.sweep import run_sweep
 
     s = run_sweep(kind, sc, base)
@@ -244,6 +253,9 @@ def _generate(run_dir: str, o: Prompts, t: Tables, gen) -> None:
     from .serving.loader import load_run
     from .training.corpus import EOS_TOKEN
 
+    from .training.precision import resolve
+
+    resolve(gen.device or "cpu", gen.precision)  # the machine can run it: before loading
     if o.threads:
         torch.set_num_threads(o.threads)
     served = load_run(run_dir, tier=t.tier, table_dir=t.table_dir, table_dtype=t.table_dtype,
@@ -315,6 +327,7 @@ def _export_hf(run_dir: str, out_dir: str, t: Tables) -> None:
          configs=("engram.studies.nine:NineStudyConfig", STUDY_BASE),
          writes=(Out("out_dir", "study-nine"),), interrupted=RUNS_KEPT)
 def _study_nine(sc, base) -> None:
+    _on_this_machine(base)
     from .studies.nine import run_nine_study
 
     s = run_nine_study(sc, base)
@@ -350,6 +363,7 @@ def _eval(run_dir: str, ec) -> None:
          configs=("engram.studies.ablate:AblateConfig", STUDY_BASE),
          writes=(Out("out_dir", "ablate"),), interrupted=RUNS_KEPT)
 def _ablate(ac, base) -> None:
+    _on_this_machine(base)
     from .studies.ablate import run_ablate
 
     s = run_ablate(ac, base)

@@ -376,8 +376,8 @@ def _routes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     if not all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32)
                for t in (x, weight, bias)):
         return False
-    if torch.is_autocast_enabled("cpu"):
-        return False
+    if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
+        return False  # autocast's products, and a compiled graph's (the compiler picks its own)
     return route(x.shape[:-1].numel(), weight.shape[1], weight.shape[0]) == "onednn"
 
 

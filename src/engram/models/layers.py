@@ -195,13 +195,17 @@ class HyperConnection(nn.Module):
         self.res = nn.Parameter(torch.empty(hc_mult, hc_mult))  # R [m, m]
         self.out = nn.Parameter(torch.empty(hc_mult))  # w [m]
 
+    # Both in the residual stream's dtype even under autocast (bf16/fp16 runs), as a plain
+    # residual's "+" is: autocast would round the branches to bf16 in the einsum's product.
     def read(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("btmd,m->btd", h, self.mix.to(h.dtype))  # [b, t, m, d] -> [b, t, d]
+        with torch.autocast(h.device.type, enabled=False):
+            return torch.einsum("btmd,m->btd", h, self.mix.to(h.dtype))  # [b, t, m, d] -> [b, t, d]
 
     def write(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """h [b, t, m, d], sublayer output y [b, t, d] -> [b, t, m, d]."""
-        mixed = torch.einsum("btmd,mn->btnd", h, self.res.to(h.dtype))
-        return mixed + y.unsqueeze(2) * self.out.to(h.dtype)[:, None]
+        with torch.autocast(h.device.type, enabled=False):
+            mixed = torch.einsum("btmd,mn->btnd", h, self.res.to(h.dtype))
+            return mixed + y.to(h.dtype).unsqueeze(2) * self.out.to(h.dtype)[:, None]
 
     def extra_repr(self) -> str:
         return f"hc_mult={self.hc_mult}, index={self.index}"
@@ -301,9 +305,18 @@ class AdaptiveHead(nn.Module):
 
     def log_probs(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., d] -> log-probabilities [..., V] in model-id order."""
+        if torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):  # see token_nll
+                return self.log_probs(x.float())
         lp = self.asm.log_prob(x.reshape(-1, x.shape[-1]))  # [n, V] in class order
         return lp.index_select(1, self.rank).view(*x.shape[:-1], -1)
 
     def token_nll(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """x [n, d], targets [n] model ids -> negative log-likelihood [n]."""
+        if torch.is_autocast_enabled(x.device.type):
+            # In float32 under autocast (bf16/fp16 runs), as autocast keeps every loss: torch's
+            # adaptive softmax also writes its low-precision cluster outputs into a float32 buffer
+            # (index_copy_), which refuses mixed dtypes.
+            with torch.autocast(x.device.type, enabled=False):
+                return self.token_nll(x.float(), targets)
         return -self.asm(x, self.rank[targets]).output

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..gemm import Linear
 from ..module import Engram, EngramState, build_engram
+from ..module.engram import compile_ready
 from ..tables.store import TableStore
 from .layers import (AdaptiveHead, Attend, Block, CacheAttention, Memory, MoE, SwiGLU,
                      causal_attention, engram_memory, rope_tables)
@@ -183,6 +184,15 @@ class EngramLM(nn.Module):
         # Zero conv (paper 2.3): Y = alpha * v at the start, a pure gated lookup.
         engram.init_weights()
 
+    def compile(self, *args, **kwargs) -> None:
+        """``nn.Module.compile`` (torch.compile of this model's forward, in place: same module,
+        same state dict), with the Engram table reads kept out of the graph (sparse row
+        gradients, tiers' reads). Under compile the gate and conv run as plain ops the compiler
+        fuses (module/gate.py ``gate_plain``, conv.py ``conv_plain``), products as the compiler
+        picks them (not gemm.py's route); the MoE dispatch's per-expert split is a graph break."""
+        compile_ready()
+        super().compile(*args, **kwargs)
+
     # -- forward -----------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, hash_ids: dict[int, torch.Tensor] | None = None, *,
                 cache: DecodeCache | None = None, return_gates: bool = False,
@@ -251,7 +261,10 @@ class EngramLM(nn.Module):
                              f"{getattr(tokens, 'shape', type(tokens))}")
         b, t = tokens.shape
         v = self.config.vocab_size
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= v):
+        # Value checks read the tensor (a graph break under torch.compile, which indexes out of
+        # range with an error of its own): eager forwards only.
+        if tokens.numel() and not torch.compiler.is_compiling() and (
+                int(tokens.min()) < 0 or int(tokens.max()) >= v):
             raise ValueError(f"token ids must be in [0, vocab_size={v}), got "
                              f"[{int(tokens.min())}, {int(tokens.max())}]")
         pos = 0 if cache is None else cache.pos

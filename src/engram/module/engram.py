@@ -20,7 +20,7 @@ from ..retrieval.primes import head_offsets, prime_table_sizes
 from ..tables.store import MemoryTable, TableStore
 from . import fused as fused_kernels
 from .conv import EngramState, ShortConv
-from .gate import GATES, GateFn
+from .gate import GATES, GateFn, gate_plain
 
 # Each profile's gate and gate-norm eps (spec section 3). v4.1 follows vLLM 0.32.0's DeepSeek-V4.1
 # Engram: the signed square root before the sigmoid ("matching the training kernel") and both norms
@@ -109,12 +109,20 @@ class Engram(nn.Module):
         if ids.shape[-1] != len(self.head_sizes):
             raise ValueError(f"hash ids have {ids.shape[-1]} heads, the table has "
                              f"{len(self.head_sizes)}")
-        if ids.numel() and (bool((ids < 0).any()) or bool((ids >= self.sizes).any())):
+        if ids.numel() and not torch.compiler.is_compiling() and (  # eager only: a graph break
+                bool((ids < 0).any()) or bool((ids >= self.sizes).any())):
             raise ValueError("hash ids out of range for their head's table size")
         return ids.long() + self.offsets
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """Gather and concatenate the memory vectors: [b, t, H] -> e [b, t, c]."""
+        if torch.compiler.is_compiling():
+            # Outside torch.compile's graph: it takes neither a sparse row gradient nor a store
+            # on another tier (file reads, collectives); the compiled code resumes after it.
+            return (_EAGER_READ or torch.compiler.disable(Engram._read))(self, ids)
+        return self._read(ids)
+
+    def _read(self, ids: torch.Tensor) -> torch.Tensor:
         if self.table is None:
             raise RuntimeError("this Engram module has no table: pass memory= instead of ids")
         emb = self.table.lookup(self.rows(ids))  # [b, t, H, e]
@@ -169,34 +177,48 @@ class Engram(nn.Module):
         e = self.read(ids) if memory is None else memory  # [b, t, c]
         if e.shape != (*h.shape[:2], self.d_mem):
             raise ValueError(f"memory must be {(*h.shape[:2], self.d_mem)}, got {tuple(e.shape)}")
-        e = e.to(h.dtype)
+        e = e.to(h.device, h.dtype)  # rows from a tier on another device, or stored in bf16
         if alive is not None and alive.shape != h.shape[:2]:
             raise ValueError(f"alive must be {tuple(h.shape[:2])}, got {tuple(alive.shape)}")
-        if self.gate_value is not None:
-            v = linear(e, *self.value_weights())  # [b, t, d]
-            alpha = v.new_full(h.shape[:3], self.gate_value)  # [b, t, m]
-            vt = alpha.unsqueeze(-1) * v.unsqueeze(2)  # [b, t, m, d]
+        # [b, t, (m+1)*d]: value and all keys, one GEMM (a fixed gate: the value alone, [b, t, d])
+        kv = linear(e, *(self.kv_weights() if self.gate_value is None else self.value_weights()))
+        if torch.is_autocast_enabled(h.device.type):
+            # Under autocast (bf16/fp16) only the GEMM above runs in low precision: the gate's
+            # norms and sigmoid, the conv's norm and SiLU run in float32 (on CPU: the fused
+            # kernels), as autocast itself keeps norms and softmax in float32.
+            with torch.autocast(h.device.type, enabled=False):
+                y, alpha = self._after_gemm(kv.float(), h.float(), state, alive)
         else:
-            kv = linear(e, *self.kv_weights())  # [b, t, (m+1)*d]: value and all keys, one GEMM
+            y, alpha = self._after_gemm(kv, h, state, alive)
+        y = y.squeeze(2) if flat else y
+        return (y, alpha) if return_gate else y
+
+    def _after_gemm(self, kv: torch.Tensor, h: torch.Tensor, state: EngramState | None,
+                    alive: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv [b, t, (m+1)*d] (the value alone, [b, t, d], with a fixed gate), h [b, t, m, d]
+        -> Y [b, t, m, d] (gate, V~ = alpha v, V~ + conv), alpha [b, t, m]."""
+        if self.gate_value is not None:
+            alpha = kv.new_full(h.shape[:3], self.gate_value)  # [b, t, m]
+            vt = alpha.unsqueeze(-1) * kv.unsqueeze(2)  # [b, t, m, d]
+        else:
             # Context-aware gate (paper eq. 4): the hidden state, which has seen the whole
             # context, decides whether the static n-gram memory fits here; a collided or off-topic
             # row is damped.
             w1 = torch.stack([n.weight for n in self.norm1])  # [m, d]: each branch its own norms
             w2 = torch.stack([n.weight for n in self.norm2])  # [m, d]
             if self._kernels_fit(kv, h):
-                y, alpha = self._fused(kv, h, w1, w2, state, alive)
-                y = y.squeeze(2) if flat else y
-                return (y, alpha) if return_gate else y
-            vt, alpha = GateFn.apply(kv, h, w1, w2, self.norm1[0].eps, self.norm2[0].eps,
-                                     self.gate)
+                return self._fused(kv, h, w1, w2, state, alive)
+            gate = gate_plain if torch.compiler.is_compiling() else GateFn.apply
+            vt, alpha = gate(kv, h, w1, w2, self.norm1[0].eps, self.norm2[0].eps, self.gate)
         if alive is not None:
             vt = vt * alive[:, :, None, None].to(vt.dtype)  # [b, t, m, d]
         y = vt if self.short_conv is None else self.short_conv(vt, state, residual=True)  # V~ + conv
-        y = y.squeeze(2) if flat else y
-        return (y, alpha) if return_gate else y
+        return y, alpha
 
     def _kernels_fit(self, kv: torch.Tensor, h: torch.Tensor) -> bool:
-        if not self.kernels or h.numel() == 0:
+        # Under torch.compile the torch path (GateFn, ConvFn) is traced and fused by the compiler
+        # itself; the kernels' numba calls would only break its graph.
+        if not self.kernels or h.numel() == 0 or torch.compiler.is_compiling():
             return False
         sc = self.short_conv
         if sc is None:
@@ -228,6 +250,18 @@ class Engram(nn.Module):
         return (f"d_mem={self.d_mem}, hidden={self.hidden_size}, hc_mult={self.hc_mult}, "
                 f"gate={self.gate}, eps={self.norm1[0].eps}, fused={self.fused}, "
                 f"local_ids={self.head_sizes is not None}")
+
+
+_EAGER_READ = None  # Engram._read as torch.compile runs it: eagerly, a graph break (compile_ready)
+
+
+def compile_ready() -> None:
+    """Before torch.compile traces a model with Engram layers: their table reads run outside the
+    graph (made here, not at import: torch.compiler.disable imports torch._dynamo, ~1 s, which
+    only a compiled model needs; without this call each trace makes it, one more graph break)."""
+    global _EAGER_READ
+    if _EAGER_READ is None:
+        _EAGER_READ = torch.compiler.disable(Engram._read)
 
 
 def build_engram(config: EngramConfig, layer_id: int, hidden_size: int, hc_mult: int = 1, *,

@@ -32,6 +32,24 @@ def _rms_scale(x: torch.Tensor, eps: float | None) -> torch.Tensor:
     return r.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
 
 
+def gate_plain(kv: torch.Tensor, h: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+               eps1: float | None, eps2: float | None, kind: str):
+    """:class:`GateFn`'s mathematics as plain differentiable ops, for torch.compile (GateFn's
+    writes into views, ``out=``, are a graph break there; the compiler fuses these itself)."""
+    b, t, m, d = h.shape
+    v, k = kv[..., :d], kv[..., d:].unflatten(-1, (m, d))  # [b, t, d], [b, t, m, d]
+    kn = k * _rms(k, eps1) * w1  # [b, t, m, d]
+    hn = h * _rms(h, eps2) * w2
+    alpha = gate_fn((kn * hn).sum(-1) / math.sqrt(d), kind)  # [b, t, m]
+    return alpha.unsqueeze(-1) * v.unsqueeze(2), alpha  # [b, t, m, d], [b, t, m]
+
+
+def _rms(x: torch.Tensor, eps: float | None) -> torch.Tensor:
+    """:func:`_rms_scale` without in-place ops (autograd differentiates it)."""
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    return x.square().mean(-1, keepdim=True).add(eps).rsqrt()
+
+
 class GateFn(torch.autograd.Function):
     """kv [b, t, (m+1)*d] (value, then each branch's key), h [b, t, m, d], norm weights w1 (keys)
     and w2 (hidden) [m, d] -> alpha * v [b, t, m, d] and alpha [b, t, m] (spec 2.7).

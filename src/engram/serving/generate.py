@@ -25,11 +25,19 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from ..ranges import check_ranges
 from ..models.model import DecodeCache, EngramLM
 from ..module import EngramState
+from ..ranges import check_ranges
 from ..retrieval.hashing import HashStream, NgramHasher
 from ..tables.prefetch import prefetch_batch
+from ..training.precision import (
+    PRECISIONS,
+    autocast,
+    check_names,
+    check_precision,
+    model_device,
+    resolve,
+)
 
 
 @dataclass
@@ -46,6 +54,12 @@ class GenerationConfig:
     seed: int = 0
     # Announce each batch's rows to the tables before the forward (lets a PrefetchTable overlap).
     prefetch: bool = True
+    # Where the model runs: cpu, cuda, cuda:N or auto (the Generator moves it there); None: where
+    # it already is (the CPU for `engram generate`).
+    device: str | None = None
+    # fp32, or bf16 / fp16: each forward under autocast (weights stay as loaded, e.g. a bf16
+    # run's tables in float32).
+    precision: str = field(default="fp32", metadata={"choices": PRECISIONS})
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -56,6 +70,7 @@ class GenerationConfig:
             raise UserError(f"top_k must be >= 1 or None, got {self.top_k}")
         self.stop_ids = tuple(int(i) for i in self.stop_ids)
         check_ranges(self)  # temperature nan / inf: a NaN passes every comparison above
+        check_names(self.device or "cpu", self.precision)
 
 
 @dataclass
@@ -97,6 +112,10 @@ class Generator:
                              "with")
         self.model, self.hasher = model, hasher
         self.config = config or GenerationConfig()
+        if self.config.device is not None:
+            model.to(resolve(self.config.device, self.config.precision))
+        else:
+            check_precision(self.config.precision, model_device(model))
         if vocab is None:
             self.vocab = None
         else:
@@ -171,8 +190,9 @@ class Generator:
             ids = {k: v.to(dev) for k, v in ids.items()}
             if self.config.prefetch:
                 prefetch_batch(self.model, ids)
-        hidden = self.model(self.to_local(raw).to(dev), ids, cache=group.cache).hidden
-        return self.model.logits(hidden[:, -1])  # [g, V]: only the last position is sampled
+        with autocast(self.config.precision, dev):
+            hidden = self.model(self.to_local(raw).to(dev), ids, cache=group.cache).hidden
+            return self.model.logits(hidden[:, -1])  # [g, V]: only the last position is sampled
 
     def _step(self, group: _Group, out: GenerationOutput) -> _Group | None:
         t0 = time.perf_counter()

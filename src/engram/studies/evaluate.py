@@ -23,6 +23,13 @@ from ..errors import UserError
 from ..outputs import read_text, write_json
 from ..ranges import AT_LEAST_1, check_ranges
 from ..serving.vocab import unknown_inputs
+from ..training.precision import (
+    PRECISIONS,
+    autocast,
+    check_names,
+    model_device,
+    resolve,
+)
 
 IGNORE = -100  # target id left out of the loss (torch's cross-entropy convention)
 
@@ -39,9 +46,13 @@ class EvalConfig:
     # Also score each document alone, after EOS (lm-evaluation-harness's rolling log-likelihood):
     # per-document log-likelihoods in nats under "per_document" (`engram lm-eval` gives the same).
     per_document: bool = False
+    device: str = "cpu"  # where the model runs: cpu, cuda, cuda:N or auto
+    # fp32, or bf16 / fp16: the forward under autocast (a bf16 run's checkpoint loads either way)
+    precision: str = field(default="fp32", metadata={"choices": PRECISIONS})
 
     def __post_init__(self) -> None:
         check_ranges(self, max_chars=AT_LEAST_1, batch_size=AT_LEAST_1, seq_len=AT_LEAST_1)
+        check_names(self.device, self.precision)
 
 
 def read_documents(ec: EvalConfig) -> list[str]:
@@ -84,8 +95,10 @@ def windows(n: int, seq_len: int) -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def score_stream(model: torch.nn.Module, hasher: Any, vocab: np.ndarray, raw: np.ndarray,
-                 seq_len: int, batch_size: int = 16, progress: bool = False) -> dict[str, Any]:
-    """Next-token loss of ``model`` on the raw-id stream [n]; unseen ids are context only."""
+                 seq_len: int, batch_size: int = 16, progress: bool = False,
+                 precision: str = "fp32") -> dict[str, Any]:
+    """Next-token loss of ``model`` (on any device; forwards under ``precision``'s autocast) on
+    the raw-id stream [n]; unseen ids are context only."""
     from tqdm.auto import tqdm
 
     if len(raw) < 2:
@@ -97,6 +110,7 @@ def score_stream(model: torch.nn.Module, hasher: Any, vocab: np.ndarray, raw: np
         groups.setdefault(t, []).append(s)
     total, scored = 0.0, 0
     model.eval()
+    dev = model_device(model)
     bar = tqdm(total=len(spans), disable=not progress, desc="eval windows")
     for t, starts in groups.items():
         for i in range(0, len(starts), batch_size):
@@ -106,9 +120,12 @@ def score_stream(model: torch.nn.Module, hasher: Any, vocab: np.ndarray, raw: np
             y = torch.from_numpy(loc[idx[:, 1:]])  # [b, t]
             y = torch.where(y < 0, IGNORE, y)
             ids = hasher.hash(x_raw) if hasher is not None else None
-            with unknown_inputs(model, x_loc < 0):
+            if dev.type != "cpu":  # hashed on the CPU, from token ids, as in training
+                x_loc, y = x_loc.to(dev), y.to(dev)
+                ids = None if ids is None else {k: v.to(dev) for k, v in ids.items()}
+            with unknown_inputs(model, x_loc < 0), autocast(precision, dev):
                 out = model(x_loc.clamp_min(0), ids)
-            total += float(model.token_nll(out, y, ignore_index=IGNORE).sum())
+                total += float(model.token_nll(out, y, ignore_index=IGNORE).sum())
             scored += int((y != IGNORE).sum())
             bar.update(len(idx))
     bar.close()
@@ -136,11 +153,11 @@ def rolling_windows(n: int, seq_len: int) -> list[tuple[int, int, int]]:
 
 @torch.no_grad()
 def score_documents(model: torch.nn.Module, hasher: Any, vocab: np.ndarray,
-                    docs: list[list[int]], start_id: int, seq_len: int, batch_size: int = 16
-                    ) -> list[dict[str, Any]]:
+                    docs: list[list[int]], start_id: int, seq_len: int, batch_size: int = 16,
+                    precision: str = "fp32") -> list[dict[str, Any]]:
     """Each document (raw ids, no EOS) scored alone as ``[start_id] + doc`` in rolling windows:
     per document the log-likelihood in nats of its scored tokens, with unseen ids context only
-    (left out as targets, counted), as in :func:`score_stream`."""
+    (left out as targets, counted), as in :func:`score_stream` (any device, ``precision``)."""
     streams = [np.asarray([start_id, *d], dtype=np.int64) for d in docs]
     locs = [local_ids(s, vocab) for s in streams]
     groups: dict[int, list[tuple[int, int, int]]] = {}  # window length -> (doc, start, scored)
@@ -150,6 +167,7 @@ def score_documents(model: torch.nn.Module, hasher: Any, vocab: np.ndarray,
     ll = [0.0] * len(docs)
     scored = [0] * len(docs)
     model.eval()
+    dev = model_device(model)
     for t, wins in sorted(groups.items()):
         for a in range(0, len(wins), batch_size):
             batch = wins[a:a + batch_size]
@@ -159,9 +177,12 @@ def score_documents(model: torch.nn.Module, hasher: Any, vocab: np.ndarray,
             keep = torch.arange(t)[None, :] >= torch.tensor([t - k for _, _, k in batch])[:, None]
             y = torch.where((y < 0) | ~keep, IGNORE, y)  # [b, t]
             ids = hasher.hash(x_raw) if hasher is not None else None
-            with unknown_inputs(model, x_loc < 0):
+            if dev.type != "cpu":  # hashed on the CPU, as in score_stream
+                x_loc, y = x_loc.to(dev), y.to(dev)
+                ids = None if ids is None else {k: v.to(dev) for k, v in ids.items()}
+            with unknown_inputs(model, x_loc < 0), autocast(precision, dev):
                 out = model(x_loc.clamp_min(0), ids)
-            nll = model.token_nll(out, y, ignore_index=IGNORE).double()  # [b, t]
+                nll = model.token_nll(out, y, ignore_index=IGNORE).double()  # [b, t]
             for j, (i, _, _) in enumerate(batch):
                 ll[i] -= float(nll[j].sum())
                 scored[i] += int((y[j] != IGNORE).sum())
@@ -173,7 +194,9 @@ def run_eval(run_dir: str, ec: EvalConfig, progress: bool = True) -> dict[str, A
     from ..serving.loader import load_run
     from ..training.corpus import EOS_TOKEN
 
+    device = resolve(ec.device, ec.precision)  # before any work
     served = load_run(run_dir)
+    served.model.to(device)
     docs = read_documents(ec)
     eos = served.tokenizer.token_to_id(EOS_TOKEN)
     raw = encode(served.tokenizer, docs, eos)
@@ -182,13 +205,14 @@ def run_eval(run_dir: str, ec: EvalConfig, progress: bool = True) -> dict[str, A
         raise UserError(f"seq_len={seq_len} exceeds the run's max_seq_len="
                          f"{served.model.config.max_seq_len}")
     res = score_stream(served.model, served.hasher, served.vocab, raw, seq_len, ec.batch_size,
-                       progress)
+                       progress, ec.precision)
     res.update({"run": str(run_dir), "checkpoint": served.checkpoint.name, "documents": len(docs),
                 "text": ec.text, "source": ec.source, "seq_len": seq_len})
     if ec.per_document:
         encs = served.tokenizer.encode_batch(docs, add_special_tokens=False)
         res["per_document"] = score_documents(served.model, served.hasher, served.vocab,
-                                              [e.ids for e in encs], eos, seq_len, ec.batch_size)
+                                              [e.ids for e in encs], eos, seq_len, ec.batch_size,
+                                              ec.precision)
     if ec.json:
         write_json(ec.json, res, "engram eval", indent=2)
     return res

@@ -37,6 +37,15 @@ from ..models.hf import eject, engram_runtime, freeze_base, inject
 from ..retrieval.config import EngramConfig
 from ..training.corpus import _in_val, load_documents
 from ..training.optim import build_optimizers, clip_grad_norm_
+from ..training.precision import (
+    PRECISIONS,
+    LossScaler,
+    autocast,
+    cast_tables,
+    check_names,
+    model_device,
+    resolve,
+)
 
 METHODS = ("engram", "lora")
 SMOLLM2 = "smollm2"
@@ -49,6 +58,10 @@ class FinetuneConfig:
     model: str = SMOLLM2
     seed: int = 0  # batch order and Engram multipliers
     threads: int | None = None  # torch threads; None leaves the default
+    device: str = "cpu"  # where to train: cpu, cuda, cuda:N or auto
+    # fp32, or bf16 / fp16: forwards under autocast (the frozen base stays float32), Engram tables
+    # stored in it (RowAdam's state float32); fp16 scales the loss.
+    precision: str = field(default="fp32", metadata={"choices": PRECISIONS})
     methods: tuple[str, ...] = field(default=METHODS, metadata={"choices": METHODS})
     # -- data --
     # fine-tuning text (engram.training.corpus.SOURCES)
@@ -98,10 +111,12 @@ class FinetuneConfig:
         if min(self.engram_lr, self.lora_lr) <= 0 or self.warmup < 0:
             raise UserError("need positive learning rates and warmup >= 0")
         check_ranges(self, seed=NON_NEGATIVE, threads=AT_LEAST_1,
-                     val_fraction=Range(0, 1, True, True), grad_clip=POSITIVE, engram_layers=NON_NEGATIVE, table_size=Range(2),
+                     val_fraction=Range(0, 1, True, True), grad_clip=POSITIVE,
+                     engram_layers=NON_NEGATIVE, table_size=Range(2),
                      max_ngram_size=Range(2), n_head_per_ngram=AT_LEAST_1,
                      n_embed_per_ngram=AT_LEAST_1, table_init_std=NON_NEGATIVE,
                      table_lr_mult=NON_NEGATIVE)
+        check_names(self.device, self.precision)
 
     def engram_config(self, pad_id: int) -> EngramConfig:
         return EngramConfig(
@@ -173,20 +188,25 @@ def train_batch(stream: np.ndarray, step: int, cfg: FinetuneConfig) -> torch.Ten
     return torch.from_numpy(stream[starts[:, None] + np.arange(cfg.seq_len + 1)])
 
 
-def window_loss(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy (nats) of windows [b, w]."""
-    logits = model(input_ids=windows[:, :-1], use_cache=False).logits  # [b, t, V]
+def window_loss(model: nn.Module, windows: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
+    """Mean next-token cross entropy (nats) of windows [b, w] (moved to the model's device; the
+    forward under ``precision``'s autocast, the loss in float32)."""
+    dev = model_device(model)
+    windows = windows.to(dev)
+    with autocast(precision, dev):
+        logits = model(input_ids=windows[:, :-1], use_cache=False).logits  # [b, t, V]
     return F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten())
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, sets: dict[str, torch.Tensor], batch_size: int) -> dict[str, float]:
+def evaluate(model: nn.Module, sets: dict[str, torch.Tensor], batch_size: int,
+             precision: str = "fp32") -> dict[str, float]:
     out = {}
     for name, windows in sets.items():
         total = 0.0
         for i in range(0, len(windows), batch_size):
             chunk = windows[i:i + batch_size]
-            total += float(window_loss(model, chunk)) * len(chunk)
+            total += float(window_loss(model, chunk, precision)) * len(chunk)
         out[name] = total / len(windows)
     return out
 
@@ -218,14 +238,19 @@ def _loop(model: nn.Module, params: list[nn.Parameter], opt: Any, set_lr, stream
     from tqdm import tqdm
 
     curve = []
+    scaler = LossScaler() if cfg.precision == "fp16" else None
     bar = tqdm(range(cfg.steps), desc=desc, file=sys.stderr, dynamic_ncols=True)
     for step in bar:
         set_lr(lr_factor(step, cfg))
-        loss = window_loss(model, train_batch(stream, step, cfg))
+        loss = window_loss(model, train_batch(stream, step, cfg), cfg.precision)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
+        (loss if scaler is None else scaler.scale_loss(loss)).backward()
+        finite = scaler is None or scaler.unscale_(params)  # fp16: skip a non-finite step
+        if finite:
+            clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+        if scaler is not None:
+            scaler.update(finite)
         curve.append({"step": step + 1, "loss": loss.item()})
         if (step + 1) % cfg.log_every == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
@@ -236,6 +261,7 @@ def train_engram(model: nn.Module, tokenizer: Any, stream: np.ndarray,
                  cfg: FinetuneConfig) -> dict[str, Any]:
     pad = tokenizer.eos_token_id  # documents are separated by EOS: the natural "before the start"
     inject(model, cfg.engram_config(pad), tokenizer=tokenizer, init_std=cfg.table_init_std)
+    cast_tables(model, cfg.precision)  # on the model's device already (inject put them there)
     params = freeze_base(model)
     # No weight decay for either method: a short adaptation, nothing to regularise towards zero.
     opt = build_optimizers(model, cfg.engram_lr, weight_decay=0.0, table_lr_mult=cfg.table_lr_mult)
@@ -294,11 +320,13 @@ def run_finetune(cfg: FinetuneConfig, model: nn.Module | None = None,
                  tokenizer: Any = None) -> dict[str, Any]:
     """Run every method from the same frozen base; returns the summary written to results.json."""
     t_start = time.perf_counter()
+    device = resolve(cfg.device, cfg.precision)  # before any work
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if model is None or tokenizer is None:
         model, tokenizer = load_pretrained(cfg.model)
-    model.eval()  # no dropout: both methods train deterministic functions of their parameters
+    # No dropout: both methods train deterministic functions of their parameters.
+    model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     ft = token_streams(tokenizer, cfg.train_source, cfg.max_chars, cfg.val_fraction)
@@ -308,7 +336,7 @@ def run_finetune(cfg: FinetuneConfig, model: nn.Module | None = None,
         stream = token_streams(tokenizer, src, cfg.max_chars, cfg.val_fraction)["all"]
         sets[f"forget:{src}"] = eval_windows(stream, cfg.eval_windows, cfg.seq_len)
     t0 = time.perf_counter()
-    before = evaluate(model, sets, cfg.batch_size)
+    before = evaluate(model, sets, cfg.batch_size, cfg.precision)
     eval_seconds = time.perf_counter() - t0
     summary: dict[str, Any] = {
         "config": dataclasses.asdict(cfg), "model_class": type(model).__name__,
@@ -323,11 +351,11 @@ def run_finetune(cfg: FinetuneConfig, model: nn.Module | None = None,
         if method == "engram":
             stats = train_engram(model, tokenizer, ft["train"], cfg)
             engram_params = stats["trainable_params"]
-            after = evaluate(model, sets, cfg.batch_size)
+            after = evaluate(model, sets, cfg.batch_size, cfg.precision)
             eject(model)
         else:
             peft_model, stats = train_lora(model, ft["train"], cfg, engram_params)
-            after = evaluate(peft_model, sets, cfg.batch_size)
+            after = evaluate(peft_model, sets, cfg.batch_size, cfg.precision)
             model = peft_model.unload()  # the base model, LoRA layers removed, weights untouched
         stats["after"] = after
         stats["delta"] = {k: after[k] - before[k] for k in sets}

@@ -123,7 +123,9 @@ def evaluate_tiers(run, batches: list, hot: list[torch.Tensor], bins: int = 0) -
     alpha: dict[int, dict[str, float]] = {}
     buckets: dict[int, torch.Tensor] = {}  # layer -> [bins, 3]: count, summed loss, hot count
     served = [0, 0]
+    dev = next(model.parameters()).device  # a run trained with --device cuda
     for b, h in zip(batches, hot):
+        b, h = b.to(dev), h.to(dev)
         out = model(b.inputs, b.hash_ids, return_gates=True)
         nll = model.token_nll(out, b.targets)  # [b, t]
         for tier, m in (("hot", h), ("cold", ~h)):
@@ -139,7 +141,8 @@ def evaluate_tiers(run, batches: list, hot: list[torch.Tensor], bins: int = 0) -
             d["cold"] += float(a[~h].sum())
             if bins:
                 idx = (a * bins).long().clamp(0, bins - 1).flatten()
-                acc = buckets.setdefault(lid, torch.zeros(bins, 3, dtype=torch.float64))
+                acc = buckets.setdefault(lid, torch.zeros(bins, 3, dtype=torch.float64,
+                                                          device=dev))
                 acc[:, 0] += torch.bincount(idx, minlength=bins)
                 acc[:, 1] += torch.bincount(idx, weights=nll.flatten().double(), minlength=bins)
                 acc[:, 2] += torch.bincount(idx, weights=h.flatten().double(), minlength=bins)

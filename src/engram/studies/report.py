@@ -50,10 +50,11 @@ def render_gates(run, corpus, html_path: Path, png_path: Path | None = None,
     groups = [g for g in groups if len(g)]
     pick = torch.cat([g[torch.linspace(0, len(g) - 1, -(-n_windows // len(groups))).long()]
                       for g in groups])[:n_windows]
-    out = model(batch.inputs[pick], {k: v[pick] for k, v in batch.hash_ids.items()},
+    dev = next(model.parameters()).device  # a run trained with --device cuda
+    out = model(batch.inputs[pick].to(dev), {k: v[pick].to(dev) for k, v in batch.hash_ids.items()},
                 return_gates=True)
     layer = sorted(out.gates)[0]
-    gates = out.gates[layer].mean(-1)  # [n, t]: mean over branches
+    gates = out.gates[layer].mean(-1).float().cpu()  # [n, t]: mean over branches
     raw = batch.raw[pick]
     rows, texts = [], []
     for i in range(len(pick)):

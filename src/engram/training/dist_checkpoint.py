@@ -54,9 +54,10 @@ def _dense_state(run: Run) -> dict[str, Any]:
     """train.py's checkpoint state minus the table rows and their optimiser state."""
     skip = _table_keys(run.model)
     model = {k: v for k, v in run.model.state_dict().items() if k not in skip}
-    return {"model": model, "optim": {"dense": run.optim.dense.state_dict(),
-                                      "table_lr_mult": run.optim.table_lr_mult},
-            "rng": torch.get_rng_state()}
+    optim = {"dense": run.optim.dense.state_dict(), "table_lr_mult": run.optim.table_lr_mult}
+    if run.optim.scaler is not None:  # fp16's loss scale
+        optim["scaler"] = run.optim.scaler.state_dict()
+    return {"model": model, "optim": optim, "rng": torch.get_rng_state()}
 
 
 def save_distributed(run: Run, d: Dist, keep: int = 2) -> Path:
@@ -133,6 +134,8 @@ def load_distributed(run: Run, step_dir: Path, info: dict, check_config: bool = 
             raise CheckpointError(f"checkpoint {step_dir} does not fit this model (missing "
                                   f"{sorted(set(missing) - rows)}, unexpected {unexpected})")
         run.optim.dense.load_state_dict(state["optim"]["dense"])
+        if run.optim.scaler is not None and "scaler" in state["optim"]:
+            run.optim.scaler.load_state_dict(state["optim"]["scaler"])
         tables = _tables(run.model)
         read_shards(_shards_to_read(tables, info, step_dir), tables, run.optim.tables)
     except CheckpointError:

@@ -58,14 +58,16 @@ from .dist_checkpoint import (  # noqa: F401
 from .hooks import LogMetrics, SaveCheckpoints
 from .loop import fit, restore
 from .optim import Optimizers, RowAdam, build_optimizers, clip_grad_norm_
+from .precision import LossScaler
 from .process_group import (  # noqa: F401
     Dist,
     DistributedError,
+    backend_for,
     free_port,
     init_distributed,
     spawn_local,
 )
-from .train import Run, TrainConfig, build_model, build_run, resolve_machine
+from .train import Run, TrainConfig, build_model, build_run, place, resolve_machine
 
 # -- building the run ------------------------------------------------------------------------------
 
@@ -88,7 +90,8 @@ def sharded_optimizers(model: EngramLM, cfg: TrainConfig) -> Optimizers:
                "weight_decay": g["weight_decay"]} for g in base.dense.param_groups]
     dense = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=betas, eps=eps)
     rows = RowAdam(shards, lr=cfg.lr * cfg.table_lr_mult, betas=betas, eps=eps) if shards else None
-    return Optimizers(dense, rows, cfg.table_lr_mult)
+    return Optimizers(dense, rows, cfg.table_lr_mult,
+                      LossScaler() if cfg.precision == "fp16" else None)
 
 
 def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = None,
@@ -109,16 +112,16 @@ def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = Non
         dist.barrier(group=d.control)
         corpus = corpus or build_corpus(cfg.data_config())
     if table_init == "replicated":
-        run = build_run(cfg, corpus)
+        run = build_run(cfg, corpus, d.device)
         shard_tables(run.model, d.tables)
     elif table_init == "sharded":
-        resolve_machine(cfg.threads)
+        resolve_machine(cfg.threads, str(d.device), cfg.precision, cfg.compile)
         ecfg = cfg.engram_config()
         torch.manual_seed(cfg.seed)
         tables = {} if ecfg is None else {
             L: ShardedTable(n, ecfg.head_dim, group=d.tables, init_std=cfg.table_init_std,
                             seed=cfg.seed * 10_007 + L) for L, n in rows_per_layer(ecfg).items()}
-        model = build_model(cfg, corpus, tables)
+        model = place(build_model(cfg, corpus, tables), cfg, d.device)
         hasher = NgramHasher(ecfg, build_compression()) if ecfg is not None else None
         run = Run(cfg, corpus, hasher, model, None, None)
     else:
@@ -224,7 +227,7 @@ def train_distributed(cfg: TrainConfig, corpus: Corpus | None = None, progress: 
     cfg.steps, resuming from out_dir's newest sharded checkpoint (saved at any world size).
     Rank 0 writes metrics.jsonl and config.json. Returns this rank's Run.
     """
-    d = init_distributed(timeout_s)
+    d = init_distributed(timeout_s, backend_for(cfg.device))
     try:
         return _train(cfg, d, corpus, progress, resume, table_init)
     except RuntimeError as e:  # a failure while starting or resuming, before the first step

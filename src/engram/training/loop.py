@@ -19,17 +19,21 @@ What differs between ways of training is passed in as small objects, not subclas
 
 Step, evaluation and clipping exist only here (clipping's arithmetic in ``optim.clip_grad_norm_``).
 
+Device, precision and compile (cfg.device / precision / compile; training/precision.py):
+batches are made on the CPU and reach the model's device in ``Ranks.cut``; the forward and loss
+of :func:`train_step` and :func:`evaluate` run under the precision's autocast (none for fp32); under
+fp16 the loss scale (``run.optim.scaler``) scales the loss before ``backward`` and unscales the
+grads before ``ranks.clip``, and a step whose grads are not finite on any rank is skipped. The
+model is placed and compiled in place by ``train.build_run`` (``train.place``), so
+``Ranks.forward_module``'s module (the model, or DDP around it) and evaluation run it compiled.
+
 Where later changes plug in, one place each:
-- device, precision, compile: batches reach the device in ``Ranks.cut``; the one training forward
-  and backward is the ``sync_grads`` block of :func:`train_step` (autocast there and in
-  :func:`evaluate`, a grad scaler's ``scale`` before ``backward``, ``unscale_`` before
-  ``ranks.clip``, its ``step`` where ``run.optim.step()`` is); ``Ranks.forward_module`` is the one
-  module a training forward runs through (compile it there).
 - a non-finite loss or gradient: :func:`train_step` checks the step's loss and the global grad
   norm ``ranks.clip`` returns before ``run.optim.step()`` (``errors.NonFinite``, naming the step;
-  nothing of it is applied or saved); SIGINT/SIGTERM: a flag (engram/interrupts.py) read at the
-  head of :func:`fit`'s loop and summed over the ranks, then ``Hook.end`` (``SaveCheckpoints``
-  saves the step reached), then ``errors.Interrupted``.
+  nothing of it is applied or saved); under fp16 a step the loss scale skips on purpose (its
+  gradient overflowed at a scale above 1) is not one; SIGINT/SIGTERM: a flag (engram/interrupts.py)
+  read at the head of :func:`fit`'s loop and summed over the ranks, then ``Hook.end``
+  (``SaveCheckpoints`` saves the step reached), then ``errors.Interrupted``.
 - memory-mapped token shards: ``run.batches`` (a :class:`BatchSource`) and :func:`validation`.
 """
 
@@ -52,6 +56,7 @@ from .batches import Batch, val_batches
 from .checkpoint import CheckpointError
 from .corpus import Corpus
 from .optim import Optimizers, clip_grad_norm_
+from .precision import autocast, model_device
 
 STOPPING = ("engram: stopping after this step and saving a checkpoint (Ctrl-C again: stop now, "
             "without saving)")
@@ -200,24 +205,41 @@ def restore(run: Run, checkpoints: Checkpoints, resume: bool = True) -> bool:
 
 def train_step(run: Run, ranks: Ranks = ONE_PROCESS) -> float:
     """One optimiser step at ``run.step`` (its micro-batches, clip, update); returns the loss of
-    the global batch (the mean over ranks of each rank's mean)."""
+    the global batch (the mean over ranks of each rank's mean). Under fp16 a step whose gradient
+    is not finite (on any rank) at a loss scale above 1 is skipped and the scale backs off;
+    otherwise a non-finite loss or gradient norm raises NonFinite."""
     cfg, loss_sum = run.cfg, 0.0
     module = ranks.forward_module(run.model)
+    scaler = run.optim.scaler
     for micro in range(cfg.grad_accum):
         b = ranks.cut(run.batches.batch(run.step * cfg.grad_accum + micro), run.model)
         with ranks.sync_grads(last=micro == cfg.grad_accum - 1):
-            loss = run.model.loss(module(b.inputs, b.hash_ids), b.targets) / cfg.grad_accum
-            loss.backward()
+            with _autocast(run):  # the forward and loss only: backward runs as autocast recorded
+                loss = run.model.loss(module(b.inputs, b.hash_ids), b.targets) / cfg.grad_accum
+            (loss if scaler is None else scaler.scale_loss(loss)).backward()
         loss_sum += float(loss.detach())
-    norm = float(ranks.clip(run.model, cfg.grad_clip))  # global: every rank decides alike
+    # fp16: a gradient that overflowed at a loss scale above 1 is the scale's doing (skip the step,
+    # back off); one at a scale of 1 or less, or a non-finite loss, is the run's.
+    scaled = scaler is not None and scaler.may_overflow
+    finite = scaler is None or scaler.unscale_(run.model.parameters(), ranks.sum)
+    norm = float(ranks.clip(run.model, cfg.grad_clip)) if finite else math.inf  # global
     mean = ranks.sum([loss_sum])[0] / ranks.world
-    if not (math.isfinite(mean) and math.isfinite(norm)):  # an update now would poison the weights
+    if not math.isfinite(mean) or not (math.isfinite(norm) or scaled):  # would poison the weights
         raise NonFinite(f"step {run.step + 1}: the loss is {mean:g} and the gradient norm "
                         f"{norm:g}; training stopped before applying it (lower --lr, or check "
                         "the data)", run.step + 1)
-    run.optim.step()
+    if math.isfinite(norm):
+        run.optim.step()
+    if scaler is not None:
+        scaler.update(math.isfinite(norm))
     run.optim.zero_grad(set_to_none=True)
     return mean
+
+
+def _autocast(run: Run) -> AbstractContextManager:
+    """The precision's autocast on the model's device (none for fp32)."""
+    precision = getattr(run.cfg, "precision", "fp32")
+    return nullcontext() if precision == "fp32" else autocast(precision, model_device(run.model))
 
 
 def validation(run: Run, full: bool = False) -> Iterator[Batch]:
@@ -235,7 +257,8 @@ def evaluate(run: Run, full: bool = False, ranks: Ranks = ONE_PROCESS) -> float:
     total, count = 0.0, 0
     for b in validation(run, full):
         b = ranks.cut(b, run.model)  # may be empty on a rank: it still joins the lookups
-        total += float(run.model.token_nll(run.model(b.inputs, b.hash_ids), b.targets).sum())
+        with _autocast(run):
+            total += float(run.model.token_nll(run.model(b.inputs, b.hash_ids), b.targets).sum())
         count += b.targets.numel()
     run.model.train()
     total, count = ranks.sum([total, count])

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..tables.store import MemoryTable
 from . import sparse_rows
+from .precision import LossScaler
 
 _INT32_MAX = 2**31 - 1
 
@@ -83,7 +84,7 @@ class RowAdam(torch.optim.Optimizer):
             raise ValueError(f"RowAdam needs a row-sparse gradient (sparse_dim 1, as F.embedding "
                              f"makes), got sparse_dim {p.grad.sparse_dim()}")
         # Duplicate row ids in one batch must be summed before the moments see them.
-        g = sparse_rows.coalesce_rows(p.grad) if self.kernels else p.grad.coalesce()
+        g = sparse_rows.coalesce_rows(p.grad) if self.kernels else sparse_rows.coalesce(p.grad)
         rows = g.indices()[0]  # [k]
         if not rows.numel():
             return
@@ -297,7 +298,7 @@ def _clip_across_ranks(params: list[torch.Tensor], max_norm: float, sharded: set
         if p.grad is None:
             continue
         if p.grad.is_sparse:
-            p.grad = p.grad.coalesce()  # a row asked for by several ranks counts once, summed
+            p.grad = sparse_rows.coalesce(p.grad)  # a row asked for by several ranks: summed
         g = p.grad.values() if p.grad.is_sparse else p.grad
         sq = float(torch.linalg.vector_norm(g.float()) ** 2)
         if id(p) in sharded:
@@ -313,11 +314,13 @@ def _clip_across_ranks(params: list[torch.Tensor], max_norm: float, sharded: set
 
 
 class Optimizers:
-    """AdamW for the dense parameters and RowAdam for the tables, stepped together."""
+    """AdamW for the dense parameters and RowAdam for the tables, stepped together; ``scaler``:
+    fp16's loss scale (training/precision.py), None otherwise."""
 
     def __init__(self, dense: torch.optim.Optimizer | None, tables: RowAdam | None,
-                 table_lr_mult: float = 5.0):
+                 table_lr_mult: float = 5.0, scaler: LossScaler | None = None):
         self.dense, self.tables, self.table_lr_mult = dense, tables, float(table_lr_mult)
+        self.scaler = scaler
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -340,9 +343,12 @@ class Optimizers:
             g["lr"] = base_lr * self.table_lr_mult
 
     def state_dict(self) -> dict:
-        return {"dense": self.dense.state_dict() if self.dense is not None else None,
-                "tables": self.tables.state_dict() if self.tables is not None else None,
-                "table_lr_mult": self.table_lr_mult}
+        sd = {"dense": self.dense.state_dict() if self.dense is not None else None,
+              "tables": self.tables.state_dict() if self.tables is not None else None,
+              "table_lr_mult": self.table_lr_mult}
+        if self.scaler is not None:  # fp16 only: other runs' checkpoints stay as they were
+            sd["scaler"] = self.scaler.state_dict()
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
         for name in ("dense", "tables"):
@@ -351,6 +357,10 @@ class Optimizers:
             if sd[name] is not None:
                 getattr(self, name).load_state_dict(sd[name])
         self.table_lr_mult = float(sd["table_lr_mult"])
+        # A run resumed in fp16 from a bf16/fp32 checkpoint starts a fresh scale; one resumed in
+        # another precision drops the saved scale.
+        if self.scaler is not None and "scaler" in sd:
+            self.scaler.load_state_dict(sd["scaler"])
 
 
 def build_optimizers(model: nn.Module, lr: float, weight_decay: float = 0.1,

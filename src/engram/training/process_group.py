@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..errors import UserError
+
 
 class DistributedError(RuntimeError):
     pass
@@ -67,6 +69,24 @@ def default_backend() -> str:
         warnings.warn(f"{local} ranks on this machine, {torch.cuda.device_count()} GPU(s): "
                       "joining over gloo on the CPU", RuntimeWarning, stacklevel=3)
         return "gloo"
+    return "nccl"
+
+
+def backend_for(device: str) -> str | None:
+    """The process group's backend for a run's ``--device`` under torchrun (None: by the GPUs there
+    are, :func:`default_backend`); a UserError, before the job starts, where it cannot be had."""
+    if device == "cpu":
+        return "gloo"
+    if device == "auto":
+        return None
+    if ":" in device and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError(f"device {device!r}: under torchrun each rank takes its own GPU "
+                        "(LOCAL_RANK); use --device cuda")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", int(os.environ.get("LOCAL_RANK", 0)) + 1))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < local:
+        raise UserError(f"device {device!r}: {local} rank(s) on this machine need a GPU each, "
+                        f"torch sees {gpus}; use --device cpu or auto")
     return "nccl"
 
 

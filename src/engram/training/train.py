@@ -28,6 +28,7 @@ from ..module import fused
 from ..retrieval.compress import Compression, build_compression
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
+from . import precision as precision_
 from .batches import TokenBatches
 from .checkpoint import (
     CheckpointError,
@@ -39,6 +40,7 @@ from .corpus import Corpus, DataConfig, build_corpus
 from .hooks import LogMetrics, SaveCheckpoints, log_record  # noqa: F401  (log_record: its old home)
 from .loop import ONE_PROCESS, Run, evaluate, fit, lr_at, restore, train_step  # noqa: F401
 from .optim import build_optimizers
+from .precision import PRECISIONS, LossScaler, check_names
 
 # glibc gives every freed block above its mmap / trim thresholds back to the kernel, so each step's
 # large activations (logits, attention, the FFN's hidden) page-fault in again, zeroed: ~20k minor
@@ -138,6 +140,13 @@ class TrainConfig:
     ckpt_every: int = 100
     log_every: int = 10
     threads: int | None = None  # torch threads; None leaves the default
+    # Where to train: cpu, cuda (under torchrun each rank's own GPU), cuda:N, or auto (CUDA when
+    # torch sees a GPU, else the CPU).
+    device: str = "cpu"
+    # fp32, or bf16 / fp16: the dense model under autocast (weights and AdamW state stay float32),
+    # the Engram tables stored in it (RowAdam's state stays float32); fp16 scales the loss.
+    precision: str = field(default="fp32", metadata={"choices": PRECISIONS})
+    compile: bool = False  # torch.compile the model (first steps slower while it compiles)
 
     def __post_init__(self) -> None:
         self.sources, self.engram_layers = tuple(self.sources), tuple(self.engram_layers)
@@ -161,6 +170,7 @@ class TrainConfig:
             threads=AT_LEAST_1)
         if self.nine and not self.engram:
             raise UserError("hot_rows / shared_tables need engram=true")
+        check_names(self.device, self.precision)  # whether this machine has them: build_run
 
     @property
     def nine(self) -> bool:
@@ -229,18 +239,36 @@ def build_model(cfg: TrainConfig, corpus: Corpus,
     return model
 
 
-def resolve_machine(threads: int | None) -> None:
+def resolve_machine(threads: int | None, device: str = "cpu", precision: str = "fp32",
+                    compile: bool = False) -> torch.device:
     """This process's machine choices, made once before any model runs, never inside a forward:
+    the device (a UserError if this machine lacks it, its autocast lacks the precision or
+    torch.compile cannot build code for it when asked),
     torch's thread count, the numba kernels' plan (module/fused.py) and the GEMM route
     (``ENGRAM_GEMM`` and the decisions already measured on this machine, gemm.py)."""
+    dev = precision_.resolve(device, precision, compile)
     if threads:
         torch.set_num_threads(threads)
     gemm.resolve()
     fused.resolve()
+    return dev
 
 
-def build_run(cfg: TrainConfig, corpus: Corpus | None = None) -> Run:
-    resolve_machine(cfg.threads)
+def place(model: EngramLM, cfg: TrainConfig, device: torch.device) -> EngramLM:
+    """The model on its device, tables in the run's precision, compiled if asked (in place, so
+    DDP, checkpoints and evaluation see the one module)."""
+    precision_.cast_tables(model, cfg.precision).to(device)
+    if cfg.compile:
+        model.compile()
+    return model
+
+
+def build_run(cfg: TrainConfig, corpus: Corpus | None = None,
+              device: torch.device | None = None) -> Run:
+    """The run of ``cfg``: model (on cfg.device, or ``device``: a torchrun rank's), optimisers,
+    batches."""
+    resolved = resolve_machine(cfg.threads, cfg.device, cfg.precision, cfg.compile)
+    device = resolved if device is None else device
     corpus = corpus if corpus is not None else build_corpus(cfg.data_config())
     hasher = cfg.hasher()  # compression from the full tokenizer, whatever the model's vocabulary
     if cfg.nine:  # hot slots, like hash ids, come from token ids in the data pipeline
@@ -250,11 +278,13 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None) -> Run:
                                 cfg.fingerprint_bits, cfg.mphf_engine, seed=cfg.seed)
         hasher = NineHasher(hasher, index, shared=cfg.shared_tables)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg, corpus)
-    gemm.prepare(model, [cfg.batch_size * cfg.seq_len])  # routes measured now, not in a step
+    model = place(build_model(cfg, corpus), cfg, device)
+    if device.type == "cpu" and cfg.precision == "fp32":  # the only products gemm.py routes
+        gemm.prepare(model, [cfg.batch_size * cfg.seq_len])  # routes measured now, not in a step
     batches = TokenBatches(corpus.train, cfg.batch_size, cfg.seq_len, corpus, hasher, seed=cfg.seed)
     optim = build_optimizers(model, cfg.lr, weight_decay=cfg.weight_decay,
                              table_lr_mult=cfg.table_lr_mult)
+    optim.scaler = LossScaler() if cfg.precision == "fp16" else None
     return Run(cfg, corpus, hasher, model, batches, optim)
 
 
@@ -285,7 +315,10 @@ def save(run: Run) -> Path:
 
 def _comparable(d: dict[str, Any]) -> dict[str, Any]:
     """Fields that must match to resume: everything but the bookkeeping."""
-    skip = {"out_dir", "steps", "eval_every", "eval_batches", "ckpt_every", "log_every", "threads"}
+    # A run may resume on another device, in another precision (tables are cast on load, a loss
+    # scale starts or is dropped) or compiled or not.
+    skip = {"out_dir", "steps", "eval_every", "eval_batches", "ckpt_every", "log_every", "threads",
+            "device", "precision", "compile"}
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k not in skip}
 
 
