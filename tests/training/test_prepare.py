@@ -56,7 +56,7 @@ def run(tmp: Path, inputs, **kw) -> dict:
     return prepare(cfg, progress=False)
 
 
-# -- what is read ---------------------------------------------------------------------------------------
+# -- what is read ----------------------------------------------------------------------------------
 
 def test_folder_glob_and_records_become_documents(tmp_path, chapters, tok):
     pa = pytest.importorskip("pyarrow")
@@ -99,7 +99,7 @@ def test_skip_mode_drops_non_utf8_and_counts_it(tmp_path, chapters):
     assert m["summary"]["documents"] == 1
 
 
-# -- bad input: a clear error before any work, or a counted skip -----------------------------------------
+# -- bad input: a clear error before any work, or a counted skip -----------------------------------
 
 @pytest.mark.parametrize("case, error, match", [
     ("glob", UserError, "matches nothing"),
@@ -147,7 +147,7 @@ def test_cli_prepare_prints_a_summary_and_exits_2_on_bad_input(tmp_path, chapter
     assert "matches nothing" in capsys.readouterr().err
 
 
-# -- shards, workers, resuming -------------------------------------------------------------------------
+# -- shards, workers, resuming ---------------------------------------------------------------------
 
 def test_many_shards_and_workers_give_the_same_tokens(tmp_path, chapters):
     folder = tmp_path / "in"
@@ -208,7 +208,7 @@ def test_a_changed_input_redoes_only_its_shard(tmp_path, chapters):
     open_corpus(tmp_path / "out")  # and it trains again
 
 
-# -- tokenizers -------------------------------------------------------------------------------------------
+# -- tokenizers ------------------------------------------------------------------------------------
 
 def bpe(texts: list[str], eos: str):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

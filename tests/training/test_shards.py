@@ -48,7 +48,7 @@ def one(tmp_path_factory, texts):  # the same documents in one shard
     return make(tmp_path_factory, "one", texts, 100)
 
 
-# -- streams -----------------------------------------------------------------------------------------------
+# -- streams ---------------------------------------------------------------------------------------
 
 def test_token_stream_reads_across_shards_like_one_array():
     rng = np.random.default_rng(0)
@@ -105,7 +105,7 @@ def test_full_vocab_scores_any_text(tmp_path, many):
     assert res["left_out"] == int(np.isin(raw[1:], small.corpus.vocab, invert=True).sum()) > 0
 
 
-# -- refused at train time, naming why ----------------------------------------------------------------------
+# -- refused at train time, naming why -------------------------------------------------------------
 
 @pytest.mark.parametrize("damage, match", [
     ("shard", "shard 00001 \\(train\\) is corrupt"),

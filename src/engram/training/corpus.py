@@ -196,7 +196,7 @@ def _like(a: np.ndarray, device: torch.device | None) -> Any:
     return a if device is None else torch.from_numpy(a).to(device)
 
 
-# -- opening ------------------------------------------------------------------------------------------
+# -- opening ---------------------------------------------------------------------------------------
 
 def open_corpus(folder: str | Path, vocab: str = "corpus") -> Corpus:
     """A prepared folder, checked (DataError naming why it is refused) and memory-mapped."""

@@ -62,7 +62,7 @@ class InputFile:
     kind: str  # "text", "jsonl", "parquet" or "csv"
 
 
-# -- finding the files -------------------------------------------------------------------------------
+# -- finding the files -----------------------------------------------------------------------------
 
 def discover(inputs: list[str], skips: Skips) -> tuple[list[InputFile], list[Path]]:
     """(the files to read in order, the folders walked). A missing path or a glob matching nothing is
@@ -118,10 +118,11 @@ def _add(files: list[InputFile], seen: set[str], path: Path, root: Path, arg: st
         skips.add("not a regular file", str(path))
         return
     seen.add(real)
-    files.append(InputFile(path, Path(os.path.relpath(path, root)).as_posix(), arg, RECORDS.get(path.suffix.lower(), "text")))
+    files.append(InputFile(path, Path(os.path.relpath(path, root)).as_posix(), arg,
+                           RECORDS.get(path.suffix.lower(), "text")))
 
 
-# -- checks before tokenising ---------------------------------------------------------------------------
+# -- checks before tokenising ----------------------------------------------------------------------
 
 def check_fields(files: list[InputFile], field: str) -> None:
     """Every record file has ``field``: its columns (Parquet, CSV) or its first record (JSON
@@ -167,9 +168,18 @@ def _first_record_fields(path: Path) -> list[str] | None:
     return None  # no records: an empty file, counted when read
 
 
-def _parquet(path: Path):
-    import pyarrow.parquet as pq
+def _pyarrow(module: str, path: Path):
+    """pyarrow's ``module``, or a clear error: Parquet and CSV need the ``data`` extra."""
+    import importlib
 
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"reading {path} needs pyarrow: pip install 'engram[data]'") from None
+
+
+def _parquet(path: Path):
+    pq = _pyarrow("pyarrow.parquet", path)
     try:
         return pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError...: all mean "not Parquet"
@@ -177,8 +187,7 @@ def _parquet(path: Path):
 
 
 def _csv_names(path: Path) -> list[str] | None:
-    import pyarrow.csv as pacsv
-
+    pacsv = _pyarrow("pyarrow.csv", path)
     try:
         return pacsv.open_csv(path).schema.names
     except Exception as e:
@@ -187,9 +196,10 @@ def _csv_names(path: Path) -> list[str] | None:
         raise UserError(f"{path} is not a readable CSV file ({e})") from None
 
 
-# -- reading ---------------------------------------------------------------------------------------------
+# -- reading ---------------------------------------------------------------------------------------
 
-def read(f: InputFile, field: str, skips: Skips, non_utf8: str = "replace") -> Iterator[tuple[str, str]]:
+def read(f: InputFile, field: str, skips: Skips,
+         non_utf8: str = "replace") -> Iterator[tuple[str, str]]:
     """(document id, text) of one file, in order; what is left out goes to ``skips``."""
     if f.kind == "text":
         text = _text_file(f, skips, non_utf8)
@@ -224,7 +234,8 @@ def _text_file(f: InputFile, skips: Skips, non_utf8: str) -> str | None:
     return text
 
 
-def _decode(data: bytes, where: str, skips: Skips, non_utf8: str, by_line: bool = False) -> str | None:
+def _decode(data: bytes, where: str, skips: Skips, non_utf8: str,
+            by_line: bool = False) -> str | None:
     try:
         return data.decode("utf-8-sig")  # a leading byte-order mark is not text
     except UnicodeDecodeError:
@@ -312,8 +323,7 @@ def _parquet_values(f: InputFile, field: str, skips: Skips) -> Iterator[tuple[st
 
 
 def _csv_values(f: InputFile, field: str, skips: Skips) -> Iterator[tuple[str, Any]]:
-    import pyarrow as pa
-    import pyarrow.csv as pacsv
+    pa, pacsv = _pyarrow("pyarrow", f.path), _pyarrow("pyarrow.csv", f.path)
 
     def bad_row(row) -> str:
         skips.add("malformed CSV row", f"{f.path} line {row.number}")

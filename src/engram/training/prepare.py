@@ -75,7 +75,7 @@ class PrepareConfig:
             raise UserError(f"workers must be >= 0 or None, got {self.workers}")
 
 
-# -- tokenizers ---------------------------------------------------------------------------------------
+# -- tokenizers ------------------------------------------------------------------------------------
 
 def load_tokenizer(spec: str) -> tuple[Any, str | None]:
     """(a tokenizers.Tokenizer, the end-of-text token its config names or None) for ``spec``."""
@@ -122,7 +122,7 @@ def end_of_text(tok: Any, named: str | None, configured: str | None = None) -> t
                     "one with --eos_token")
 
 
-# -- writing a corpus ------------------------------------------------------------------------------------
+# -- writing a corpus ------------------------------------------------------------------------------
 
 Doc = tuple[str, str, str]  # (source, document id, text)
 
@@ -293,7 +293,7 @@ def _skipped_line(skips: Skips) -> str:
     return ", ".join(f"{n} {r}" for r, n in sorted(skips.counts.items()))
 
 
-# -- the command -----------------------------------------------------------------------------------------
+# -- the command -----------------------------------------------------------------------------------
 
 def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
     """``engram prepare``: read cfg's sources and inputs, tokenise, write cfg.out; the manifest."""
@@ -313,7 +313,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
             for doc_id, text in read(f, cfg.text_field, skips, cfg.non_utf8):
                 yield f.source, doc_id, text
 
-    total = sum(os.path.getsize(f.path) for f in files) or None
+    total = None if cfg.source else sum(os.path.getsize(f.path) for f in files)  # bar's end
     return write_corpus(docs(), cfg.out, tok, eos_token, val_fraction=cfg.val_fraction,
                         split_seed=cfg.split_seed, workers=cfg.workers, shard_mb=cfg.shard_mb,
                         inputs=inputs, skips=skips, total_bytes=total, progress=progress,

@@ -65,7 +65,7 @@ def in_val(doc_id: str, seed: int, fraction: float) -> bool:
     return int.from_bytes(h, "big") / 2.0**64 < fraction
 
 
-# -- one shard ---------------------------------------------------------------------------------------
+# -- one shard -------------------------------------------------------------------------------------
 
 def shard_files(folder: Path, name: str) -> dict[str, Path]:
     return {k: folder / f"{name}.{k}.{'npz' if k == 'index' else 'npy'}"
@@ -114,7 +114,7 @@ def remove_shards(folder: Path, keep: int) -> None:
             p.unlink(missing_ok=True)
 
 
-# -- the manifest ------------------------------------------------------------------------------------
+# -- the manifest ----------------------------------------------------------------------------------
 
 def input_stat(path: str | Path) -> list:
     """[path, size, mtime_ns]: how a changed input is told at train time."""
@@ -196,7 +196,7 @@ def _check(path: Path, want: str, why: str) -> None:
         raise DataError(f"{path}: {why}; rerun `engram prepare` (it redoes only that shard)")
 
 
-# -- reading ------------------------------------------------------------------------------------------
+# -- reading ---------------------------------------------------------------------------------------
 
 class TokenStream:
     """One split's tokens: the shards' arrays back to back, memory-mapped and never joined, so a
@@ -204,7 +204,9 @@ class TokenStream:
 
     def __init__(self, parts: list[np.ndarray]):
         self.parts = [p for p in parts if len(p)]  # [n_k] per shard; empty shards hold nothing
-        self.ends = np.cumsum([len(p) for p in self.parts], dtype=np.int64)  # [shards]
+        self.sizes = np.asarray([len(p) for p in self.parts], dtype=np.int64)  # [shards]
+        self.ends = np.cumsum(self.sizes)  # [shards]
+        self.begins = self.ends - self.sizes  # [shards]
         self._whole: np.ndarray | None = None
 
     def __len__(self) -> int:
@@ -227,8 +229,23 @@ class TokenStream:
 
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
         """starts [b] -> tokens [b, length]: row i is tokens [starts[i], starts[i] + length)."""
-        rows = [self.read(int(s), int(s) + length) for s in starts]
-        return np.stack(rows) if rows else np.empty((0, length), dtype=np.int32)
+        starts = np.asarray(starts, dtype=np.int64)  # [b]
+        dtype = np.result_type(*self.parts) if self.parts else np.int32
+        out = np.empty((len(starts), length), dtype=dtype)  # [b, length]
+        if not len(starts):
+            return out
+        if starts.min() < 0 or starts.max() + length > len(self):
+            raise IndexError(f"windows of {length} from {starts.min()}..{starts.max()} lie outside "
+                             f"the stream of {len(self)}")
+        k = np.searchsorted(self.ends, starts, side="right")  # [b] the shard each window starts in
+        offset = starts - self.begins[k]  # [b] where in that shard
+        inside = offset + length <= self.sizes[k]  # [b]
+        for part in np.unique(k[inside]):  # one gather per shard: most windows lie in one
+            rows = np.flatnonzero(inside & (k == part))
+            out[rows] = self.parts[part][offset[rows, None] + np.arange(length)]
+        for r in np.flatnonzero(~inside):  # a window across a shard boundary
+            out[r] = self.read(int(starts[r]), int(starts[r]) + length)
+        return out
 
     def array(self) -> np.ndarray:
         """The whole split as one array [n]: the memory map itself for one shard, else joined in
@@ -247,7 +264,9 @@ def open_streams(out: Path, manifest: dict[str, Any]) -> dict[str, TokenStream]:
             if split == "index":
                 continue
             n = s["tokens"][split]
-            a = np.load(path, mmap_mode="r", allow_pickle=False) if n else np.empty(0, np.int32)
+            # A plain ndarray over the map: the same pages, without np.memmap's per-slice cost.
+            a = np.asarray(np.load(path, mmap_mode="r", allow_pickle=False)) if n \
+                else np.empty(0, np.int32)
             if a.dtype != np.int32 or a.shape != (n,):
                 raise DataError(f"{path} holds {a.dtype} {a.shape}, the manifest says int32 ({n},)")
             parts[split].append(a)
