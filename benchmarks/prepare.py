@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -102,31 +101,33 @@ def build_corpus_files(folder: Path, mb: float, sources: dict[str, list[str]]) -
 
 def measure(cmd: list[str], env: dict | None = None) -> dict:
     """Run ``cmd``; wall and CPU seconds, peak RSS of its process tree (summed, sampled every 50
-    ms) and of its largest process (ru_maxrss), and its last stdout line as JSON when it is."""
+    ms) and of its largest process (ru_maxrss of this child and its descendants, from wait4), and
+    its last stdout line as JSON when it is."""
     import psutil
 
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, **(env or {})})
     root, peak = psutil.Process(proc.pid), 0
-    while proc.poll() is None:
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
         try:
             procs = [root, *root.children(recursive=True)]
             peak = max(peak, sum(p.memory_info().rss for p in procs))
         except psutil.Error:
             pass
         time.sleep(0.05)
+    proc.returncode = os.waitstatus_to_exitcode(status)
     out = proc.stdout.read()
     wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd} failed with {proc.returncode}")
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    return {"wall_s": round(wall, 2),
-            "cpu_s": round((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), 2),
+    return {"wall_s": round(wall, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
             "peak_rss_tree_mib": round(peak / 2**20, 1),
-            "max_rss_one_process_mib": round(after.ru_maxrss / 1024, 1),
+            "max_rss_one_process_mib": round(usage.ru_maxrss / 1024, 1),
             **(json.loads(lines[-1]) if lines else {})}
 
 

@@ -242,3 +242,16 @@ def test_any_tokenizer_with_its_compression_stored(tmp_path, chapters, form):
     np.testing.assert_array_equal(corpus.compression().lookup, compute_lookup(t))
     ids = segments(corpus.streams["train"].array(), corpus.eos_id)[0][:-1]
     assert corpus.tokenizer().decode(ids) in chapters[:6]
+
+
+def test_out_inside_an_input_folder_is_not_read(tmp_path, chapters, monkeypatch):
+    for i, text in enumerate(chapters[:6]):
+        (tmp_path / f"{i}.md").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    first = prepare(PrepareConfig(out="corpus", input=["."], workers=0, val_fraction=0.5),
+                    progress=False)
+    again = prepare(PrepareConfig(out="corpus", input=["."], workers=0, val_fraction=0.5),
+                    progress=False)
+    assert first["summary"]["documents"] == again["summary"]["documents"] == 6
+    assert again["fingerprint"] == first["fingerprint"] and again["summary"]["shards_kept"] == 1
+    open_corpus(tmp_path / "corpus")  # writing it did not count as a changed input

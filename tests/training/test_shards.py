@@ -12,7 +12,7 @@ from engram.errors import UserError
 from engram.training.checkpoint import CheckpointError
 from engram.training.corpus import DataConfig, build_corpus, open_corpus
 from engram.training.prepare import PrepareConfig, prepare
-from engram.training.shards import TokenStream
+from engram.training.streams import NpyFile, TokenStream
 from engram.training.sources import load_documents
 from engram.training.train import TrainConfig, train
 
@@ -50,10 +50,15 @@ def one(tmp_path_factory, texts):  # the same documents in one shard
 
 # -- streams ---------------------------------------------------------------------------------------
 
-def test_token_stream_reads_across_shards_like_one_array():
+@pytest.mark.parametrize("where", ["files", "memory"])
+def test_token_stream_reads_across_shards_like_one_array(tmp_path, where):
     rng = np.random.default_rng(0)
     parts = [rng.integers(0, 50, n).astype(np.int32) for n in (5, 0, 1, 7, 3)]
     whole = np.concatenate(parts)
+    if where == "files":  # positioned reads from .npy files, as training reads its shards
+        for i, p in enumerate(parts):
+            np.save(tmp_path / f"{i}.npy", p)
+        parts = [NpyFile(tmp_path / f"{i}.npy") for i in range(len(parts))]
     s = TokenStream(parts)
     assert len(s) == len(whole) == 16
     for lo in range(17):

@@ -1,9 +1,9 @@
 """Training and validation batches cut from a corpus's token streams (see ``corpus``).
 
 Batches are a pure function of (seed, step) or of stream order, so training resumes without replay
-and every evaluation sees the same windows. A window is read from the memory-mapped shards
-(``shards.TokenStream``) and mapped to model ids when its batch is made, so memory stays flat
-however large the corpus. Hash ids are computed here, from token ids, never inside the model (spec
+and every evaluation sees the same windows. A window is read from the shard files when its batch is
+made (``streams.TokenStream``) and mapped to model ids then, so memory stays flat however large the
+corpus. Hash ids are computed here, from token ids, never inside the model (spec
 section 4: known before the forward pass, so rows can be prefetched).
 
 Shape legend:
@@ -21,7 +21,7 @@ import torch
 from ..errors import UserError
 from ..retrieval.hashing import NgramHasher
 from .corpus import Corpus
-from .shards import TokenStream
+from .streams import TokenStream
 
 
 @dataclass

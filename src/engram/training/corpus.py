@@ -1,4 +1,4 @@
-"""The training corpus: a prepared folder of token shards (``engram prepare``), opened memory-mapped.
+"""The training corpus: a prepared folder of token shards (``engram prepare``), opened for reading.
 
 Two ways to name one, one path behind both:
 
@@ -33,7 +33,7 @@ from ..errors import UserError
 from ..retrieval.compress import Compression, default_tokenizer, tokenizer_fingerprint
 from ..retrieval.compress import cache_dir as _compression_cache_dir
 from . import shards
-from .shards import SPLITS, DataError, TokenStream
+from .shards import SPLITS, DataError
 from .shards import in_val as _in_val  # noqa: F401  (finetune's split; its old home)
 from .sources import (  # noqa: F401  (their old home)
     EOS_TOKEN,
@@ -43,6 +43,7 @@ from .sources import (  # noqa: F401  (their old home)
     load_documents,
     source_files,
 )
+from .streams import TokenStream
 
 # Bump when documents, cleaning or the stream layout change, so stale caches are never reused.
 DATA_VERSION = "engram-data-2"
@@ -92,8 +93,9 @@ class DataConfig:
 
 
 class Corpus:
-    """A prepared folder opened for training: each split's tokens (``streams``, memory-mapped), the
-    model's vocabulary, and what came with the data (tokenizer, compression map, id counts)."""
+    """A prepared folder opened for training: each split's tokens (``streams``, read from the shard
+    files window by window), the model's vocabulary, and what came with the data (tokenizer,
+    compression map, id counts)."""
 
     def __init__(self, folder: Path, manifest: dict[str, Any], vocab: str = "corpus"):
         self.folder, self.manifest = Path(folder), manifest
@@ -124,8 +126,8 @@ class Corpus:
 
     @property
     def train(self) -> np.ndarray:
-        """The whole training stream [n] (memory-mapped when it is one shard; whole-corpus analyses
-        only: training reads ``streams``)."""
+        """The whole training stream [n] (memory-mapped when it is one shard, else joined in memory:
+        for whole-corpus analyses; training reads windows from ``streams``)."""
         return self.streams["train"].array()
 
     @property
@@ -199,7 +201,7 @@ def _like(a: np.ndarray, device: torch.device | None) -> Any:
 # -- opening ---------------------------------------------------------------------------------------
 
 def open_corpus(folder: str | Path, vocab: str = "corpus") -> Corpus:
-    """A prepared folder, checked (DataError naming why it is refused) and memory-mapped."""
+    """A prepared folder, checked (DataError naming why it is refused) and opened."""
     folder = Path(folder)
     manifest = shards.read_manifest(folder)
     shards.verify(folder, manifest)

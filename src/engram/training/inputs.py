@@ -64,9 +64,12 @@ class InputFile:
 
 # -- finding the files -----------------------------------------------------------------------------
 
-def discover(inputs: list[str], skips: Skips) -> tuple[list[InputFile], list[Path]]:
+def discover(inputs: list[str], skips: Skips,
+             out: str | Path | None = None) -> tuple[list[InputFile], list[Path]]:
     """(the files to read in order, the folders walked). A missing path or a glob matching nothing is
-    an error before anything is read."""
+    an error before anything is read. ``out`` (the folder being written) is never read, and a
+    folder holding it is not recorded (writing ``out`` changes it)."""
+    own = os.path.realpath(out) if out is not None else None
     files: list[InputFile] = []
     folders: list[Path] = []
     seen: set[str] = set()
@@ -83,23 +86,28 @@ def discover(inputs: list[str], skips: Skips) -> tuple[list[InputFile], list[Pat
                 raise InputNotFound(f"--input {arg}: no such file or folder")
             found = [(p, p.parent)]
         for path, root in found:
+            if own is not None and os.path.realpath(path) == own:
+                continue  # a glob matching the folder being written
             if not path.is_dir():
                 _add(files, seen, path, root, arg, skips)
                 continue
             folders.append(path)
-            inside = list(_walk(path, skips, folders))
+            inside = list(_walk(path, skips, folders, own))
             if not inside:
                 raise UserError(f"--input {arg}: no files in {path}")
             for sub in inside:
                 _add(files, seen, sub, root, arg, skips)
+    if own is not None:
+        folders = [f for f in folders if not (own + os.sep).startswith(os.path.realpath(f) + os.sep)]
     return files, folders
 
 
-def _walk(folder: Path, skips: Skips, folders: list[Path]) -> Iterator[Path]:
+def _walk(folder: Path, skips: Skips, folders: list[Path], own: str | None) -> Iterator[Path]:
     for dirpath, dirnames, filenames in os.walk(folder):
         for d in [d for d in dirnames if d.startswith(".")]:
             skips.add("hidden folder", str(Path(dirpath) / d))
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
+                             and os.path.realpath(Path(dirpath) / d) != own)
         folders.extend(Path(dirpath) / d for d in dirnames)
         for name in sorted(filenames):
             if name.startswith("."):

@@ -141,7 +141,6 @@ def write_corpus(docs: Iterable[Doc], out: str | Path, tok: Any, eos_token: str,
 
     t0 = time.perf_counter()
     out, skips = Path(out), skips or Skips()
-    folder = _claim(out)
     tok = getattr(tok, "backend_tokenizer", tok)
     eos = tok.token_to_id(eos_token)
     if eos is None:
@@ -149,8 +148,9 @@ def write_corpus(docs: Iterable[Doc], out: str | Path, tok: Any, eos_token: str,
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     fp = tokenizer_fingerprint(tok)
     tok_json = tok.to_str()
-    tok_sha = shards.save_file(out / "tokenizer.json", lambda f: f.write(tok_json.encode()))
     comp = build_compression(tok)
+    folder = _claim(out)  # every check above first: a finished folder stays whole until here
+    tok_sha = shards.save_file(out / "tokenizer.json", lambda f: f.write(tok_json.encode()))
     comp_sha = shards.save_file(out / "compression.npy", lambda f: np.save(f, comp.lookup))
     settings = json.dumps({"format": shards.FORMAT, "tokenizer": fp, "eos": eos,
                            "val_fraction": float(val_fraction), "split_seed": split_seed})
@@ -298,7 +298,7 @@ def _skipped_line(skips: Skips) -> str:
 def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
     """``engram prepare``: read cfg's sources and inputs, tokenise, write cfg.out; the manifest."""
     skips = Skips()
-    files, folders = discover(cfg.input, skips)
+    files, folders = discover(cfg.input, skips, out=cfg.out)
     check_fields(files, cfg.text_field)  # a wrong --text_field fails now, not mid-way
     tok, configured = load_tokenizer(cfg.tokenizer)
     eos_token, _ = end_of_text(tok, cfg.eos_token, configured)

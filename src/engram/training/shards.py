@@ -1,5 +1,5 @@
 """A prepared corpus on disk: token shards, their index and a manifest (``engram prepare`` writes
-it, training reads it memory-mapped).
+it; training reads windows from it, ``streams``).
 
     DIR/manifest.json            written last; names every shard with its digests, so a manifest
                                  never names a missing or partial shard
@@ -32,6 +32,7 @@ import numpy as np
 
 from ..errors import InputNotFound, UserError
 from ..files import publish_bytes, publish_text
+from .streams import NpyFile, TokenStream
 
 FORMAT = "engram-shards-1"  # bump when the layout changes: older folders are refused, not misread
 SPLITS = ("train", "val")
@@ -75,7 +76,7 @@ def shard_files(folder: Path, name: str) -> dict[str, Path]:
 def write_shard(folder: Path, name: str, streams: dict[str, np.ndarray],
                 index: dict[str, np.ndarray], meta: dict[str, Any]) -> dict[str, Any]:
     """Publish one shard's files, then its JSON (the mark that the shard is whole); returns the
-    JSON's content, ``meta`` plus the files' digests."""
+    JSON's content (``meta`` plus the files' digests) less the document ids."""
     files = shard_files(folder, name)
     digests = {s: _save_npy(files[s], streams[s].astype(np.int32, copy=False)) for s in SPLITS}
     publish_bytes(files["index"], lambda f: np.savez(f, **index))
@@ -83,7 +84,13 @@ def write_shard(folder: Path, name: str, streams: dict[str, np.ndarray],
     meta = {**meta, "name": name, "sha256": digests,
             "tokens": {s: int(len(streams[s])) for s in SPLITS}}
     publish_text(folder / f"{name}.json", json.dumps(meta))
-    return meta
+    return _without_ids(meta)
+
+
+def _without_ids(meta: dict[str, Any]) -> dict[str, Any]:
+    """A shard's JSON as ``prepare`` keeps it in memory: without its document ids, which can
+    outnumber everything else (a corpus of short records), so prepare's memory stays flat."""
+    return {k: v for k, v in meta.items() if k != "doc_ids"}
 
 
 def finished_shard(folder: Path, name: str, input_digest: str) -> dict[str, Any] | None:
@@ -95,7 +102,7 @@ def finished_shard(folder: Path, name: str, input_digest: str) -> dict[str, Any]
             return None
         files = shard_files(folder, name)
         if all(sha256_file(files[k]) == meta["sha256"][k] for k in files):
-            return meta
+            return _without_ids(meta)
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return None
@@ -196,80 +203,22 @@ def _check(path: Path, want: str, why: str) -> None:
         raise DataError(f"{path}: {why}; rerun `engram prepare` (it redoes only that shard)")
 
 
-# -- reading ---------------------------------------------------------------------------------------
-
-class TokenStream:
-    """One split's tokens: the shards' arrays back to back, memory-mapped and never joined, so a
-    window costs the pages it touches whatever the corpus's size."""
-
-    def __init__(self, parts: list[np.ndarray]):
-        self.parts = [p for p in parts if len(p)]  # [n_k] per shard; empty shards hold nothing
-        self.sizes = np.asarray([len(p) for p in self.parts], dtype=np.int64)  # [shards]
-        self.ends = np.cumsum(self.sizes)  # [shards]
-        self.begins = self.ends - self.sizes  # [shards]
-        self._whole: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return int(self.ends[-1]) if len(self.ends) else 0
-
-    def read(self, lo: int, hi: int) -> np.ndarray:
-        """Tokens [lo, hi) as one array [hi - lo] (a view when they lie in one shard)."""
-        if not 0 <= lo <= hi <= len(self):
-            raise IndexError(f"tokens [{lo}, {hi}) lie outside the stream of {len(self)}")
-        k = int(np.searchsorted(self.ends, lo, side="right"))
-        pieces = []
-        while lo < hi:
-            start = int(self.ends[k - 1]) if k else 0
-            end = min(hi, int(self.ends[k]))
-            pieces.append(self.parts[k][lo - start:end - start])
-            lo, k = end, k + 1
-        if not pieces:
-            return np.empty(0, dtype=np.int32)
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-
-    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
-        """starts [b] -> tokens [b, length]: row i is tokens [starts[i], starts[i] + length)."""
-        starts = np.asarray(starts, dtype=np.int64)  # [b]
-        dtype = np.result_type(*self.parts) if self.parts else np.int32
-        out = np.empty((len(starts), length), dtype=dtype)  # [b, length]
-        if not len(starts):
-            return out
-        if starts.min() < 0 or starts.max() + length > len(self):
-            raise IndexError(f"windows of {length} from {starts.min()}..{starts.max()} lie outside "
-                             f"the stream of {len(self)}")
-        k = np.searchsorted(self.ends, starts, side="right")  # [b] the shard each window starts in
-        offset = starts - self.begins[k]  # [b] where in that shard
-        inside = offset + length <= self.sizes[k]  # [b]
-        for part in np.unique(k[inside]):  # one gather per shard: most windows lie in one
-            rows = np.flatnonzero(inside & (k == part))
-            out[rows] = self.parts[part][offset[rows, None] + np.arange(length)]
-        for r in np.flatnonzero(~inside):  # a window across a shard boundary
-            out[r] = self.read(int(starts[r]), int(starts[r]) + length)
-        return out
-
-    def array(self) -> np.ndarray:
-        """The whole split as one array [n]: the memory map itself for one shard, else joined in
-        memory (whole-corpus analyses only; training reads windows)."""
-        if self._whole is None:
-            self._whole = (self.parts[0] if len(self.parts) == 1 else
-                           np.concatenate(self.parts) if self.parts else np.empty(0, np.int32))
-        return self._whole
-
+# -- reading -----------------------------------------------------------------------------------
 
 def open_streams(out: Path, manifest: dict[str, Any]) -> dict[str, TokenStream]:
-    """Each split's stream, memory-mapped shard by shard (read-only)."""
-    parts: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+    """Each split's stream over its shard files (``streams.TokenStream``)."""
+    parts: dict[str, list[NpyFile]] = {s: [] for s in SPLITS}
     for s in manifest["shards"]:
-        for split, path in shard_files(out / "shards", s["name"]).items():
-            if split == "index":
-                continue
-            n = s["tokens"][split]
-            # A plain ndarray over the map: the same pages, without np.memmap's per-slice cost.
-            a = np.asarray(np.load(path, mmap_mode="r", allow_pickle=False)) if n \
-                else np.empty(0, np.int32)
-            if a.dtype != np.int32 or a.shape != (n,):
-                raise DataError(f"{path} holds {a.dtype} {a.shape}, the manifest says int32 ({n},)")
-            parts[split].append(a)
+        for split in SPLITS:
+            path = shard_files(out / "shards", s["name"])[split]
+            try:
+                f = NpyFile(path)
+            except (OSError, ValueError) as e:
+                raise DataError(f"{path} is not a token array ({e}); rerun `engram prepare`") from None
+            if f.dtype != np.int32 or len(f) != s["tokens"][split]:
+                raise DataError(f"{path} holds {f.dtype} ({len(f)},), the manifest says int32 "
+                                f"({s['tokens'][split]},)")
+            parts[split].append(f)
     return {s: TokenStream(p) for s, p in parts.items()}
 
 
