@@ -5,6 +5,7 @@ it with `engram eval` (unseen tokens as context, left out as targets), and count
 paragraphs a run could score at all if unseen tokens were refused (the old behaviour).
 
     python benchmarks/eval_docstrings.py RUN_DIR [RUN_DIR ...] --json out/eval.json
+    python benchmarks/eval_docstrings.py --smoke --json out/eval.json   # a tiny run trained here (CI)
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ MODULES = ("os", "json", "re", "collections", "itertools", "functools", "pathlib
            "heapq", "bisect")
 
 
-def docstrings() -> str:
+def docstrings(modules: tuple[str, ...] = MODULES) -> str:
     docs = []
-    for m in MODULES:
+    for m in modules:
         for name, obj in sorted(vars(importlib.import_module(m)).items()):
             if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)
                                             or inspect.isbuiltin(obj)):
@@ -40,13 +41,29 @@ def docstrings() -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("runs", nargs="+")
+    p.add_argument("runs", nargs="*", help="engram train --out_dir folders")
     p.add_argument("--json", default="out/eval_docstrings.json")
     p.add_argument("--text", default="out/python_docstrings.txt")
+    p.add_argument("--smoke", action="store_true",
+                   help="train a tiny run (2 steps) in a temp folder and score it on two modules")
     a = p.parse_args()
+    if not a.runs and not a.smoke:
+        p.error("give at least one run folder (or --smoke)")
     torch.set_num_threads(1)
+    modules = MODULES
+    if a.smoke:
+        import tempfile
+
+        from engram.training.train import TrainConfig, train
+
+        tmp = tempfile.mkdtemp(prefix="engram-eval-docstrings-")
+        a.runs, a.text, modules = [f"{tmp}/run"], f"{tmp}/docstrings.txt", MODULES[:2]
+        train(TrainConfig(out_dir=a.runs[0], max_chars=30_000, n_layer=2, d_model=32, n_head=2,
+                          table_size=997, n_embed_per_ngram=32, n_head_per_ngram=2,
+                          engram_layers=(0,), steps=2, batch_size=2, seq_len=16, eval_every=2,
+                          eval_batches=1, warmup=1), progress=False)
     Path(a.text).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.text).write_text(docstrings())
+    Path(a.text).write_text(docstrings(modules))
     out = {}
     for run in a.runs:
         res = run_eval(run, EvalConfig(text=a.text), progress=False)

@@ -1,6 +1,6 @@
 """float32 matrix products here: the route engram/gemm.py chooses against each backend forced.
 
-    python benchmarks/gemm_backends.py [--json benchmarks/results/gemm_backends.json]
+    python benchmarks/gemm_backends.py [--json benchmarks/results/gemm_backends.json] [--smoke]
 
 For each shape this package multiplies (the compare model's attention, SwiGLU, MoE experts, LM
 head, adaptive-softmax tail and Engram value + key GEMM at d = 128; the module's GEMM at the
@@ -96,7 +96,13 @@ def main() -> None:
     ap.add_argument("--note", default="", help="recorded with the figures")
     ap.add_argument("--user_cache", action="store_true",
                     help="use the decisions already in the user's cache instead of measuring")
+    ap.add_argument("--smoke", action="store_true",
+                    help="three small shapes, one thread, minimal samples (CI)")
     args = ap.parse_args()
+    shapes = SHAPES
+    if args.smoke:
+        args.budget_s, args.threads = 0.0, "1"
+        shapes = [s for s in SHAPES if s[0] in ("attn proj", "moe expert", "decode qkv")]
     if any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):
         # glibc reads these at process start: start again with them
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
@@ -114,7 +120,7 @@ def main() -> None:
     for th in (int(s) for s in args.threads.split(",")):
         torch.set_num_threads(th)
         rows = {}
-        for name, n, i, o in SHAPES:
+        for name, n, i, o in shapes:
             t0 = time.perf_counter()
             chosen = gemm.route(n, i, o)
             decide_s = time.perf_counter() - t0

@@ -1,6 +1,6 @@
 """The Engram module at the official demo's shapes: ours vs a plain port of the demo's module.
 
-    python benchmarks/module.py [--json benchmarks/results/module.json] [--profile]
+    python benchmarks/module.py [--json benchmarks/results/module.json] [--profile] [--smoke]
 
 Shapes of engram_demo_v1.py: hidden 1024, hc_mult 4, N = 3, 8 heads x 2 orders, 512 per order
 (d_mem 1024), batch 4 x 512. Tables are smaller than the demo's 10.3M rows (--table_size per order,
@@ -195,7 +195,11 @@ def main() -> None:
                     help="measure without compare's allocator settings")
     ap.add_argument("--compile", action="store_true",
                     help="also time a torch.compile'd plain-ops version (compile time recorded)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, one round each (CI)")
     args = ap.parse_args()
+    if args.smoke:
+        args.batch, args.seq, args.hidden, args.d_ngram, args.heads = 1, 16, 64, 32, 2
+        args.table_size, args.rounds, args.warmup, args.decode_rounds = 500, 1, 0, 2
     if not args.no_allocator_env and any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):
         # glibc reads them at start-up only: start again with them set.
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})

@@ -1,7 +1,7 @@
 """Engram-Nine's cost: hot-tier lookup and training-step tokens/s vs the hashed tables, and the
 memory of the MPHF + fingerprints per hot key.
 
-    python benchmarks/nine.py [--json benchmarks/results/nine/bench.json] [--steps 20]
+    python benchmarks/nine.py [--json benchmarks/results/nine/bench.json] [--steps 20] [--smoke]
 
 1. Lookup. Token ids -> ids for the model, per batch of the study (16 x 128): the plain hasher
    (compression + multi-head hashing) vs the Nine hasher (the same + exact n-gram keys + hot index
@@ -84,10 +84,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed training steps per model")
     ap.add_argument("--rounds", type=int, default=40, help="timed lookup batches per variant")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--smoke", action="store_true", help="a small corpus, 2 steps, 2 rounds (CI)")
     a = ap.parse_args()
+    if a.smoke:
+        a.steps, a.rounds = 2, 2
     torch.set_num_threads(a.threads)
     sc = NineStudyConfig()
-    base = budget(TrainConfig(out_dir="/tmp/engram-bench-nine"), sc)
+    small = dict(max_chars=200_000, d_model=32, n_head=2) if a.smoke else {}
+    base = budget(TrainConfig(out_dir="/tmp/engram-bench-nine", **small), sc)
     corpus = build_corpus(base.data_config())
     cfgs = study_configs(base, sc)
     names = ["hash-10k", "nine-2k/8k"]

@@ -1,7 +1,7 @@
 """Serving an Engram-Nine run from table files: decode tokens/s per tier vs the memory tier, and vs a
 plain hashed run of the same shape served the same way.
 
-    python benchmarks/nine_serving.py [--json benchmarks/results/nine_serving/bench.json]
+    python benchmarks/nine_serving.py [--json benchmarks/results/nine_serving/bench.json] [--smoke]
 
 Trains two small runs on the package corpus (KJV + People's Daily) in a temporary folder: Nine
 (one table set shared by the Engram layers, ``--hot_rows`` per order) and plain hashed tables.
@@ -39,12 +39,17 @@ def main() -> None:
     p.add_argument("--new_tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--smoke", action="store_true", help="a tiny model, 2 steps, 1 round (CI)")
     a = p.parse_args()
+    small = dict(n_layer=2, d_model=32, table_size=997) if a.smoke else {}
+    if a.smoke:
+        a.steps, a.hot_rows, a.new_tokens, a.rounds = 2, 100, 4, 1
     torch.set_num_threads(a.threads)
     shape = dict(max_chars=400_000, n_layer=4, d_model=128, n_head=4, seq_len=64, batch_size=8,
                  table_size=20_011, n_embed_per_ngram=64, n_head_per_ngram=2,
                  engram_layers=(1, 2, 3), warmup=2, eval_every=10_000, ckpt_every=a.steps,
                  steps=a.steps, threads=a.threads)
+    shape.update(small, engram_layers=(0, 1) if a.smoke else shape["engram_layers"])
     runs = {"nine": dict(hot_rows=a.hot_rows, shared_tables=True), "plain": {}}
     gen_cfg = GenerationConfig(max_new_tokens=a.new_tokens)
     with tempfile.TemporaryDirectory(prefix="nine-serving-") as tmp:

@@ -2,12 +2,16 @@
 
     python benchmarks/offload.py --json out/offload.json [--png out/offload_hit_rate.png]
     python benchmarks/offload.py --beyond-gb 32 --json out/beyond.json   # a table larger than RAM
+    python benchmarks/offload.py --smoke --json out/offload.json   # tiny tables, every tier (CI)
 
 Measures, in one process and against the in-memory baseline measured in the same run (machines are
 noisy; tiers are interleaved batch by batch):
-  prefill and decode tokens/s with the tables (a) in memory, (b) in a table file through the page
-  cache, (c) in a table file behind the hot cache + background prefetch, (d) like (c) after the
-  file's pages were evicted (posix_fadvise DONTNEED);
+  prefill and decode tokens/s with the tables (a) in the model's memory (``model``, the baseline),
+  (b) on each tier of the tier registry named in --tiers (engram.tables.registry; default the ones
+  that read the table files where they lie: ``file``, the page cache; ``shared``, one mapping for
+  every process; ``pool``, a pool region filled from the files), (c) in table files behind the hot
+  cache + background prefetch (``file_cached``), (d) like (c) after the files' pages were evicted
+  (posix_fadvise DONTNEED; ``file_cold_cached``, and ``_lookahead`` announcing the next batch);
   gather rows/s of the file tier vs torch.index_select on an in-memory tensor;
   cache hit rate vs cache size (fraction of the table) on real tokenised text (held-out split, the
   static part chosen by n-gram row frequency on the training split), with the rows' fitted Zipf
@@ -45,7 +49,9 @@ from engram import (
     build_compression,
     build_engram,
 )
-from engram.tables.cache import build_cache, count_rows, zipf_exponent
+from engram.gemm import cpu_model
+from engram.tables.cache import build_cache, zipf_exponent
+from engram.tables.registry import TIERS
 from engram.tables.tablefile import table_path, write_table
 from engram.tables.tiers import FileTable
 from engram.training.corpus import DataConfig, build_corpus
@@ -53,6 +59,7 @@ from engram.training.export import export_tables
 
 sys.path.insert(0, str(Path(__file__).parent))
 from offload_tiers import (  # noqa: E402  (benchmarks/offload_tiers.py)
+    BASELINE,
     Tiers,
     bench_decode,
     bench_prefill,
@@ -62,6 +69,8 @@ from offload_tiers import (  # noqa: E402  (benchmarks/offload_tiers.py)
     stats_of,
 )
 
+# The registered tiers that read the table files where they lie (the others copy them into memory).
+DISK_TIERS = ("file", "shared", "pool")
 FRACTIONS = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
 
 
@@ -220,9 +229,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-mb", type=int, default=512, help="address-space budget of that run")
     p.add_argument("--only-beyond", action="store_true")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--max-chars", type=int, default=None, help="per corpus source (None: all)")
+    p.add_argument("--tiers", default=",".join(DISK_TIERS),
+                   help=f"registered tiers to serve from besides the baseline, of {TIERS} (the "
+                        "in-memory ones hold another copy of the tables each)")
     p.add_argument("--tmp", default=None, help="folder for the table files (removed at the end)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny tables and rounds: the whole script in seconds (CI)")
     p.add_argument("--_beyond-child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.smoke:
+        args.table_gb, args.reps, args.decode_reps, args.new_tokens = 0.004, 2, 1, 3
+        args.prefill_len, args.decode_batch, args.decode_prompt = 32, 2, 8
+        args.beyond_gb, args.budget_mb, args.max_chars = 0.2, 64, 200_000
+        args.tiers = ",".join(TIERS)  # every tier: tiny tables
+    if set(args.tiers.split(",")) - set(TIERS):
+        p.error(f"--tiers: unknown {sorted(set(args.tiers.split(',')) - set(TIERS))}; of {TIERS}")
     if args._beyond_child:
         beyond_ram_child(args._beyond_child[0], int(args._beyond_child[1]))
         return 0
@@ -235,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.only_beyond:
             t0 = time.perf_counter()
-            corpus = build_corpus(DataConfig())
+            corpus = build_corpus(DataConfig(max_chars=args.max_chars))
             mc = reference_model(args.table_gb, corpus.vocab_size)
             hasher = NgramHasher(mc.engram, build_compression())
             torch.manual_seed(0)
@@ -246,9 +268,10 @@ def main(argv: list[str] | None = None) -> int:
             folders = {k: folder / k for k in ("warm", "cold", "ahead")}
             for f in folders.values():  # one copy per tier that must be evicted on its own
                 export_tables(memory, f, hasher=hasher, tag="offload", progress=True)
-            counts = count_rows(hasher, corpus.train)
-            tiers = Tiers(memory, folders, hasher, counts, args.cache_fraction, args.io_threads)
-            served = tiers.all(lookahead=True)
+            reads = hasher.count_reads(corpus.train)  # {layer: {part: counts}}: the hot caches'
+            counts = {lid: r["cold"] for lid, r in reads.items()}
+            tiers = Tiers(memory, folders, hasher, reads, args.cache_fraction, args.io_threads)
+            served = tiers.all(lookahead=True, registered=tuple(args.tiers.split(",")))
             cold_files = served["file_cold_cached"].evict
             for f in cold_files:
                 f.evict()
@@ -259,14 +282,14 @@ def main(argv: list[str] | None = None) -> int:
             stats = {"prefill_lookahead": stats_of(lookahead.model)}
             close({"ahead": lookahead})
             decode, same_decode = bench_decode(served, corpus, hasher, args)
-            stats.update({k: stats_of(t.model) for k, t in served.items() if k != "memory"})
+            stats.update({k: stats_of(t.model) for k, t in served.items() if k != BASELINE})
             close(served)
             result = {"prefill": prefill, "decode": decode,
                       "gather": bench_gather(memory, folders["warm"], hasher, corpus,
                                              args.io_threads),
                       "cache": bench_hit_rate(hasher, mc.engram, corpus, counts, png)}
-            result["ratios"] = {ph: {k: v / result[ph]["memory"]
-                                     for k, v in result[ph].items() if k != "memory"}
+            result["ratios"] = {ph: {k: v / result[ph][BASELINE]
+                                     for k, v in result[ph].items() if k != BASELINE}
                                 for ph in ("prefill", "decode")}
             result["setup"] = {
                 "table_bytes": table_bytes, "cache_fraction": args.cache_fraction,
@@ -283,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                 "tiers_agree": {"prefill_logits": same_prefill.pop("same"),
                                 "decode_tokens": same_decode.pop("same")},
                 "prefill_detail": same_prefill, "decode_detail": same_decode,
-                "tier_stats": stats, "cpus": os.cpu_count(),
+                "tier_stats": stats, "cpus": os.cpu_count(), "cpu": cpu_model(),
+                "tiers": args.tiers.split(","), "tiers_skipped": tiers.skipped,
                 "loadavg_1min": [load0, os.getloadavg()[0]]}  # other jobs on the machine
             del memory, tiers, served, lookahead
         result["beyond_ram"] = bench_beyond_ram(folder, args.beyond_gb, args.budget_mb)
@@ -297,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         for ph in ("prefill", "decode"):
             r = result["ratios"][ph]
             q = result["setup"][f"{ph}_detail"]["paired_ratios"]
-            print(f"{ph}: memory {result[ph]['memory']:.0f} tok/s; vs memory: "
+            print(f"{ph}: {BASELINE} {result[ph][BASELINE]:.0f} tok/s; vs {BASELINE}: "
                   + ", ".join(f"{k} {v:.3f}x (paired {q[k]:.3f})" for k, v in r.items()))
         g, c = result["gather"], result["cache"]
         print(f"gather: file {g['rows_per_s']:.3g} rows/s, index_select "

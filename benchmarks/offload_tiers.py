@@ -1,6 +1,9 @@
-"""The tiers of benchmarks/offload.py: one reference model served from memory, from a table file,
-and from a table file behind the hot cache + prefetch (warm or with its pages evicted), and the
-prefill / decode timing loops that run them side by side.
+"""The tiers of benchmarks/offload.py: one reference model served from its own tables in memory
+(``model``, the baseline), from every tier of the tier registry that opens on this machine
+(``engram.tables.registry``: memory, file, pinned, shared, pool, sharded, mooncake; by their
+registry names), and from the file tier behind the hot cache + prefetch (``file_cached``; with its
+pages evicted before every timed call, ``file_cold_cached``; also announcing the next batch,
+``file_cold_cached_lookahead``), and the prefill / decode timing loops that run them side by side.
 
 Kept apart from the script so that it reads in one sitting: this module builds and times the tiers,
 offload.py measures gather, hit rate and the beyond-RAM table, and writes the JSON.
@@ -18,10 +21,12 @@ import numpy as np
 import torch
 
 from engram import EngramConfig, EngramLM, ModelConfig, NgramHasher
-from engram.serving.generate import load_dense_state
-from engram.tables.cache import build_cache
-from engram.tables.prefetch import prefetch_batch, wrap_prefetch
-from engram.tables.tiers import FileTable, open_tables
+from engram.serving.loader import load_dense_state
+from engram.tables.prefetch import prefetch_batch
+from engram.tables.registry import REGISTRY, open_tier
+from engram.tables.tiers import FileTable
+
+BASELINE = "model"  # the trained model's own tables, in memory: every ratio is against it
 
 
 def reference_model(table_gb: float, vocab_size: int) -> ModelConfig:
@@ -62,32 +67,40 @@ class Tiers:
     pages can be evicted before every timed call while the other tiers keep theirs mapped."""
 
     def __init__(self, memory: EngramLM, folders: dict[str, Path], hasher: NgramHasher,
-                 counts: dict[int, torch.Tensor], cache_fraction: float, io_threads: int):
+                 counts: dict[int, dict[str, torch.Tensor]], cache_fraction: float,
+                 io_threads: int):
         self.memory, self.folders, self.hasher = memory, folders, hasher
         self.counts, self.fraction, self.io_threads = counts, cache_fraction, io_threads
         self.state = memory.state_dict()
+        self.skipped: dict[str, str] = {}  # registered tiers that cannot open here, and why
 
-    def _model(self, tables) -> EngramLM:
+    def _served(self, tier: str, folder: str, cached: bool = False) -> EngramLM:
+        """The model with its tables on ``tier`` (registry name) from ``folder``'s files, behind
+        the hot cache and prefetch when ``cached``."""
+        tables = open_tier(tier, self.folders[folder], self.memory.config.engram, self.hasher,
+                           counts=self.counts if cached else None,
+                           cache_fraction=self.fraction if cached else 0.0, prefetch=cached,
+                           verify=False)
         m = EngramLM(self.memory.config, tables=tables)
-        load_dense_state(m, self.state)
+        load_dense_state(m, self.state, outside=tables)
         return m.eval()
 
-    def _files(self, folder: str, **kw) -> dict[int, FileTable]:
-        return open_tables(self.folders[folder], self.memory.config.engram, self.hasher,
-                           verify=False, **kw)
-
-    def cached(self, folder: str) -> EngramLM:
-        files = self._files(folder, io_threads=self.io_threads)
-        return self._model(wrap_prefetch({lid: build_cache(t, self.counts[lid], self.fraction)
-                                          for lid, t in files.items()}))
-
-    def all(self, lookahead: bool) -> dict[str, Tier]:
-        out = {"memory": Tier(self.memory), "file": Tier(self._model(self._files("warm"))),
-               "file_cached": Tier(self.cached("warm"), prefetch=True)}
-        cold = self.cached("cold")
+    def all(self, lookahead: bool, registered: tuple[str, ...] = tuple(REGISTRY)) -> dict[str, Tier]:
+        """The baseline, the ``registered`` tiers (registry names) that open here, and the file
+        tier behind the hot cache and prefetch, warm and cold."""
+        out = {BASELINE: Tier(self.memory)}
+        for name in registered:
+            tier = REGISTRY[name]
+            why = tier.missing()
+            if why:
+                self.skipped[name] = why
+            else:
+                out[name] = Tier(self._served(name, "warm"))
+        out["file_cached"] = Tier(self._served("file", "warm", cached=True), prefetch=True)
+        cold = self._served("file", "cold", cached=True)
         out["file_cold_cached"] = Tier(cold, True, file_tables(cold))
         if lookahead:
-            ahead = self.cached("ahead")
+            ahead = self._served("file", "ahead", cached=True)
             out["file_cold_cached_lookahead"] = Tier(ahead, True, file_tables(ahead), True)
         return out
 
@@ -104,10 +117,16 @@ def file_tables(model: EngramLM) -> list[FileTable]:
 
 
 def close(tiers: dict[str, Tier]) -> None:
+    """Release every store a served model holds (file mappings, pools, a Mooncake session)."""
     for name, tier in tiers.items():
-        if name != "memory":
-            for f in file_tables(tier.model):
-                f.close()
+        if name == BASELINE:
+            continue
+        for e in tier.model.engrams().values():
+            t = e.table
+            while t is not None:
+                if hasattr(t, "close"):
+                    t.close()
+                t = getattr(t, "inner", None)
 
 
 def stats_of(model: EngramLM) -> dict:
@@ -128,14 +147,14 @@ def _summary(times: dict[str, list[float]], tokens: int) -> tuple[dict, dict]:
     ran all tiers back to back, so load from other jobs on a shared machine cancels in them)."""
     med = {k: tokens / float(np.median(v)) for k, v in times.items()}
     return med, {"best_tok_s": {k: tokens / min(v) for k, v in times.items()},
-                 "paired_ratios": _paired(times), "rounds": len(times["memory"])}
+                 "paired_ratios": _paired(times), "rounds": len(times[BASELINE])}
 
 
 def _paired(times: dict[str, list[float]]) -> dict[str, float]:
     """Median over rounds of t_memory / t_tier: tiers of one round ran back to back, so load from
     other jobs on the machine cancels out better than in a ratio of medians."""
-    mem = np.asarray(times["memory"])
-    return {k: float(np.median(mem / np.asarray(v))) for k, v in times.items() if k != "memory"}
+    mem = np.asarray(times[BASELINE])
+    return {k: float(np.median(mem / np.asarray(v))) for k, v in times.items() if k != BASELINE}
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """RowAdam step time follows touched rows, not table size; dense Adam for contrast.
 
-    python benchmarks/optim.py --json optim.json
+    python benchmarks/optim.py --json optim.json [--smoke]
 
 The same Zipf-ranked id batches (n-gram traffic is Zipfian, spec section 4), hashed over each
 table's full row range so every table sees the same number of distinct rows a step, drive a small
@@ -114,7 +114,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads; 1 by default: on a shared 2-core box a 2-thread parallel "
                          "region stalls a scheduler slice (~8 ms) whenever the other core is busy")
+    ap.add_argument("--smoke", action="store_true", help="small tables, 3 steps (CI)")
     args = ap.parse_args()
+    if args.smoke:
+        args.small, args.large, args.batch, args.steps, args.warmup = 10_000, 100_000, 512, 3, 1
     torch.set_num_threads(args.threads)
     res = run(args.small, args.large, args.dim, args.batch, args.steps, args.warmup, args.zipf)
     res["config"]["threads"] = args.threads

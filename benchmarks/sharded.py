@@ -1,6 +1,6 @@
 """Sharded lookup cost against the all-to-all it cannot avoid, and bytes moved against the minimum.
 
-    python benchmarks/sharded.py --world 2 --json sharded.json
+    python benchmarks/sharded.py --world 2 --json sharded.json [--smoke]
 
 ``--world`` gloo processes on loopback (or run under torchrun, which sets the environment) hold a
 row-sharded table. Every step each rank looks up ``tokens x heads`` Zipf-ranked ids (n-gram traffic
@@ -141,7 +141,10 @@ def main() -> None:
     ap.add_argument("--local", type=int, default=1,
                     help="also time the lookup's local work alone (holds a whole table per rank)")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--smoke", action="store_true", help="a small table, 2 steps (CI)")
     args = ap.parse_args()
+    if args.smoke:
+        args.rows, args.tokens, args.steps, args.warmup = 10_000, 64, 2, 1
     if "RANK" in os.environ:  # torchrun
         worker(args)
     else:

@@ -1,6 +1,6 @@
 """Training speed: tokens/s dense vs Engram, RowAdam 1M vs 50M rows, and peak memory.
 
-    python benchmarks/train.py [--json out/bench_train.json]
+    python benchmarks/train.py [--json out/bench_train.json] [--smoke]
 
 1. Throughput. The `engram compare` configs (dense, and Engram with the FFN trimmed to the same
    activated parameters) train on the package corpus, step by step interleaved in one process (so
@@ -17,11 +17,10 @@
    benchmarks/optim.py, run here with the same defaults): goal ~1, cost follows touched rows.
 4. Where a step goes (``breakdown``): batch + hash ids, forward, backward, clip, optimisers, per
    variant (MoE too), in CPU time (robust to other processes on the machine), and minor page faults.
-5. ``engram compare`` wall time estimate (``compare_estimate``): per variant, CPU seconds of start-up
-   (corpus + model), a training step, a 16-batch evaluation and the full final validation, put
-   together as compare runs them (480 steps, 5 evaluations + the full one, 2 seeds, slowest-first
-   on --workers processes). Each worker has a core of its own on a quiet machine, so CPU time is
-   the estimate of its wall time there; two processes sharing memory bandwidth run somewhat slower.
+``engram compare`` estimates its own wall time now, by timing the runs on its workers side by side
+before they start (studies/estimate.py); this script's single-process CPU-time estimate missed by
+2x on a machine where two runs side by side run much slower than one (issue 25), and is gone.
+benchmarks/side_by_side.py measures that slowdown.
 
 The measuring process runs with the allocator settings compare gives its workers
 (engram.training.train.ALLOCATOR_ENV); --no_allocator_env measures without them (as before).
@@ -46,7 +45,7 @@ from engram import Engram, gemm
 from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.training.corpus import build_corpus
 from engram.training.optim import clip_grad_norm_
-from engram.training.train import TrainConfig, build_run, evaluate, train_step
+from engram.training.train import TrainConfig, build_run, train_step
 
 try:
     from engram.training.train import ALLOCATOR_ENV
@@ -69,8 +68,14 @@ def reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
+# --smoke: a model and corpus small enough for CI (the code paths, not the figures)
+SMOKE = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, table_size=997,
+             n_embed_per_ngram=32, n_head_per_ngram=2, engram_layers=(0,))
+_small: dict = {}
+
+
 def configs(batch: int, seq: int, moe: bool = False) -> dict[str, TrainConfig]:
-    base = budget(TrainConfig(out_dir="/tmp/engram-bench-train", threads=1),
+    base = budget(TrainConfig(out_dir="/tmp/engram-bench-train", threads=1, **_small),
                   CompareConfig(batch_size=batch, seq_len=seq))
     corpus = build_corpus(base.data_config())
     return {k: v for k, v in variant_configs(base, corpus.vocab_size).items() if moe or k != "moe"}
@@ -171,36 +176,6 @@ def breakdown(cfgs: dict[str, TrainConfig], steps: int, warmup: int) -> dict:
             for n, r in rec.items()}
 
 
-def compare_estimate(cfgs: dict[str, TrainConfig], step_ms: dict[str, float], workers: int,
-                     seeds: int) -> dict:
-    """Compare's wall time from per-run CPU seconds (see the module docstring, part 5)."""
-    cc = CompareConfig()
-    n_evals = len(range(cc.eval_every, cc.steps, cc.eval_every))  # the last one is the full sweep
-    per = {}
-    for name, cfg in tqdm(cfgs.items(), desc="compare estimate (start-up, evaluations)"):
-        t0 = _cpu()
-        corpus = build_corpus(cfg.data_config())
-        run = build_run(cfg, corpus)
-        startup = _cpu() - t0
-        t0 = _cpu()
-        evaluate(run)
-        ev = _cpu() - t0
-        t0 = _cpu()
-        evaluate(run, full=True)
-        full = _cpu() - t0
-        train_s = cc.steps * step_ms[name] / 1e3
-        per[name] = {"startup_s": startup, "train_s": train_s, "eval_s": ev, "n_evals": n_evals,
-                     "full_val_s": full, "run_s": startup + train_s + n_evals * ev + full}
-    # Slowest runs first on the next free worker, as compare schedules them.
-    loads = [0.0] * workers
-    for name in sorted(per, key=lambda n: -per[n]["run_s"]):
-        for _ in range(seeds):
-            i = loads.index(min(loads))
-            loads[i] += per[name]["run_s"]
-    return {"per_run": per, "workers": workers, "seeds": seeds, "steps": cc.steps,
-            "wall_s_estimate": max(loads), "wall_min_estimate": max(loads) / 60}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the figures here")
@@ -212,11 +187,16 @@ def main() -> None:
     ap.add_argument("--optim_steps", type=int, default=30)
     ap.add_argument("--skip_optim", action="store_true", help="skip the 1M vs 50M rows part")
     ap.add_argument("--skip_memory", action="store_true", help="skip the peak memory part")
-    ap.add_argument("--breakdown_steps", type=int, default=12, help="0 skips parts 4 and 5")
-    ap.add_argument("--workers", type=int, default=2, help="compare's workers, for the estimate")
+    ap.add_argument("--breakdown_steps", type=int, default=12, help="0 skips part 4")
     ap.add_argument("--no_allocator_env", action="store_true",
                     help="measure without compare's allocator settings (ALLOCATOR_ENV)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny model and corpus, 2 steps of each part (CI)")
     args = ap.parse_args()
+    if args.smoke:
+        _small.update(SMOKE)
+        args.steps, args.warmup, args.batch, args.seq, args.memory_steps = 2, 1, 2, 16, 1
+        args.breakdown_steps, args.optim_steps = 2, 3
     if not args.no_allocator_env and any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):
         # glibc reads them at start-up only: start again with them set.
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
@@ -242,27 +222,21 @@ def main() -> None:
         all_cfgs = configs(args.batch, args.seq, moe=True)
         res["breakdown_cpu_ms"] = bd = breakdown(all_cfgs, args.breakdown_steps, 2)
         res["engram_over_dense_cpu"] = bd["dense"]["step"] / bd["engram"]["step"]
-        res["compare_estimate"] = est = compare_estimate(
-            all_cfgs, {n: r["step"] for n, r in bd.items()}, args.workers, 2)
         for name, r in bd.items():
             print(f"{name:>7}: step {r['step']:6.1f} ms CPU = " + ", ".join(
                 f"{p} {r[p]:.1f}" for p in ("batch", "forward", "backward", "clip", "optim"))
                 + f"; {r['faults']:,.0f} minor faults a step")
         print(f"Engram / dense tokens per CPU second: {res['engram_over_dense_cpu']:.3f}")
-        for name, r in est["per_run"].items():
-            print(f"{name:>7} run: start-up {r['startup_s']:.1f} s + training {r['train_s']:.0f} s"
-                  f" + {r['n_evals']} x eval {r['eval_s']:.1f} s + full validation "
-                  f"{r['full_val_s']:.1f} s = {r['run_s']:.0f} s CPU")
-        print(f"engram compare estimate on {args.workers} quiet cores: "
-              f"{est['wall_min_estimate']:.1f} min")
     if not args.skip_memory:
-        res["memory"] = mem = memory(cfgs, args.memory_steps)
+        # --smoke: one variant (a fresh process each costs seconds of imports)
+        res["memory"] = mem = memory({k: cfgs[k] for k in list(cfgs)[:1 if args.smoke else None]},
+                                     args.memory_steps)
     for name in cfgs:
         s = speed[name]
         print(f"{name:>7}: {s['tokens_per_s']:8,.0f} tok/s  ({s['median_step_s'] * 1e3:6.0f} ms a "
               f"step of {args.batch}x{args.seq}); active {s['active_params']:,}, tables "
               f"{s['table_params']:,}")
-        if not args.skip_memory:
+        if not args.skip_memory and name in mem:
             m = mem[name]
             print(f"{'':>9}model + optimisers {m['model_mib']:,.0f} MiB, peak RSS while training "
                   f"{m['peak_rss_train_mib']:,.0f} MiB (+{m['train_over_built_mib']:,.0f} MiB over "
@@ -276,7 +250,8 @@ def main() -> None:
               f"Engram {r['engram']:.2f}x tokens/s; Engram / dense with MKL "
               f"{res['engram_over_dense_tokens_per_s_mkl']:.3f}; CPU: {res['cpu']}")
     if not args.skip_optim:
-        res["optimizer"] = optim_bench.run(steps=args.optim_steps)
+        sizes = dict(small=10_000, large=100_000, batch=512, warmup=1) if args.smoke else {}
+        res["optimizer"] = optim_bench.run(steps=args.optim_steps, **sizes)
         o = res["optimizer"]
         print(f"RowAdam step, 50M / 1M rows at the same batch: {o['ratio_large_over_small']:.2f}x "
               f"(goal ~1); dense Adam / RowAdam at 1M rows: {o['ratio_dense_over_row_adam']:.1f}x; "

@@ -1,6 +1,6 @@
 """How far do last-bit differences move `engram compare`'s Engram result? One seed, many runs.
 
-    python benchmarks/ulp_noise.py [--json benchmarks/results/compare/ulp_noise.json]
+    python benchmarks/ulp_noise.py [--json benchmarks/results/compare/ulp_noise.json] [--smoke]
 
 Compare's Engram config (seed 0, its full 480 steps, final full validation) trained several times,
 each run identical up to rounding: the torch path of the table update, the numba kernels
@@ -68,8 +68,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {VARIANTS}")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny model, 2 steps, two variants, in a fresh temp folder (CI)")
     args = ap.parse_args()
-    base = budget(TrainConfig(), CompareConfig())
+    base, cc = TrainConfig(), CompareConfig()
+    if args.smoke:
+        import tempfile
+
+        base = TrainConfig(max_chars=30_000, n_layer=2, d_model=32, n_head=2, table_size=997,
+                           n_embed_per_ngram=32, n_head_per_ngram=2, engram_layers=(0,))
+        cc = CompareConfig(steps=2, batch_size=2, seq_len=16, eval_every=2, eval_batches=1)
+        args.variants, args.out_dir = "kernels,ulp@0", tempfile.mkdtemp(prefix="engram-ulp-")
+    base = budget(base, cc)
     corpus = build_corpus(base.data_config())
     cfg = dataclasses.replace(variant_configs(base, corpus.vocab_size)["engram"], seed=args.seed)
     jobs = [(v, dataclasses.replace(cfg, out_dir=f"{args.out_dir}/{v}"))

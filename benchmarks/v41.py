@@ -1,6 +1,6 @@
 """DeepSeek-V4.1 tables: FP8 row lookup + dequantisation vs an fp32 gather, and bytes per row.
 
-    python benchmarks/v41.py [--rows 262144] [--json benchmarks/results/v41.json]
+    python benchmarks/v41.py [--rows 262144] [--json benchmarks/results/v41.json] [--smoke]
 
 One layer's table at V4.1's head dim (256), stored four ways: fp32 rows, bf16 rows, FP8 rows with
 E8M0 scales (V4.1's format, one byte per 32 values) and FP8 rows with fp32 scales. Lookups of the
@@ -49,7 +49,10 @@ def main() -> None:
     p.add_argument("--json", default="benchmarks/results/v41.json")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeat", type=int, default=15)
+    p.add_argument("--smoke", action="store_true", help="a 4,096-row table, one timing each (CI)")
     a = p.parse_args()
+    if a.smoke:
+        a.rows, a.repeat = 4096, 1
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
     q = (torch.randn(a.rows, DIM, generator=g) * 40).to(torch.float8_e4m3fn)

@@ -1,7 +1,10 @@
 """vLLM serving an Engram model: decode tokens/s per table tier (vs in memory, same run) and a load
 test of the OpenAI server (200 concurrent requests, each checked against `engram generate`).
 
-    python benchmarks/vllm_serve.py --json benchmarks/results/vllm/serve.json
+    python benchmarks/vllm_serve.py --json benchmarks/results/vllm/serve.json [--smoke]
+
+``--smoke`` (CI): the export and the reference decode, then one vLLM engine run of two short
+prompts on the memory tier (no other tiers, no load test); without vLLM only the first two.
 
 vLLM runs in its own processes (``--vllm_python``, default ``$ENGRAM_VLLM_PYTHON`` or this Python).
 The model is an export of ``--run`` (a trained run) or, by default, a random-weight model on
@@ -50,6 +53,12 @@ def random_export(out: Path, seed: int = 0):
     counts = hasher.count_reads(torch.as_tensor(g.choice(vocab, 50_000)))
     export_model(model, hasher, vocab, out, counts=counts, tag="random")
     return model, hasher, vocab
+
+
+def has_vllm(python: str) -> bool:
+    """Whether ``python`` can import vllm (asked without importing it: that takes seconds)."""
+    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    return subprocess.run([python, "-c", code], capture_output=True).returncode == 0
 
 
 def prompts(vocab, n, seed, lo, hi):
@@ -120,7 +129,10 @@ def main() -> None:
     p.add_argument("--decode_tokens", type=int, default=64)
     p.add_argument("--load_requests", type=int, default=200)
     p.add_argument("--load_tokens", type=int, default=8)
+    p.add_argument("--smoke", action="store_true", help="see the module docstring (CI)")
     a = p.parse_args()
+    if a.smoke:
+        a.decode_requests, a.decode_tokens, a.load_requests, a.load_tokens = 2, 2, 2, 2
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="engram-vllm-"))
     out = work / "model"
@@ -134,6 +146,17 @@ def main() -> None:
     gen = Generator(model, hasher, vocab, GenerationConfig(max_new_tokens=a.load_tokens))
     result = {"model": a.run or "random (4 layers, d=128, Engram at 1 and 2, 2x20k rows x 4 heads)"}
     decode_ps = prompts(vocab, a.decode_requests, seed=1, lo=4, hi=32)
+    if a.smoke:
+        result["reference_tokens"] = gen.generate(decode_ps).tokens
+        if has_vllm(a.vllm_python):
+            r = engine_run(a.vllm_python, out, decode_ps, a.decode_tokens, TIERS["memory"], work)
+            result["decode_tokens_per_s"] = {"memory": [r["tokens_per_s"]]}
+        else:
+            result["vllm"] = f"not installed for {a.vllm_python}: skipped"
+        print(json.dumps(result))
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(result, indent=1))
+        return
     tiers = {}
     for name in ["memory", "file+cache+prefetch", "shared", "memory"]:  # memory twice: drift
         r = engine_run(a.vllm_python, out, decode_ps, a.decode_tokens, TIERS[name], work)

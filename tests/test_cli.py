@@ -117,6 +117,7 @@ def test_help_of_every_command_imports_no_torch():
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')\n"
             "               or m.startswith(('engram.training.', 'engram.studies.',\n"
             "                                'engram.serving.')))\n"
+            "heavy.remove('engram.serving.hf_auto')  # import engram's hook for transformers: stdlib\n"
             "assert not heavy, heavy\n")
     r = _run(code)
     assert r.returncode == 0, r.stderr
@@ -170,8 +171,16 @@ def test_the_source_reader_agrees_with_every_command_config():
 
 def test_reads_and_writes_name_real_options():
     for cmd in COMMANDS.values():
-        assert set(cmd.reads + cmd.writes) <= cmd.options(), cmd.name
+        assert {p.name for p in cmd.reads + cmd.writes} <= cmd.options(), cmd.name
+        assert {w.of for w in cmd.writes if w.of} <= cmd.options(), cmd.name
         assert len(cmd.help.splitlines()) == 1
+    # every option naming a place to write is declared, so the registry checks it first
+    for cmd in COMMANDS.values():
+        shown = {a.name for a in cmd.args} | {f.name for c in cmd.configs for f in fields_of(c.ref)
+                                               if f.name not in c.skip}
+        named = shown & {"out_dir", "out", "json", "table_dir"}
+        declared = {w.name for w in cmd.writes} | {r.name for r in cmd.reads}
+        assert named <= declared, (cmd.name, named - declared)
 
 
 def test_a_user_error_is_one_line_and_exit_2(capsys, tmp_path):

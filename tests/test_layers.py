@@ -9,10 +9,11 @@ import pytest
 import engram
 
 SRC = Path(engram.__file__).parent
-# Lowest first. errors, schema, options, files, jit and gemm are the foundation every layer may use;
-# the root re-exports.
-LAYERS = ["errors", "schema", "options", "files", "jit", "gemm", "retrieval", "tables", "module", "models", "training",
-          "serving", "studies", "cli", "__main__", "__init__"]
+# Lowest first. errors, ranges, schema, files, outputs, interrupts, options, jit and gemm are the
+# foundation every layer may use; the root re-exports.
+LAYERS = ["errors", "ranges", "schema", "files", "outputs", "interrupts", "options", "jit", "gemm",
+          "retrieval", "tables", "module", "models", "training", "serving", "studies", "cli",
+          "__main__", "__init__"]
 
 
 def module_name(path: Path) -> str:

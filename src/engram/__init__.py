@@ -26,6 +26,7 @@ _EXPORTS = {
     "MemoryTable": "tables.store", "TableStore": "tables.store",
     "RowAdam": "training.optim", "build_optimizers": "training.optim",
 }
+DISTRIBUTION = "torch-engram"  # the name on the package index; `engram` there is another project
 
 
 def __getattr__(name: str) -> Any:
@@ -33,7 +34,7 @@ def __getattr__(name: str) -> Any:
         try:
             from importlib.metadata import version
 
-            value = version("engram")
+            value = version(DISTRIBUTION)
         except Exception:  # a source tree that was never installed
             value = "unknown"
     elif name in _EXPORTS:
@@ -49,3 +50,10 @@ def __dir__() -> list[str]:
 
 
 __all__ = sorted(_EXPORTS)
+
+# AutoConfig / AutoModelForCausalLM learn "engram_lm" once transformers' Auto modules load (now, if
+# they already have): no trust_remote_code, and no transformers or torch import here
+# (serving/hf_auto.py installs an import hook).
+from .serving.hf_auto import register_when_imported as _register_when_imported  # noqa: E402
+
+_register_when_imported()

@@ -4,18 +4,24 @@ A command is a function decorated with ``@command(name, help, args=..., configs=
 writes=...)``. The declaration says everything the command line needs: the one-line help, the
 positional arguments (:class:`Arg`), the config dataclasses whose fields are its options, in order
 (an earlier config owns an option name a later one also has; :class:`Config` adds a group title,
-fields to skip, a prefix), and which arguments and options are places it reads (``reads``) and
-writes (``writes``; recorded for the output checks every command will share, not enforced yet).
-The function receives the positional values, then one instance per config,
-and prints its result. Adding a command:
+fields to skip, a prefix), and which arguments and options are places it reads (``reads``: a name,
+or :class:`In` for a text file) and writes (``writes``: :class:`Out`, a file or a folder of a
+kind). The function receives the positional values, then one instance per config, and prints its
+result. Adding a command:
 
     @command("eval", "loss of a trained run on any text", args=(RUN_DIR,),
-             configs=("engram.studies.evaluate:EvalConfig",), reads=("run_dir", "text"),
-             writes=("json",))
+             configs=("engram.studies.evaluate:EvalConfig",),
+             reads=("run_dir", In("text", text=True)), writes=(Out("json"),))
     def _eval(run_dir: str, ec) -> None:
         from .studies.evaluate import run_eval
 
         print(json.dumps(run_eval(run_dir, ec)))
+
+Before the function runs, every command follows one rule for its places (engram/outputs.py,
+applied by ``options.Command``): inputs exist (text inputs decode as text); outputs are checked
+before any work: a folder output is new, empty or marked as this kind of folder (``.engram``),
+never a file or a folder of something else; a file output is new or this command's own earlier
+output. A command that fails leaves no folder it created behind.
 
 A config whose module imports torch is named ``"module:Class"``; every config is read from its
 source (:mod:`engram.schema`), so ``engram --help`` and ``engram CMD --help`` import no torch, and a
@@ -24,19 +30,26 @@ exist only on the command line (the prompts, resume, where tables live) are data
 to the commands that take them.
 
 Errors: :class:`engram.errors.UserError` (bad input) and argparse errors print one line,
-``engram CMD: error: MESSAGE``, and exit 2; any other exception is a bug and keeps its traceback.
+``engram CMD: error: MESSAGE``, and exit 2; SIGINT / SIGTERM print one line saying what was kept
+(training saves a checkpoint first) and exit 130; any other exception is a bug and keeps its
+traceback (exit 1).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
-from .errors import UserError
-from .options import Arg, Command, Config, ConfigParser, new_parser
+from .errors import Interrupted, NonFinite, UserError
+from .options import Arg, Command, Config, ConfigParser, In, Out, new_parser
+from .ranges import AT_LEAST_1, POSITIVE, Range, check_ranges
 
 TRAIN = "engram.training.train:TrainConfig"
 GENERATION = "engram.serving.generate:GenerationConfig"
@@ -49,13 +62,19 @@ COMMANDS: dict[str, Command] = {}  # name -> declaration, in `engram --help` ord
 
 def command(name: str, help: str, *, args: Sequence[Arg] = (),
             configs: Sequence[Config | type | str] = (), about: str = "",
-            reads: Sequence[str] = (), writes: Sequence[str] = ()):
-    """Declare the decorated function as ``engram NAME`` (see the module docstring)."""
+            reads: Sequence[In | str] = (), writes: Sequence[Out] = (), interrupted: str = "",
+            passthrough: bool = False):
+    """Declare the decorated function as ``engram NAME`` (see the module docstring);
+    ``interrupted``: what a Ctrl-C leaves, when the command does not say it itself;
+    ``passthrough``: the function takes the raw argv (a command that hands over to another
+    program's own command line, e.g. lm-eval's)."""
     def declare(run: Callable[..., int | None]) -> Callable[..., int | None]:
         assert name not in COMMANDS, f"command {name!r} declared twice"
         COMMANDS[name] = Command(name, help, run, tuple(args),
                                  tuple(c if isinstance(c, Config) else Config(c) for c in configs),
-                                 about, tuple(reads), tuple(writes))
+                                 about, tuple(r if isinstance(r, In) else In(r) for r in reads),
+                                 tuple(writes), passthrough=passthrough,
+                                 **({"interrupted": interrupted} if interrupted else {}))
         return run
     return declare
 
@@ -63,6 +82,8 @@ def command(name: str, help: str, *, args: Sequence[Arg] = (),
 RUN_DIR = Arg("run_dir", "a folder written by `engram train --out_dir`")
 STUDY_BASE = Config(TRAIN, "TrainConfig options (the base of every run; the study's options "
                     "above set each run's token budget)")
+RUNS_KEPT = ("finished runs are kept; a run in progress resumes from its checkpoint when the same "
+             "command runs again")
 
 
 # -- options only the command line has -------------------------------------------------------------
@@ -73,6 +94,11 @@ class DemoOptions:
     table_size: int = 50_000  # table size per n-gram order; the official demo uses 646400
     hidden_size: int = 256  # model width the module runs at
     json: str | None = None  # also write ids, hashes and gates here
+
+    def __post_init__(self) -> None:
+        if self.text is not None and not self.text.strip():
+            raise UserError("text must hold at least one character that is not a space")
+        check_ranges(self, table_size=Range(2), hidden_size=AT_LEAST_1)
 
 
 @dataclass
@@ -86,6 +112,7 @@ class Launch:
     def __post_init__(self) -> None:
         if self.timeout <= 0:
             raise UserError(f"timeout must be > 0 seconds, got {self.timeout}")
+        check_ranges(self, timeout=POSITIVE)
 
 
 @dataclass
@@ -115,6 +142,9 @@ class Prompts:
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
             raise UserError(f"threads must be >= 1 or None, got {self.threads}")
+        if not all(p.strip() for p in self.prompt):
+            raise UserError("every --prompt must hold text (an empty prompt has nothing to "
+                            "continue)")
 
 
 @dataclass
@@ -125,33 +155,45 @@ class Baselines:
 
 # -- the commands ----------------------------------------------------------------------------------
 
-@command("demo", "compress the DeepSeek tokenizer, hash a sentence, run the module (2 s)",
-         configs=(DemoOptions,), writes=("json",))
+@command("demo", "compress the DeepSeek tokenizer, hash a sentence, run the module (~3 s)",
+         configs=(DemoOptions,), writes=(Out("json"),))
 def _demo(o: DemoOptions) -> None:
+    from .outputs import write_json
     from .studies.demo import DEFAULT_TEXT, run_demo
 
     out = run_demo(text=o.text or DEFAULT_TEXT, table_size=o.table_size, hidden_size=o.hidden_size)
     if o.json:
-        with open(o.json, "w") as f:
-            json.dump(out, f)
+        write_json(o.json, out, "engram demo")
 
 
 @command("train", "train one LM (dense, MoE or Engram) on the package corpus; torchrun for several",
-         configs=(TRAIN, Config(Launch, "run options")), writes=("out_dir",),
-         about="Under torchrun (WORLD_SIZE > 1): DDP and row-sharded tables.")
+         configs=(TRAIN, Config(Launch, "run options")), writes=(Out("out_dir", "run"),),
+         about="Under torchrun (WORLD_SIZE > 1): DDP and row-sharded tables. Ctrl-C or SIGTERM "
+         "saves a checkpoint of the step reached; the same command resumes from it.",
+         interrupted="stopped at once (before training began, or a second Ctrl-C): the run "
+         "folder's newest checkpoint, if any, is intact and the same command resumes from it")
 def _train(cfg, launch: Launch) -> None:
+    from .training.checkpoint import saved_step
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:  # launched by torchrun: sharded tables + DDP
-        from .training.distributed import train_distributed
+    try:
+        if world > 1:  # launched by torchrun: sharded tables + DDP
+            from .training.distributed import train_distributed
 
-        run = train_distributed(cfg, resume=launch.resume, table_init=launch.table_init,
-                                timeout_s=launch.timeout)
-        if int(os.environ.get("RANK", "0")) != 0:
-            return
-    else:
-        from .training.train import train
+            run = train_distributed(cfg, resume=launch.resume, table_init=launch.table_init,
+                                    timeout_s=launch.timeout)
+        else:
+            from .training.train import train
 
-        run = train(cfg, resume=launch.resume)
+            run = train(cfg, resume=launch.resume)
+    except (NonFinite, Interrupted) as e:  # say what the run folder keeps
+        step = saved_step(cfg.out_dir)
+        kept = (f"the newest checkpoint is step {step} in {cfg.out_dir}/checkpoints; the same "
+                "command resumes from it" if step is not None else
+                f"no checkpoint yet in {cfg.out_dir}: nothing to resume from")
+        raise type(e)(f"{e}; {kept}") from None
+    if int(os.environ.get("RANK", "0")) != 0 and world > 1:
+        return
     last = run.history[-1] if run.history else {}
     print(json.dumps({"out_dir": cfg.out_dir, "step": run.step,
                       **({"world_size": world} if world > 1 else {}), **last}))
@@ -168,7 +210,8 @@ def _prepare(cfg) -> None:
 
 
 @command("compare", "the main job: dense vs Engram vs MoE at matched parameters, seeds, report",
-         configs=("engram.studies.compare:CompareConfig", STUDY_BASE), writes=("out_dir",))
+         configs=("engram.studies.compare:CompareConfig", STUDY_BASE),
+         writes=(Out("out_dir", "compare"),), interrupted=RUNS_KEPT)
 def _compare(cc, base) -> None:
     from .studies.compare import run_compare
 
@@ -188,21 +231,22 @@ def _sweep(kind: str, sc, base) -> None:
 
 SWEEP = ("engram.studies.sweep:SweepConfig", STUDY_BASE)
 command("sweep-allocation", "fixed total/active parameters; the sparse budget moves experts <-> "
-        "tables", configs=SWEEP, writes=("out_dir",))(
+        "tables", configs=SWEEP, writes=(Out("out_dir", "sweep"),),
+        interrupted=RUNS_KEPT)(
     lambda sc, base: _sweep("allocation", sc, base))
 command("sweep-slots", "fixed backbone, Engram tables of growing size", configs=SWEEP,
-        writes=("out_dir",))(lambda sc, base: _sweep("slots", sc, base))
+        writes=(Out("out_dir", "sweep"),), interrupted=RUNS_KEPT)(
+    lambda sc, base: _sweep("slots", sc, base))
 
 
 @command("generate", "continue prompts with a trained run, tables on any tier",
          args=(Arg("run_dir", RUN_DIR.help, deprecated="--run"),),
          configs=(Prompts, Tables, GENERATION),
-         reads=("run_dir", "table_dir"), writes=("json",),
+         reads=("run_dir", "table_dir"), writes=(Out("json"),),
          about="GenerationConfig's prefetch (announce rows before each forward) stays on; "
          "--prefetch is the tables' background gather.")
 def _generate(run_dir: str, o: Prompts, t: Tables, gen) -> None:
     import dataclasses
-    from pathlib import Path
 
     import torch
 
@@ -239,14 +283,17 @@ def _generate(run_dir: str, o: Prompts, t: Tables, gen) -> None:
     print(f"engram generate: {t.tier} tables; prefill {out.prefill_tok_s:.0f} tok/s, decode "
           f"{out.decode_tok_s:.0f} tok/s ({served.checkpoint.name})", file=sys.stderr)
     if o.json:
-        Path(o.json).write_text(json.dumps({
+        from .outputs import write_json
+
+        write_json(o.json, {
             "prompts": o.prompt, "continuations": texts, "tokens": out.tokens,
             "prefill_tok_s": out.prefill_tok_s, "decode_tok_s": out.decode_tok_s,
-            "checkpoint": str(served.checkpoint), "tier": t.tier}))
+            "checkpoint": str(served.checkpoint), "tier": t.tier}, "engram generate")
 
 
 @command("finetune", "memory-only training of Engram injected into SmolLM2 vs LoRA",
-         configs=("engram.studies.finetune:FinetuneConfig",), reads=("model",), writes=("out_dir",),
+         configs=("engram.studies.finetune:FinetuneConfig",), reads=(In("model", check=False),),
+         writes=(Out("out_dir", "finetune"),),
          about="Train only Engram injected into a frozen pretrained model (SmolLM2-135M) and LoRA "
          "at the same trainable parameters; report fit and forgetting.")
 def _finetune(cfg) -> None:
@@ -262,7 +309,7 @@ def _finetune(cfg) -> None:
          args=(RUN_DIR, Arg("out_dir", "where to write config.json, weights, tables and "
                             "tokenizer")),
          configs=(Config(Tables, skip=("table_dir",)),),
-         reads=("run_dir",), writes=("out_dir",),
+         reads=("run_dir",), writes=(Out("out_dir", "export", of="run_dir"),),
          about="The tier is a default: vLLM's --hf-overrides "
          "'{\"engram_serving\": {\"tier\": \"file\"}}' changes it.")
 def _export_hf(run_dir: str, out_dir: str, t: Tables) -> None:
@@ -275,7 +322,8 @@ def _export_hf(run_dir: str, out_dir: str, t: Tables) -> None:
 
 
 @command("study-nine", "Engram-Nine: collision-free hot tier vs hashed tables at equal parameters",
-         configs=("engram.studies.nine:NineStudyConfig", STUDY_BASE), writes=("out_dir",))
+         configs=("engram.studies.nine:NineStudyConfig", STUDY_BASE),
+         writes=(Out("out_dir", "study-nine"),), interrupted=RUNS_KEPT)
 def _study_nine(sc, base) -> None:
     from .studies.nine import run_nine_study
 
@@ -286,7 +334,9 @@ def _study_nine(sc, base) -> None:
 
 @command("study-vision", "trigger tables vs LoRA binding a word to a digit in a small "
          "text-to-image model", configs=("engram.studies.vision:VisionConfig",),
-         writes=("out_dir",))
+         writes=(Out("out_dir", "study-vision"),),
+         interrupted="a base model already trained is kept and reused by a rerun; the binding "
+         "runs start over")
 def _study_vision(cfg) -> None:
     from .studies.vision import run_vision
 
@@ -299,7 +349,7 @@ def _study_vision(cfg) -> None:
 
 @command("eval", "loss of a trained run on any text; unseen tokens kept as context, counted",
          args=(RUN_DIR,), configs=("engram.studies.evaluate:EvalConfig",),
-         reads=("run_dir", "text"), writes=("json",))
+         reads=("run_dir", In("text", text=True)), writes=(Out("json"),))
 def _eval(run_dir: str, ec) -> None:
     from .studies.evaluate import run_eval
 
@@ -307,7 +357,8 @@ def _eval(run_dir: str, ec) -> None:
 
 
 @command("ablate", "which parts of Engram matter: placement, compression, gate, conv, keys, orders",
-         configs=("engram.studies.ablate:AblateConfig", STUDY_BASE), writes=("out_dir",))
+         configs=("engram.studies.ablate:AblateConfig", STUDY_BASE),
+         writes=(Out("out_dir", "ablate"),), interrupted=RUNS_KEPT)
 def _ablate(ac, base) -> None:
     from .studies.ablate import run_ablate
 
@@ -316,12 +367,20 @@ def _ablate(ac, base) -> None:
           + f"; wrote {ac.out_dir}/ablate.json, ablate.png, report.md")
 
 
+def analysis_dir(run_dirs: list[str]) -> str:
+    """analyze's output when --out_dir is not given: RUN_DIR/analysis; with several runs,
+    ``analysis`` beside the first (each run's own analysis goes in a folder inside it)."""
+    first = Path(run_dirs[0])
+    return str(first / "analysis" if len(run_dirs) == 1 else first.parent / "analysis")
+
+
 @command("analyze", "what the memory does: LogitLens, CKA, suppression, probes, gate statistics",
          args=(Arg("run_dir", "an Engram run (`engram train --out_dir`); several runs (seeds of "
                    "one configuration) are each analysed and then combined: mean +- sd per claim "
                    "and in how many seeds it holds", nargs="+"),),
          configs=("engram.studies.analyze:AnalyzeConfig", Baselines),
-         reads=("run_dir", "baseline"), writes=("out_dir",))
+         reads=("run_dir", "baseline"),
+         writes=(Out("out_dir", "analysis", default=lambda get: analysis_dir(get("run_dir"))),))
 def _analyze(run_dirs: list[str], ac, b: Baselines) -> None:
     if len(run_dirs) > 1:
         from .studies.analysis_seeds import run_seeds
@@ -338,19 +397,44 @@ def _analyze(run_dirs: list[str], ac, b: Baselines) -> None:
 
 
 @command("pool-budget", "will each Engram layer's rows arrive within its prefetch window, per tier",
-         configs=("engram.studies.pool_budget:PoolBudgetConfig",
-                  Config(TRAIN, "TrainConfig options (the model with random weights when "
-                         "--run_dir is not given)")),
-         reads=("run_dir", "pool_path"), writes=("out_dir", "table_dir"),
+         args=(Arg("run_dir", "a trained run (`engram train --out_dir`); none: the model of the "
+                   "TrainConfig options with random weights", nargs="?", deprecated="--run_dir"),),
+         configs=(Config("engram.studies.pool_budget:PoolBudgetConfig", skip=("run_dir",)),
+                  Config(TRAIN, "TrainConfig options (the model with random weights when RUN_DIR "
+                         "is not given)")),
+         reads=("run_dir", In("pool_path", check=False)),
+         writes=(Out("out_dir", "pool-budget"), Out("table_dir", "tables", of="run_dir")),
          about="Measures t_exec per layer, the read latency per tier, the break-even injected "
          "latency and the bandwidth bound.")
-def _pool_budget(pc, tc) -> None:
+def _pool_budget(run_dir: str | None, pc, tc) -> None:
+    import dataclasses
+
     from .studies.pool_budget import run_pool_budget, v41_lines
     from .studies.pool_report import verdict
 
-    summary = run_pool_budget(pc, tc)
+    summary = run_pool_budget(dataclasses.replace(pc, run_dir=run_dir), tc)
     print("\n".join(verdict(summary) + v41_lines(summary["v41_tables"])))
     print(f"wrote {pc.out_dir}/budget.json, budget.png, report.md ({summary['wall_s']:.0f} s)")
+
+
+@command("lm-eval", "lm-evaluation-harness on an export-hf directory: lm-eval's options, model "
+         "`engram`", passthrough=True,
+         about="Every option is lm-eval's own (`lm-eval run --help`); --model is engram unless "
+         "given, e.g. engram lm-eval --model_args pretrained=OUT,tier=file --tasks TASK.")
+def _lm_eval(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):  # lm-eval's own help, from a process of its own:
+        import subprocess  # this one stays free of torch (lm-eval imports it)
+
+        from .schema import constant
+
+        print("engram lm-eval: lm-eval's own options below; --model is engram unless given.\n"
+              "model_args of engram: pretrained=OUT (an `engram export-hf` directory), tier ("
+              + "|".join(constant("engram.tables.registry:TIERS")) + "; default: the export's), cache_fraction, prefetch, batch_size "
+              "[16], max_length [the model's], max_gen_toks [256], device [cpu]\n", flush=True)
+        raise SystemExit(subprocess.call([sys.executable, "-m", "lm_eval", "run", "--help"]))
+    from .studies.harness import cli_lm_eval
+
+    return cli_lm_eval(argv)
 
 
 V41_ABOUT = "OUT appears whole or not at all; an existing non-empty OUT is refused."
@@ -359,7 +443,7 @@ V41_ABOUT = "OUT appears whole or not at all; an existing non-empty OUT is refus
 @command("import-v41", "a DeepSeek-V4.1 checkpoint's Engram layers as our module weights + table "
          "files", args=(Arg("src", "checkpoint folder (config.json, safetensors shards)"),
                         Arg("out", "folder to write")),
-         reads=("src",), writes=("out",), about=V41_ABOUT)
+         reads=("src",), writes=(Out("out", "v41-layers", whole=True),), about=V41_ABOUT)
 def _import_v41(src: str, out: str) -> None:
     from .models.v41_layers import import_v41
 
@@ -369,7 +453,7 @@ def _import_v41(src: str, out: str) -> None:
 @command("export-v41", "a layer set (or a v4.1 run's Engram layers) as a DeepSeek-V4.1 checkpoint",
          args=(Arg("src", "layer set folder (`engram import-v41` OUT) or v4.1 run folder"),
                Arg("out", "folder to write")),
-         reads=("src",), writes=("out",), about=V41_ABOUT)
+         reads=("src",), writes=(Out("out", "v41-checkpoint", whole=True),), about=V41_ABOUT)
 def _export_v41(src: str, out: str) -> None:
     from .serving.v41 import export_v41_checkpoint
 
@@ -382,7 +466,7 @@ def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("engram")
+        return version("torch-engram")
     except PackageNotFoundError:  # running from a source tree that was never installed
         return "unknown (not installed)"
 
@@ -416,13 +500,42 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engram: error: unknown command {name!r}{hint} (commands: "
               f"{', '.join(COMMANDS)})", file=sys.stderr)
         return 2
+    cmd = COMMANDS[name]
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
     try:
-        return COMMANDS[name](rest)
+        with _sigterm_as_ctrl_c():
+            return cmd(rest)
     except UserError as e:
-        rank = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 \
-            and "RANK" in os.environ else ""
-        print(f"engram {name}{rank}: error: {e}", file=sys.stderr)
-        return 2
+        rank = f" (rank {os.environ['RANK']})" if distributed else ""
+        code, line = 2, f"engram {name}{rank}: error: {e}"
+    except (Interrupted, KeyboardInterrupt) as e:  # 128 + SIGINT, the shell's convention
+        said = str(e) if isinstance(e, Interrupted) else cmd.interrupted
+        code, line = 130, f"engram {name}: interrupted; {said}"
+        if distributed and os.environ["RANK"] != "0":
+            line = ""
+    # Printed once the exception is gone: what it held (a progress bar) has closed by now, so the
+    # line stands on its own, last.
+    if line:
+        print(line, file=sys.stderr)
+    return code
+
+
+@contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM (a scheduler, `kill`, torchrun stopping its workers) takes Ctrl-C's path: a clean
+    stop saying what was kept, not a silent death. Training loops catch both to save first."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 if __name__ == "__main__":

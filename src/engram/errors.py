@@ -5,6 +5,9 @@ an unknown tier or source name, a run folder without checkpoints, a path that na
 command line prints it as one line, ``engram CMD: error: MESSAGE``, and exits 2; every other
 exception is a bug and keeps its traceback. It is a ValueError, so library callers that catch
 ValueError keep working; ``InputNotFound`` and ``OutputExists`` are also the OSErrors they replace.
+``NonFinite`` is training that met a NaN or infinite loss or gradient (a UserError: the settings
+diverge). ``Interrupted`` is not an error: SIGINT or SIGTERM stopped the work at a safe point (the
+command line exits 130 with its message, which says what was kept).
 
 The foundation layer: imports nothing else of engram, so every layer may raise it.
 """
@@ -26,4 +29,19 @@ class OutputExists(UserError, FileExistsError):
     """A place the user named for output holds something this command must not overwrite."""
 
 
-__all__ = ["InputNotFound", "OutputExists", "UserError"]
+class NonFinite(UserError):
+    """A training step's loss or gradient norm is NaN or infinite; the step was not applied."""
+
+    def __init__(self, message: str, step: int = 0):
+        super().__init__(message)
+        self.step = step  # the step that failed (1-based: the steps done before it are kept)
+
+    def __reduce__(self):  # whole across processes (a study's worker raises it)
+        return type(self), (str(self), self.step)
+
+
+class Interrupted(Exception):
+    """SIGINT / SIGTERM stopped a command at a safe point; the message says what was kept."""
+
+
+__all__ = ["InputNotFound", "Interrupted", "NonFinite", "OutputExists", "UserError"]

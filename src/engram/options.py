@@ -12,7 +12,11 @@ Configs are read from their source (:mod:`engram.schema`), so a config may be na
 ``"module:Class"`` and its module is imported only when :func:`build` makes the instance.
 
 A :class:`Command` is one subcommand's declaration (its positional :class:`Arg` list, its
-:class:`Config` list, the function that runs it); engram's commands are ``engram.cli.COMMANDS``.
+:class:`Config` list, the function that runs it, the places it reads (:class:`In`) and writes
+(:class:`Out`)); engram's commands are ``engram.cli.COMMANDS``. Calling one applies the rule every
+command follows (engram/outputs.py) before its work starts: inputs exist (text inputs are text),
+every output is checked, then its folders are created and marked; a command that fails removes the
+folders it created that are still empty, so bad input leaves the file tree as it was.
 
 The foundation layer: imports nothing above the foundation, so every layer may use it.
 """
@@ -22,10 +26,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from . import outputs
 from .errors import UserError
 from .schema import Field, fields_of, resolve, split_ref
 
@@ -199,17 +206,39 @@ class Config:
 
 
 @dataclass(frozen=True)
+class In:
+    """An argument or option naming a file or folder the command reads."""
+    name: str
+    text: bool = False  # a text file: must decode as UTF-8 (a binary file is refused)
+    check: bool = True  # must exist (False: the value may also be a name, e.g. a model alias)
+
+
+@dataclass(frozen=True)
+class Out:
+    """An argument or option naming a place the command writes (engram/outputs.py's rule)."""
+    name: str
+    kind: str = outputs.FILE  # FILE: one file; else the kind of folder (its marker says it)
+    of: str | None = None  # the input this folder is tied to (an export of one run): recorded
+    whole: bool = False  # the command publishes the whole folder itself: only checked, not made
+    # Where it goes when the value is None, from the other values: ``default(get)``, ``get(name)``.
+    default: Callable[[Callable[[str], Any]], str | None] | None = None
+
+
+@dataclass(frozen=True)
 class Command:
     """One subcommand, declared once: its parser comes from ``args`` and ``configs``; calling it
-    with argv parses, builds one instance per config and calls ``run(*positionals, *configs)``."""
+    with argv parses, builds one instance per config, checks and claims its places (``reads``,
+    ``writes``) and calls ``run(*positionals, *configs)``."""
     name: str
     help: str
     run: Callable[..., int | None]
     args: tuple[Arg, ...] = ()
     configs: tuple[Config, ...] = ()
     about: str = ""  # more text for `engram CMD --help`
-    reads: tuple[str, ...] = ()  # args / options naming files or folders the command reads
-    writes: tuple[str, ...] = ()  # args / options naming places the command writes
+    reads: tuple[In, ...] = ()  # files or folders the command reads
+    writes: tuple[Out, ...] = ()  # places the command writes
+    interrupted: str = "nothing was kept to resume from; a rerun starts over"  # after Ctrl-C
+    passthrough: bool = False  # run(argv): the options are another program's (lm-eval's)
 
     def parser(self) -> ConfigParser:
         p = new_parser(f"engram {self.name}", self.help + (f". {self.about}" if self.about else ""))
@@ -227,11 +256,72 @@ class Command:
                                                for f in fields_of(c.ref)}
 
     def __call__(self, argv: Sequence[str]) -> int:
+        if self.passthrough:
+            return self.run(list(argv)) or 0
         p = self.parser()
         ns = p.parse_args(self._undeprecate(list(argv)))
         values = [getattr(ns, a.name) for a in self.args]
         values += [build(c.ref, ns, i) for i, c in enumerate(self.configs)]
-        return self.run(*values) or 0
+        claimed = self.prepare(values)
+        try:
+            return self.run(*values) or 0
+        except BaseException:  # bad input found late, a bug, an interrupt: no empty folders left
+            for created, path in claimed:
+                outputs.release(created, path)
+            raise
+
+    # -- the places a command reads and writes -----------------------------------------------------
+    def _where(self, name: str) -> tuple[int, str]:
+        """(index into the run's values, the label the user knows it by) of ``name``."""
+        for i, a in enumerate(self.args):
+            if a.name == name:
+                return i, a.name.upper()
+        for i, c in enumerate(self.configs):
+            if name not in c.skip and any(f.name == name for f in fields_of(c.ref)):
+                return len(self.args) + i, f"--{c.prefix}{name}"
+        raise KeyError(f"{self.name}: no argument or option {name!r}")
+
+    def _get(self, values: list[Any], name: str) -> Any:
+        i, _ = self._where(name)
+        return getattr(values[i], name) if i >= len(self.args) else values[i]
+
+    def prepare(self, values: list[Any]) -> list[tuple[Path | None, Path]]:
+        """Check every input and output, fill in outputs' defaults (in ``values``), then create
+        and mark the output folders; returns (top folder created, folder) per folder claimed."""
+        for r in self.reads:
+            _, label = self._where(r.name)
+            given = self._get(values, r.name)
+            for v in given if isinstance(given, (list, tuple)) else [given]:
+                if v is None or not r.check:
+                    continue
+                if r.text:
+                    outputs.read_text(v, label)
+                else:
+                    outputs.check_input(v, label)
+        places = []
+        by = f"engram {self.name}"
+        for w in self.writes:
+            i, label = self._where(w.name)
+            path = self._get(values, w.name)
+            if path is None and w.default is not None:
+                path = w.default(lambda n: self._get(values, n))
+                if path is not None and i >= len(self.args):  # the command sees where it writes
+                    values[i] = dataclasses.replace(values[i], **{w.name: path})
+            if path is None:
+                continue
+            of = self._get(values, w.of) if w.of is not None else None
+            of = str(Path(of).resolve()) if of is not None else None
+            if w.kind == outputs.FILE:
+                outputs.check_file(path, by, label)
+            elif w.whole:
+                outputs.check_new_folder(path, label)
+            else:
+                outputs.check_folder(path, w.kind, label, of)
+                places.append((w, path, label, of))
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK", "0") != "0":
+            return []  # under torchrun rank 0 creates the folders; the others only check
+        return [(outputs.claim_folder(path, w.kind, by, label, of), Path(path))
+                for w, path, label, of in places]
 
     def _undeprecate(self, argv: list[str]) -> list[str]:
         """``--run DIR`` -> ``DIR`` first (the deprecated spelling of the first positional)."""
@@ -277,5 +367,6 @@ def field_comments(config: type | str) -> dict[str, str]:
     return {f.name: f.comment for f in fields_of(config)}
 
 
-__all__ = ["Arg", "Command", "Config", "ConfigParser", "add_config", "build", "field_comments",
-           "given", "new_parser", "option_names", "parse_overrides", "parse_value"]
+__all__ = ["Arg", "Command", "Config", "ConfigParser", "In", "Out", "add_config", "build",
+           "field_comments", "given", "new_parser", "option_names", "parse_overrides",
+           "parse_value"]

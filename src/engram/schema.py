@@ -26,6 +26,7 @@ import operator
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 MISSING = dataclasses.MISSING  # a field without a default: the option is required
@@ -134,6 +135,14 @@ class _Module:
     def named(name: str) -> "_Module":
         loaded = sys.modules.get(name)
         path = getattr(loaded, "__file__", None)
+        if path is None:  # a module of a loaded top package: its file, without importing parents
+            top = sys.modules.get(name.split(".")[0])  # (engram.module's __init__ imports torch)
+            for root in getattr(top, "__path__", []) if "." in name else []:
+                rel = Path(root, *name.split(".")[1:])
+                found = [f for f in (rel.with_suffix(".py"), rel / "__init__.py") if f.is_file()]
+                if found:
+                    path = str(found[0])
+                    break
         if path is None:
             spec = importlib.util.find_spec(name)  # imports the parent packages, not the module
             if spec is None or not spec.origin or not spec.origin.endswith(".py"):

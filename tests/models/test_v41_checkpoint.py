@@ -13,6 +13,7 @@ from engram import EngramLM, ModelConfig, build_engram
 from engram.cli import main
 from engram.models.v41_checkpoint import V41CheckpointError, read_config
 from engram.models.v41_layers import (
+    check_fits,
     export_v41,
     import_v41,
     load_layer_set,
@@ -112,6 +113,10 @@ def test_layer_set_loads_into_a_v41_model_and_writes_back(imported, tmp_path, de
     with pytest.raises(ValueError, match="hidden size: layer set 64 vs model 32"):
         load_layer_set(other, root / "layers", hasher)
     assert all(torch.equal(v, other.state_dict()[k]) for k, v in before.items())
+    # a run whose hasher reads two parts per table set (Engram-Nine's hot + cold) is refused too
+    with pytest.raises(ValueError, match=r"table parts: layer set \('cold',\) vs model "
+                       r"\('cold', 'hot'\)"):
+        check_fits(model.config, read_layer_set(root / "layers"), ("cold", "hot"))
 
 
 def _assert_refused(tmp_path, match, **edit):
@@ -179,4 +184,5 @@ def test_out_is_never_overwritten_or_half_written(imported, tmp_path, capsys):
     assert main(["import-v41", str(root / "ckpt"), str(out)]) == 2
     assert "not empty" in capsys.readouterr().err and (out / "keep.txt").read_text() == "mine"
     assert main(["import-v41", str(tmp_path / "nope"), str(tmp_path / "o2")]) == 2
-    assert "no config.json" in capsys.readouterr().err and not (tmp_path / "o2").exists()
+    assert "nope: no such file or folder" in capsys.readouterr().err  # checked before any work
+    assert not (tmp_path / "o2").exists()

@@ -143,7 +143,8 @@ def test_cli_generates_from_a_trained_run_on_every_tier(tmp_path, capsys):
     # the deprecated --run spelling still works, with a warning; a missing run is one line, exit 2
     assert main(["generate", "--prompt", "x", "--run", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
-    assert "--run is deprecated" in err and "engram generate: error: no checkpoint" in err
+    assert "--run is deprecated" in err and "engram generate: error: RUN_DIR " in err
+    assert "nope: no such file or folder" in err
 
 
 def test_nine_model_decodes_like_a_full_recompute():

@@ -24,6 +24,7 @@ VLLM_PYTHON = os.environ.get("ENGRAM_VLLM_PYTHON") or (
 pytestmark = [pytest.mark.skipif(VLLM_PYTHON is None, reason="vLLM is not installed (see README)"),
               pytest.mark.usefixtures("one_thread")]
 MAX_NEW = 8
+RUNS = {}  # the memory tier's vLLM tokens, for the transformers comparison below
 
 
 def run_vllm(model_dir, ps, tmp_path, name, overrides=None, kv_blocks=None, max_new=MAX_NEW):
@@ -56,6 +57,8 @@ def served(tmp_path_factory, deepseek):
 def test_vllm_greedy_equals_engram_generate(served, tmp_path, overrides):
     out, ps, want, _ = served
     got = run_vllm(out, ps, tmp_path, "run", overrides)
+    if overrides is None:
+        RUNS["memory"] = got
     assert len(ps) == 64 and max(map(len, ps)) > 64  # chunked prefill
     mismatched = [i for i, (g, w) in enumerate(zip(got["tokens"], want)) if g != w]
     assert not mismatched, (f"{len(mismatched)} of {len(ps)} requests differ, e.g. #{mismatched[0]}:"
@@ -102,3 +105,15 @@ def test_vllm_serves_an_imported_v41_layer_set(tmp_path):
     assert max(map(len, ps)) > 64  # chunked prefill
     got = run_vllm(out, ps, tmp_path, "v41", {"engram_serving": {"tier": "file"}})
     assert got["tokens"] == want
+
+
+def test_transformers_generate_equals_vllm(served, tmp_path):
+    """The same export through AutoModelForCausalLM (left-padded batches of 16): vLLM's tokens."""
+    from test_hf_model import greedy
+    from transformers import AutoModelForCausalLM
+
+    out, ps, want, _ = served
+    got = RUNS.get("memory") or run_vllm(out, ps, tmp_path, "hf")
+    m = AutoModelForCausalLM.from_pretrained(out)
+    hf = [t for a in range(0, len(ps), 16) for t in greedy(m, ps[a:a + 16], max_new=MAX_NEW)]
+    assert hf == got["tokens"] == want

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from engram.studies.compare import CompareConfig, run_compare, variant_configs
 from engram.studies.compare import counts as _counts
 from engram.training.train import TrainConfig
@@ -41,6 +43,18 @@ def test_compare_end_to_end_writes_results(tmp_path):
     from engram import gemm
     assert summary["machine"] == {"cpu": gemm.cpu_model(), "gemm": gemm.backend()}
     assert f"matrix products through {gemm.backend()}" in report
+    # The wall-time estimate made before the runs, beside what they took and where it went.
+    t = res["time"]
+    assert t["cpu_model"] == gemm.cpu_model() and t["cpus"] >= 1 and t["workers"] == 2
+    est = t["estimate"]
+    assert est["total_s"] > 0 and sorted(est["order"]) == list(range(6))
+    assert set(est["costs"]) == {"dense", "engram", "moe"}
+    assert t["wall_over_estimate"] == pytest.approx(t["wall_s"] / est["total_s"])
+    assert res["wall_s"] == t["wall_s"] and 0 < t["cpu_utilisation"] <= 1.05
+    assert [(r["name"], r["seed"]) for r in t["per_run"]] == [
+        (n, s) for n in ("moe", "engram", "dense") for s in (0, 1)]
+    assert all(r["cpu_s"] > 0 and r["wall_s"] > 0 and r["predicted_s"] > 0 for r in t["per_run"])
+    assert len(t["load_avg"]["start"]) == 3
 
 
 def test_allocation_sweep_keeps_total_and_active_params():

@@ -88,7 +88,9 @@ def test_cli_errors_and_help(capsys):
             main(["finetune", *argv])
         assert e.value.code == 2
     assert "did you mean --lora_rank" in capsys.readouterr().err
-    assert main(["finetune", "--methods=engram,full"]) == 2
+    with pytest.raises(SystemExit) as e:  # not one of the valid values: argparse, one line
+        main(["finetune", "--methods=engram,full"])
+    assert e.value.code == 2 and "(choose from engram, lora)" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["finetune", "--help"])
     assert e.value.code == 0

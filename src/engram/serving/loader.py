@@ -78,7 +78,7 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
         from ..models.v41_layers import check_fits, read_layer_set
 
         layer_set = read_layer_set(engram_layers)
-        check_fits(cfg.model_config(corpus.vocab_size), layer_set, nine=cfg.nine)
+        check_fits(cfg.model_config(corpus.vocab_size), layer_set, hasher.parts)
         if tier != "memory":
             counts = hasher.count_reads(corpus.train) if cache_fraction > 0 else None
             tables = open_tier(tier, layer_set.table_dir, layer_set.config, hasher, counts=counts,

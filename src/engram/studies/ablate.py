@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,9 @@ VARIANTS: dict[str, tuple[str, str]] = {
 @dataclass
 class AblateConfig(CompareConfig):
     out_dir: str = "out/ablate"  # ablate.json, ablate.png, report.md
-    variants: tuple[str, ...] = tuple(VARIANTS)  # which variants to train (reference always runs)
+    # which variants to train (reference always runs)
+    variants: tuple[str, ...] = field(default=tuple(VARIANTS),
+                                      metadata={"choices": "engram.studies.ablate:VARIANTS"})
 
 
 def ablation_configs(base: TrainConfig, vocab: int) -> dict[str, TrainConfig]:

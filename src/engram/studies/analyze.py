@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..ranges import AT_LEAST_1, NON_NEGATIVE, check_ranges
 from ..models.surgery import engram_zeroed, forced_gate
 from ..training.batches import val_batches
 from .lens import cka_matrix, read_layers
@@ -45,6 +46,11 @@ class AnalyzeConfig:
     copy_span: int = 16  # length of the span repeated in a copy probe
     min_count: int = 20  # training occurrences that make a trigram / 4-gram a fixed phrase
     seed: int = 0  # probe sampling
+
+    def __post_init__(self) -> None:
+        check_ranges(self, batches=AT_LEAST_1, lens_batches=AT_LEAST_1, cka_tokens=AT_LEAST_1,
+                     probes=AT_LEAST_1, context=AT_LEAST_1, copy_span=AT_LEAST_1,
+                     min_count=AT_LEAST_1, seed=NON_NEGATIVE)
 
 
 def condition(model, name: str):

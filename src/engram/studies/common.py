@@ -19,22 +19,27 @@ the caller's backend and open figures stay as they were.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import multiprocessing as mp
 import os
+import signal
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from .. import interrupts
+from ..errors import Interrupted
 from ..files import publish_text
 from ..training.train import TrainConfig, allocator_env, train
 
 RESULT = "result.json"  # in each run's out_dir once it finished: its job and its result
+STOPPING = ("engram: stopping: each run in progress saves a checkpoint after its current step "
+            "(Ctrl-C again: stop now, without saving)")
 
 
 # -- runs --------------------------------------------------------------------------------------------
@@ -102,7 +107,7 @@ def finished(j: Job) -> dict[str, Any] | None:
     return saved["result"]
 
 
-@contextmanager
+@contextlib.contextmanager
 def worker_env() -> Iterator[None]:
     """The environment worker processes start with: glibc keeps freed memory (allocator_env) and
     numba's pool has one thread (a started pool keeps a thread spinning beside the other workers:
@@ -119,41 +124,157 @@ def worker_env() -> Iterator[None]:
             os.environ["NUMBA_NUM_THREADS"] = old
 
 
-def _start_worker() -> None:
+_barrier = None  # in a worker: the pool's barrier (Workers.each, sync_workers)
+
+
+def _start_worker(barrier) -> None:
+    global _barrier
     torch.set_num_threads(1)
+    # SIGINT (Ctrl-C reaches every process of the terminal's group; the parent forwards its own
+    # SIGINT or SIGTERM as one) only sets the flag: the job in hand stops at its next step and
+    # saves a checkpoint (loop.fit), the jobs after it do not start. A KeyboardInterrupt here would
+    # kill the worker and leave the pool waiting for its result. SIGTERM keeps ending the worker:
+    # it is how the pool stops its workers (a checkpoint being written then stays the old one).
+    interrupts.install(signals=(signal.SIGINT,))
+    _barrier = barrier
+
+
+def sync_workers(timeout: float = 600.0) -> None:
+    """Inside :meth:`Workers.each`: wait until every worker of the pool reaches this point."""
+    _barrier.wait(timeout)
+
+
+_stopped: list[bool] = []  # in a worker: a signal stopped one of its jobs
 
 
 def _call(task: tuple[int, Callable[[Job], dict], Job]) -> tuple[int, dict[str, Any]]:
     i, work, j = task
-    return i, {"name": j.name, "seed": j.seed, **work(j)}
+    if _stopped or interrupts.requested():
+        raise Interrupted(f"{j.name} seed {j.seed} not started")
+    t0, c0 = time.perf_counter(), time.process_time()
+    try:
+        r = work(j)
+    except Interrupted:
+        _stopped.append(True)
+        raise
+    # Where the runner's time went (the compare estimate is judged by these): this process's CPU
+    # seconds and the wall seconds of the job, start-up included.
+    return i, {"name": j.name, "seed": j.seed, **r, "job_cpu_s": time.process_time() - c0,
+               "job_wall_s": time.perf_counter() - t0}
+
+
+def _forward(signum: int) -> None:
+    """A signal to the parent reaches every worker (a Ctrl-C already has: once more is harmless)."""
+    for child in mp.active_children():
+        if child.pid is not None:
+            try:
+                os.kill(child.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+
+
+def _each(task: tuple[Callable[[Any], Any], Any]) -> Any:
+    fn, arg = task
+    try:
+        _barrier.wait(600.0)  # every worker holds one task before any starts: one task a worker
+        return fn(arg)
+    except BaseException:
+        _barrier.abort()  # the others' sync_workers() raise instead of waiting for this one
+        raise
+
+
+class Workers:
+    """The worker processes of a study (see the module docstring): ``n`` spawned processes, one
+    torch thread and one numba thread each, glibc keeping freed memory; started once, used for
+    a measurement on every worker (:meth:`each`) and then the jobs (:meth:`run`).
+
+        with Workers(2) as pool:
+            probes = pool.each(probe, [args_0, args_1])  # side by side, one on each worker
+            results = pool.run(jobs, train_run, "compare runs")
+    """
+
+    def __init__(self, n: int):
+        if n < 1:
+            raise ValueError(f"workers must be >= 1, got {n}")
+        self.n = n
+
+    def __enter__(self) -> "Workers":
+        self._env = worker_env()
+        self._env.__enter__()
+        ctx = mp.get_context("spawn")
+        barrier = ctx.Barrier(self.n)
+        self.pool = ctx.Pool(self.n, initializer=_start_worker, initargs=(barrier,))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.pool.__exit__(*exc)
+        finally:
+            self._env.__exit__(*exc)
+
+    def each(self, fn: Callable[[Any], Any], args: list[Any]) -> list[Any]:
+        """``fn(args[k])`` on worker k, all at the same time (``fn`` a module-level function that
+        may call :func:`sync_workers`); one argument per worker."""
+        if len(args) != self.n:
+            raise ValueError(f"{self.n} workers need {self.n} arguments, got {len(args)}")
+        return self.pool.map(_each, [(fn, a) for a in args], chunksize=1)
+
+    def run(self, jobs: list[Job], work: Callable[[Job], dict[str, Any]], desc: str,
+            line: Callable[[dict[str, Any]], str] = trained_line,
+            order: list[int] | None = None) -> list[dict[str, Any]]:
+        """As :func:`run_jobs`, on these workers; ``order`` (indices into ``jobs``) is the order the
+        jobs are handed out in, each to the first free worker (results stay in job order)."""
+        return _run(jobs, work, desc, line, order, lambda: self.pool)
 
 
 def run_jobs(jobs: list[Job], work: Callable[[Job], dict[str, Any]], workers: int, desc: str,
-             line: Callable[[dict[str, Any]], str] = trained_line) -> list[dict[str, Any]]:
+             line: Callable[[dict[str, Any]], str] = trained_line,
+             order: list[int] | None = None) -> list[dict[str, Any]]:
     """``work(job)`` for every job, in ``workers`` spawned processes (``work`` a module-level
     function); results in job order, each with its job's name and seed, as saved to and read
-    back from the run's result.json (so a fresh and a reused run look the same)."""
-    from tqdm.auto import tqdm
-
+    back from the run's result.json (so a fresh and a reused run look the same). ``order``: as
+    :meth:`Workers.run`. No process starts when every job has finished."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    with contextlib.ExitStack() as stack:
+        def pool():
+            todo = sum(finished(j) is None for j in jobs)
+            return stack.enter_context(Workers(min(workers, todo))).pool
+        return _run(jobs, work, desc, line, order, pool)
+
+
+def _run(jobs, work, desc, line, order, pool) -> list[dict[str, Any]]:
+    from tqdm.auto import tqdm
+
     folders = [j.cfg.out_dir for j in jobs]
     if len(set(folders)) != len(folders):
         raise ValueError("two jobs share a run folder: give each (name, seed) its own")
+    order = list(range(len(jobs))) if order is None else list(order)
+    if sorted(order) != list(range(len(jobs))):
+        raise ValueError(f"order must list every job once, got {order}")
     results = [finished(j) for j in jobs]
-    todo = [(i, work, jobs[i]) for i, r in enumerate(results) if r is None]
+    todo = [(i, work, jobs[i]) for i in order if results[i] is None]
     with tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc) as bar:
         if not todo:
             return results
-        with worker_env(), mp.get_context("spawn").Pool(min(workers, len(todo)),
-                                                       initializer=_start_worker) as pool:
-            for i, r in pool.imap_unordered(_call, todo):
-                text = json.dumps(r)
-                publish_text(Path(jobs[i].cfg.out_dir) / RESULT,
-                             json.dumps({"job": jobs[i].key(), "result": json.loads(text)}))
-                results[i] = json.loads(text)
-                bar.update(1)
-                tqdm.write("  " + line(results[i]))
+        workers = pool()
+        try:
+            with interrupts.stop_requests(STOPPING, also=_forward):
+                for i, r in workers.imap_unordered(_call, todo):
+                    text = json.dumps(r)
+                    publish_text(Path(jobs[i].cfg.out_dir) / RESULT,
+                                 json.dumps({"job": jobs[i].key(), "result": json.loads(text)}))
+                    results[i] = json.loads(text)
+                    bar.update(1)
+                    tqdm.write("  " + line(results[i]))
+        except Interrupted:
+            workers.close()
+            workers.join()  # the workers save their checkpoints; jobs not started stay so
+            interrupts.clear()
+            done = sum(r is not None for r in results)
+            raise Interrupted(f"{done} of {len(jobs)} runs finished and are kept; the runs in "
+                              "progress saved a checkpoint of the step they reached; the same "
+                              "command resumes") from None
     return results
 
 

@@ -12,13 +12,16 @@ sparse baseline. Here:
   FFN equals dense), with as many routed experts as it takes to match the Engram model's total.
 
 Each variant runs for every seed; seeds give the run-to-run noise. Runs go to worker processes
-(studies/common.py: one thread each, resumable).
+(studies/common.py: one thread each, resumable). Before they start, the workers time a few steps
+of each variant side by side and the study prints its wall-time estimate (studies/estimate.py);
+results.json keeps the estimate beside the time it took, the CPU and the load.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +30,13 @@ from typing import Any
 import torch
 
 from .. import gemm
+from ..errors import UserError
 from ..models.model import EngramLM
+from ..ranges import AT_LEAST_1, NON_NEGATIVE, check_ranges
 from ..training.corpus import build_corpus
 from ..training.train import TrainConfig, build_run, try_resume
-from .common import RULE, job, largest_spread, resolved, run_jobs, seed_spread, train_run
+from .common import RULE, Workers, finished, job, largest_spread, resolved, seed_spread, train_run
+from .estimate import Estimate, estimate
 
 VARIANTS = ("dense", "engram", "moe")
 
@@ -40,6 +46,8 @@ class CompareConfig:
     out_dir: str = "out"  # results.json, loss.png, report.md, gates.html land here
     seeds: tuple[int, ...] = (0, 1, 2)  # the noise estimate; rounding alone moves a run ~0.05 nats
     workers: int = 2  # parallel training processes (one torch thread each)
+    # Time a few steps of each variant on the workers first and print the wall-time estimate.
+    estimate: bool = True
     steps: int = 480
     batch_size: int = 16
     seq_len: int = 128
@@ -47,6 +55,14 @@ class CompareConfig:
     eval_batches: int = 16
     # A checkpoint this often (and at the end): an interrupted run resumes from its last one.
     ckpt_every: int = 160
+
+    def __post_init__(self) -> None:
+        self.seeds = tuple(self.seeds)
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise UserError(f"seeds must be non-empty and distinct, got {self.seeds}")
+        check_ranges(self, seeds=NON_NEGATIVE, workers=AT_LEAST_1, steps=AT_LEAST_1,
+                     batch_size=AT_LEAST_1, seq_len=AT_LEAST_1, eval_every=AT_LEAST_1,
+                     eval_batches=AT_LEAST_1, ckpt_every=AT_LEAST_1)
 
 
 def budget(base: TrainConfig, cc: CompareConfig) -> TrainConfig:
@@ -92,14 +108,23 @@ def run_compare(cc: CompareConfig, base: TrainConfig | None = None) -> dict[str,
     out = Path(cc.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     base = budget(base or TrainConfig(), cc)
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), os.getloadavg()
     corpus = build_corpus(base.data_config())  # built once here; workers hit the disk cache
     configs = variant_configs(base, corpus.vocab_size)
-    # Slowest first (MoE routes, Engram looks up): the workers then finish at about the same time.
+    # Slowest first (MoE routes, Engram looks up); the estimate may pick a better hand-out order.
     jobs = [job(name, configs[name], s, out / "runs")
             for name in ("moe", "engram", "dense") for s in cc.seeds]
-    results = run_jobs(jobs, train_run, cc.workers, "compare runs")
-    summary = summarise(results, configs, corpus, time.perf_counter() - t0)
+    est = None
+    if any(finished(j) is None for j in jobs):
+        with Workers(min(cc.workers, sum(finished(j) is None for j in jobs))) as pool:
+            if cc.estimate:
+                est = estimate(pool, jobs, [j.name for j in jobs], t0, after=_closing_s)
+                print(f"compare: {est.line()}", flush=True)
+            results = pool.run(jobs, train_run, "compare runs", order=est and est.order)
+    else:
+        results = [finished(j) for j in jobs]
+    runs_done = time.perf_counter()
+    summary = summarise(results, configs, corpus, runs_done - t0)
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     from .report import plot_losses, render_gates, write_report
 
@@ -107,9 +132,45 @@ def run_compare(cc: CompareConfig, base: TrainConfig | None = None) -> dict[str,
     eng = next(j for j in jobs if j.name == "engram" and j.seed == cc.seeds[0])
     gate_stats = render_gates(_load(eng.cfg, corpus), corpus, out / "gates.html", out / "gates.png")
     summary["gates"] = gate_stats
+    summary["wall_s"] = wall = time.perf_counter() - t0
+    summary["time"] = timing(results, est, wall, runs_done - t0, cc.workers, load0)
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     write_report(summary, out / "report.md")
+    if est is not None:
+        print(f"compare: took {wall / 60:.1f} min, {wall / est.total_s:.2f}x the estimate "
+              f"({est.total_s / 60:.1f} min); the runs used "
+              f"{summary['time']['cpu_utilisation']:.0%} of {summary['time']['cpus']} CPUs",
+              flush=True)
     return summary
+
+
+def _closing_s(costs) -> float:
+    """What follows the runs, in the probe's units: the gate figure rebuilds an Engram run and
+    loads its checkpoint (a start-up and about a save); the loss figure and the report ~a
+    start-up more."""
+    c = costs.get("engram") or next(iter(costs.values()))
+    return 2 * c.startup_s + c.save_s
+
+
+def timing(results: list[dict], est: Estimate | None, wall: float, runs_end: float, workers: int,
+           load0: tuple[float, float, float]) -> dict[str, Any]:
+    """Where the study's time went, for results.json: the estimate against the wall time, and the
+    runs' CPU seconds against what the machine's CPUs could give in that wall time (idle workers
+    and waits lower it)."""
+    cpus = os.cpu_count() or 1
+    cpu = sum(r.get("job_cpu_s", 0.0) for r in results)
+    rec = {"wall_s": wall, "runs_end_s": runs_end, "workers": workers, "cpus": cpus,
+           "cpu_model": gemm.cpu_model(), "runs_cpu_s": cpu,
+           "cpu_utilisation": cpu / (wall * min(cpus, workers)),  # the runs' CPU s / (wall x cores)
+           "load_avg": {"start": load0, "end": os.getloadavg()}}
+    if est is not None:
+        rec["estimate"] = dataclasses.asdict(est)
+        rec["wall_over_estimate"] = wall / est.total_s
+        rec["runs_s_actual_over_estimate"] = (runs_end - est.before_s) / est.runs_s
+        rec["per_run"] = [{"name": r["name"], "seed": r["seed"], "predicted_s": p,
+                           "wall_s": r.get("job_wall_s"), "cpu_s": r.get("job_cpu_s")}
+                          for r, p in zip(results, est.per_job_s)]
+    return rec
 
 
 def _load(cfg: TrainConfig, corpus):

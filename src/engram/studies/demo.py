@@ -36,6 +36,9 @@ def run_demo(text: str = DEFAULT_TEXT, table_size: int = 50_000, hidden_size: in
 
     torch.manual_seed(seed)
     module = build_engram(cfg, lid, hidden_size).eval()
+    # One sentence: torch's gate and conv take ~1 ms; the compiled kernels (module/fused.py) would
+    # first import numba and load or compile them, seconds on a fresh clone.
+    module.kernels = False
     hidden = torch.randn(1, ids.shape[1], hidden_size)  # stands in for the backbone's state
     with torch.no_grad():
         y, alpha = module(hidden, hashes[lid], return_gate=True)

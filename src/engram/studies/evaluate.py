@@ -12,16 +12,17 @@ Shape legend:
 
 from __future__ import annotations
 
-import json
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import InputNotFound, UserError
+from ..errors import UserError
+from ..outputs import read_text, write_json
+from ..ranges import AT_LEAST_1, check_ranges
+from ..serving.vocab import unknown_inputs
 
 IGNORE = -100  # target id left out of the loss (torch's cross-entropy convention)
 
@@ -29,12 +30,19 @@ IGNORE = -100  # target id left out of the loss (torch's cross-entropy conventio
 @dataclass
 class EvalConfig:
     text: str | None = None  # a UTF-8 text file; paragraphs (blank-line separated) are documents
-    source: str | None = None  # or a corpus source by name (kjv, peoples-daily, python-doc, ...)
+    # or a corpus source by name
+    source: str | None = field(default=None, metadata={"choices": "engram.training.corpus:SOURCES"})
     data: str | None = None  # or a folder written by `engram prepare`: its held-out documents
     max_chars: int | None = None  # keep the first max_chars characters (None: all)
     batch_size: int = 16  # windows per forward pass
     seq_len: int | None = None  # window length; None: the run's training length
     json: str | None = None  # also write the result here
+    # Also score each document alone, after EOS (lm-evaluation-harness's rolling log-likelihood):
+    # per-document log-likelihoods in nats under "per_document" (`engram lm-eval` gives the same).
+    per_document: bool = False
+
+    def __post_init__(self) -> None:
+        check_ranges(self, max_chars=AT_LEAST_1, batch_size=AT_LEAST_1, seq_len=AT_LEAST_1)
 
 
 def read_documents(ec: EvalConfig) -> list[str]:
@@ -46,9 +54,7 @@ def read_documents(ec: EvalConfig) -> list[str]:
 
         return [d.text for d in load_documents(ec.source, ec.max_chars)]
     path = Path(ec.text)
-    if not path.is_file():
-        raise InputNotFound(f"--text {path}: no such file")
-    text = path.read_text("utf-8", errors="replace")[:ec.max_chars]
+    text = read_text(path, "--text")[:ec.max_chars]  # a binary file is refused, not scored
     docs = [p.strip() for p in text.split("\n\n") if p.strip()]
     if not docs:
         raise UserError(f"--text {path} holds no text")
@@ -79,20 +85,6 @@ def local_ids(raw: np.ndarray, vocab: np.ndarray) -> np.ndarray:
     """Raw ids [n] -> the model's ids [n], -1 where the run never saw the id."""
     pos = np.searchsorted(vocab, raw).clip(0, len(vocab) - 1)  # vocab is sorted
     return np.where(vocab[pos] == raw, pos, -1)
-
-
-@contextmanager
-def unknown_inputs(model: torch.nn.Module, unknown: torch.Tensor) -> Iterator[None]:
-    """Inside the block the input embedding at ``unknown`` [b, t] positions is the mean embedding."""
-    def hook(_module, _args, out):  # out [b, t, d]
-        mean = _module.weight.mean(0).to(out.dtype)  # [d]
-        return torch.where(unknown.unsqueeze(-1), mean, out)
-
-    handle = model.embed.register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def windows(n: int, seq_len: int) -> list[tuple[int, int]]:
@@ -143,16 +135,67 @@ def score_stream(model: torch.nn.Module, hasher: Any, vocab: np.ndarray, raw: np
             "unseen_positions": int(unseen.sum()), "unseen_ids": int(len(np.unique(raw[unseen])))}
 
 
+def rolling_windows(n: int, seq_len: int) -> list[tuple[int, int, int]]:
+    """(start, length, scored) windows over a stream of n ids that score each of its targets
+    1..n-1 once: inputs ``stream[start:start + length]``, the last ``scored`` positions' targets
+    count. Every window after the first sees a full ``seq_len`` of context, so the last one
+    overlaps its predecessor (lm-evaluation-harness's rolling windows with context_len=1)."""
+    out, done = [], 0  # targets 1..done are scored
+    while done < n - 1:
+        k = min(seq_len, n - 1 - done)
+        start = max(0, done + k - seq_len)
+        out.append((start, done + k - start, k))
+        done += k
+    return out
+
+
+@torch.no_grad()
+def score_documents(model: torch.nn.Module, hasher: Any, vocab: np.ndarray,
+                    docs: list[list[int]], start_id: int, seq_len: int, batch_size: int = 16
+                    ) -> list[dict[str, Any]]:
+    """Each document (raw ids, no EOS) scored alone as ``[start_id] + doc`` in rolling windows:
+    per document the log-likelihood in nats of its scored tokens, with unseen ids context only
+    (left out as targets, counted), as in :func:`score_stream`."""
+    streams = [np.asarray([start_id, *d], dtype=np.int64) for d in docs]
+    locs = [local_ids(s, vocab) for s in streams]
+    groups: dict[int, list[tuple[int, int, int]]] = {}  # window length -> (doc, start, scored)
+    for i, s in enumerate(streams):
+        for start, t, k in rolling_windows(len(s), seq_len):
+            groups.setdefault(t, []).append((i, start, k))
+    ll = [0.0] * len(docs)
+    scored = [0] * len(docs)
+    model.eval()
+    for t, wins in sorted(groups.items()):
+        for a in range(0, len(wins), batch_size):
+            batch = wins[a:a + batch_size]
+            x_raw = torch.stack([torch.from_numpy(streams[i][s:s + t]) for i, s, _ in batch])
+            x_loc = torch.stack([torch.from_numpy(locs[i][s:s + t]) for i, s, _ in batch])
+            y = torch.stack([torch.from_numpy(locs[i][s + 1:s + t + 1]) for i, s, _ in batch])
+            keep = torch.arange(t)[None, :] >= torch.tensor([t - k for _, _, k in batch])[:, None]
+            y = torch.where((y < 0) | ~keep, IGNORE, y)  # [b, t]
+            ids = hasher.hash(x_raw) if hasher is not None else None
+            with unknown_inputs(model, x_loc < 0):
+                out = model(x_loc.clamp_min(0), ids)
+            nll = model.token_nll(out, y, ignore_index=IGNORE).double()  # [b, t]
+            for j, (i, _, _) in enumerate(batch):
+                ll[i] -= float(nll[j].sum())
+                scored[i] += int((y[j] != IGNORE).sum())
+    return [{"loglikelihood": ll[i], "targets": len(d), "scored": scored[i]}
+            for i, d in enumerate(docs)]
+
+
 def run_eval(run_dir: str, ec: EvalConfig, progress: bool = True) -> dict[str, Any]:
     from ..serving.loader import load_run
     from ..training.corpus import EOS_TOKEN
 
     served = load_run(run_dir)
+    eos = served.tokenizer.token_to_id(EOS_TOKEN)
     if ec.data is not None:
         raw, n_docs = held_out(ec.data, served.tokenizer)
+        docs = None
     else:
         docs = read_documents(ec)
-        raw, n_docs = encode(served.tokenizer, docs, served.tokenizer.token_to_id(EOS_TOKEN)), len(docs)
+        raw, n_docs = encode(served.tokenizer, docs, eos), len(docs)
     seq_len = ec.seq_len or served.model.config.max_seq_len
     if seq_len > served.model.config.max_seq_len:
         raise UserError(f"seq_len={seq_len} exceeds the run's max_seq_len="
@@ -161,6 +204,14 @@ def run_eval(run_dir: str, ec: EvalConfig, progress: bool = True) -> dict[str, A
                        progress)
     res.update({"run": str(run_dir), "checkpoint": served.checkpoint.name, "documents": n_docs,
                 "text": ec.text, "source": ec.source, "data": ec.data, "seq_len": seq_len})
+    if ec.per_document:
+        if docs is None:  # the held-out stream: each document is followed by its EOS
+            ends = np.flatnonzero(raw == eos)
+            ids = [raw[a + 1:b].tolist() for a, b in zip(np.r_[-1, ends[:-1]], ends)]
+        else:
+            ids = [e.ids for e in served.tokenizer.encode_batch(docs, add_special_tokens=False)]
+        res["per_document"] = score_documents(served.model, served.hasher, served.vocab, ids, eos,
+                                              seq_len, ec.batch_size)
     if ec.json:
-        Path(ec.json).write_text(json.dumps(res, indent=2))
+        write_json(ec.json, res, "engram eval", indent=2)
     return res

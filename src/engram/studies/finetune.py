@@ -22,7 +22,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InputNotFound, UserError
+from ..ranges import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Range, check_ranges
 from ..models.hf import eject, engram_runtime, freeze_base, inject
 from ..retrieval.config import EngramConfig
 from ..training.corpus import _in_val, load_documents
@@ -48,10 +49,13 @@ class FinetuneConfig:
     model: str = SMOLLM2
     seed: int = 0  # batch order and Engram multipliers
     threads: int | None = None  # torch threads; None leaves the default
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = field(default=METHODS, metadata={"choices": METHODS})
     # -- data --
-    train_source: str = "kjv"  # fine-tuning text (engram.training.corpus.SOURCES)
-    forget_sources: tuple[str, ...] = ("python-doc",)  # other kinds of text, never trained on
+    # fine-tuning text (engram.training.corpus.SOURCES)
+    train_source: str = field(default="kjv", metadata={"choices": "engram.training.corpus:SOURCES"})
+    # other kinds of text, never trained on
+    forget_sources: tuple[str, ...] = field(default=("python-doc",),
+                                            metadata={"choices": "engram.training.corpus:SOURCES"})
     max_chars: int = 1_000_000  # per source: a prefix keeps tokenising cheap
     val_fraction: float = 0.05  # held-out documents of the fine-tuning text
     seq_len: int = 64
@@ -93,6 +97,11 @@ class FinetuneConfig:
             raise UserError(f"lora_rank must be >= 1 or None, got {self.lora_rank}")
         if min(self.engram_lr, self.lora_lr) <= 0 or self.warmup < 0:
             raise UserError("need positive learning rates and warmup >= 0")
+        check_ranges(self, seed=NON_NEGATIVE, threads=AT_LEAST_1,
+                     val_fraction=Range(0, 1, True, True), grad_clip=POSITIVE, engram_layers=NON_NEGATIVE, table_size=Range(2),
+                     max_ngram_size=Range(2), n_head_per_ngram=AT_LEAST_1,
+                     n_embed_per_ngram=AT_LEAST_1, table_init_std=NON_NEGATIVE,
+                     table_lr_mult=NON_NEGATIVE)
 
     def engram_config(self, pad_id: int) -> EngramConfig:
         return EngramConfig(

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import UserError
+from ..ranges import AT_LEAST_1, NON_NEGATIVE, Range, check_ranges
 from ..retrieval.hot import build_hot_index, ngram_keys
 from ..retrieval.primes import prime_table_sizes
 from ..training.batches import val_batches
@@ -60,6 +61,15 @@ class NineStudyConfig:
     n_embed_per_ngram: int = 128  # K * d_head (the paper's 64 dims per head)
     alpha_bins: int = 5  # alpha buckets of the final table (0-0.2, ..., 0.8-1.0)
     only: tuple[str, ...] = ()  # run just these configurations (names as in the report); () = all
+
+    def __post_init__(self) -> None:
+        self.seeds, self.hot_rows = tuple(self.seeds), tuple(self.hot_rows)
+        check_ranges(self, seeds=NON_NEGATIVE, workers=AT_LEAST_1, steps=AT_LEAST_1,
+                     batch_size=AT_LEAST_1, seq_len=AT_LEAST_1, eval_every=AT_LEAST_1,
+                     eval_batches=AT_LEAST_1, total_rows=Range(2), hot_rows=AT_LEAST_1,
+                     small_rows=Range(2), large_rows=Range(2), ref_hot_rows=AT_LEAST_1,
+                     engram_layers=NON_NEGATIVE, n_head_per_ngram=AT_LEAST_1,
+                     n_embed_per_ngram=AT_LEAST_1, alpha_bins=AT_LEAST_1)
 
 
 def table_rows(cfg: TrainConfig) -> int:

@@ -27,13 +27,14 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import UserError
+from ..ranges import AT_LEAST_1, NON_NEGATIVE, check_ranges
 from ..training.train import TrainConfig
 from .pool_report import layer_budget, write_report
 from .pool_steps import build_setup, step_rows, steps, time_layers
@@ -47,7 +48,9 @@ DEFAULT_TIERS = ("memory", "shared", "pool", "file", "file_cold", "file_cold_cac
 class PoolBudgetConfig:
     out_dir: str = "out/pool"  # budget.json, budget.png, report.md, table files
     run_dir: str | None = None  # a trained run (engram train --out_dir); None: random weights
-    modes: tuple[str, ...] = ("prefill", "decode")  # serving shapes to budget
+    # serving shapes to budget
+    modes: tuple[str, ...] = field(default=("prefill", "decode"),
+                                   metadata={"choices": ("prefill", "decode")})
     batch: int = 4  # sequences per step
     prefill_len: int = 128  # prefill: tokens per sequence (<= the model's seq_len)
     decode_context: int = 64  # decode: prompt length already in the KV cache before the step
@@ -81,6 +84,7 @@ class PoolBudgetConfig:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.cache_fraction < 1 or any(x < 0 for x in self.inject_us):
             raise UserError("need 0 <= cache_fraction < 1 and inject_us >= 0")
+        check_ranges(self, threads=AT_LEAST_1, seed=NON_NEGATIVE)  # and every float finite
 
 
 def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:

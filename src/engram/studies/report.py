@@ -139,12 +139,25 @@ def _paired(gains: list[float]) -> str:
             f"{len(gains)} seeds)")
 
 
+def _timing(t: dict[str, Any] | None) -> str:
+    """The wall time's context: the estimate made before the runs, the CPUs' use, the load."""
+    if not t:
+        return ""
+    est = (f"{t['estimate']['total_s']:.0f} s estimated before the runs, "
+           f"{t['wall_over_estimate']:.2f}x; " if "estimate" in t else "")
+    load = t["load_avg"]
+    return (f" ({est}the runs used {t['cpu_utilisation']:.0%} of {min(t['cpus'], t['workers'])} "
+            f"CPUs; load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the "
+            "end)")
+
+
 def write_report(summary: dict[str, Any], path: Path) -> None:
     runs = summary["runs"]
     lines = ["# engram compare", "",
              f"Corpus: {summary['corpus']['train_tokens']:,} train / "
              f"{summary['corpus']['val_tokens']:,} validation tokens ({corpus_name(summary['corpus'])}), model "
-             f"vocabulary {summary['corpus']['vocab']:,} ids; wall time {summary['wall_s']:.0f} s.", "",
+             f"vocabulary {summary['corpus']['vocab']:,} ids; wall time {summary['wall_s']:.0f} s"
+             + _timing(summary.get("time")) + ".", "",
              *([f"Machine: {m['cpu'] or 'unknown CPU'}; matrix products through {m['gemm']} "
                 "(engram/gemm.py, ENGRAM_GEMM).", ""] if (m := summary.get("machine")) else []),
              "| run | val loss (mean) | per seed | seed spread | total params | active params | "

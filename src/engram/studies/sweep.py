@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..ranges import AT_LEAST_1, UNIT, Range, check_ranges
 from ..training.corpus import build_corpus
 from ..training.train import TrainConfig
 from .common import (RULE, job, largest_spread, resolved, run_jobs, save, seed_spread, spread_note,
@@ -23,11 +24,15 @@ from .compare import CompareConfig, budget, counts, solve_linear
 
 @dataclass
 class SweepConfig(CompareConfig):
-    out_dir: str = "out/sweep"
+    out_dir: str = "out/sweep"  # allocation.json / slots.json, .png, .md and runs/ land here
     seeds: tuple[int, ...] = (0,)
     rhos: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)  # allocation: share of budget to MoE
     table_sizes: tuple[int, ...] = (1_000, 4_000, 16_000, 64_000, 256_000, 1_000_000)  # rows/head
     n_routed_max: int = 24  # allocation: routed experts at rho = 1 (sets the sparse budget)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_ranges(self, rhos=UNIT, table_sizes=Range(2), n_routed_max=AT_LEAST_1)
 
 
 def allocation_configs(base: TrainConfig, vocab: int, sc: SweepConfig) -> dict[str, TrainConfig]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..files import publish
+from ..ranges import AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_ranges
 from ..models.encoder import eject_triggers, inject_triggers
 from ..models.trigger import TriggerMatcher, trigger_ids
 from ..training.concept import fit_concept
@@ -37,7 +39,7 @@ METHODS = ("trigger-plain", "trigger-engram", "lora-text", "lora-unet", "textual
 
 @dataclass
 class VisionConfig:
-    out_dir: str = "benchmarks/results/vision"  # vision.json, report.md, grids, the base model
+    out_dir: str = "out/vision"  # vision.json, report.md, grids, the base model
     trigger: str = "Zorblax"
     concept: int = 3  # digit bound to the trigger in the main experiment (the base model knows it)
     unseen: int = 9  # digit held out of base training, bound in a second experiment; -1 skips it
@@ -49,7 +51,7 @@ class VisionConfig:
     bind_steps: int = 200  # steps of every binding run
     bind_batch: int = 10  # images per binding step (the shots, repeated with fresh noise)
     lr: float = 5e-3  # one learning rate for every method's own parameters (AdamW)
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = field(default=METHODS, metadata={"choices": METHODS})
     seeds: int = 3  # binding runs per method and concept (different shots and noise)
     samples: int = 40  # images per trigger prompt per run
     control_seeds: int = 3  # images per control prompt ("a [bold] handwritten <digit>")
@@ -70,6 +72,11 @@ class VisionConfig:
             raise UserError(f"bold_kernel must be at least 2, got {self.bold_kernel}")
         if not 0 <= self.concept <= 9 or self.unseen > 9 or self.concept == self.unseen:
             raise UserError("concept must be a digit 0-9, unseen another digit or -1")
+        check_ranges(self, shots=AT_LEAST_1, width=AT_LEAST_1, base_steps=AT_LEAST_1,
+                     base_batch=AT_LEAST_1, bind_steps=AT_LEAST_1, bind_batch=AT_LEAST_1,
+                     lr=POSITIVE, seeds=AT_LEAST_1, samples=AT_LEAST_1, control_seeds=AT_LEAST_1,
+                     ddim_steps=AT_LEAST_1, guidance=NON_NEGATIVE, d_mem=AT_LEAST_1,
+                     lora_text_rank=AT_LEAST_1, lora_unet_rank=AT_LEAST_1, threads=AT_LEAST_1)
         if self.small:
             self.base_steps, self.bind_steps, self.samples = 4, 3, 4
             self.control_seeds, self.seeds, self.ddim_steps, self.base_batch = 1, 1, 2, 8
@@ -191,7 +198,8 @@ def _base_model(cfg: VisionConfig, tok, minilm, train: D.Digits, out: Path):
         base = {"train_s": time.perf_counter() - t0, "loss_first": float(np.mean(curve[:20])),
                 "loss_last": float(np.mean(curve[-20:])),
                 "params": sum(p.numel() for p in unet.parameters()), "curve": curve[::10]}
-        save_file({k: v.contiguous() for k, v in unet.state_dict().items()}, str(path))
+        state = {k: v.contiguous() for k, v in unet.state_dict().items()}
+        publish(path, lambda p: save_file(state, p))
         path.with_suffix(".json").write_text(json.dumps(base))
     unet.eval().requires_grad_(False)
     return unet, base

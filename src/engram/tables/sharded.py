@@ -25,8 +25,6 @@ u unique ids on this rank, s ids other ranks (and this one) asked this rank for,
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -34,6 +32,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+
+from ..files import publish
 
 _INIT_BLOCK = 4096  # rows per init block: shard inits do not depend on the world size
 
@@ -221,16 +221,9 @@ def write_shard(path, tables: dict[int, nn.Module], opt: torch.optim.Optimizer |
         tensors[f"{layer}.rows"] = (st["rows"] + lo)[order].cpu().contiguous()
         for key in ("exp_avg", "exp_avg_sq", "steps"):
             tensors[f"{layer}.{key}"] = st[key][order].cpu().contiguous()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"ranges": json.dumps(ranges), "meta": json.dumps(meta)})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # readers see the old file or the whole new one, never a torn one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # readers see the old file or the whole new one, never a torn one
+    publish(path, lambda tmp: save_file(tensors, tmp, metadata={"ranges": json.dumps(ranges),
+                                                                "meta": json.dumps(meta)}))
 
 
 @torch.no_grad()

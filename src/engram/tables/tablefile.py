@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import UserError
+from ..files import open_beside
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import PARTS, Hasher, differences
 from ..retrieval.primes import rows_per_layer
@@ -179,7 +179,7 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = open_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             from tqdm.auto import tqdm

@@ -88,6 +88,15 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any],
     return path
 
 
+def saved_step(out_dir: str | Path) -> int | None:
+    """The step of the newest checkpoint of run folder ``out_dir`` (one process or sharded), from
+    its pointer alone; None when there is none."""
+    try:
+        return int(json.loads((Path(out_dir) / "checkpoints" / LATEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def latest_checkpoint(directory: str | Path) -> Path | None:
     pointer = Path(directory) / LATEST
     if not pointer.exists():

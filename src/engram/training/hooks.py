@@ -1,12 +1,18 @@
-"""The stock hooks of :func:`loop.fit`: metrics records with a progress bar, and checkpoints."""
+"""The stock hooks of :func:`loop.fit`: metrics records with a progress bar, and checkpoints.
+
+A run's folder carries the marker of a run (engram/outputs.py), so `engram train` may continue it
+and no other command writes into it; metrics.jsonl holds JSON only (a non-finite value is null).
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..outputs import finite, mark
 from .loop import ONE_PROCESS, Checkpoints, Ranks, Run, evaluate
 
 
@@ -38,9 +44,13 @@ class LogMetrics:
         cfg, out = run.cfg, Path(run.cfg.out_dir)
         if self.ranks.logs:
             out.mkdir(parents=True, exist_ok=True)
+            mark(out, "run", "engram train")
             (out / "config.json").write_text(json.dumps(self.config or cfg.to_dict(), indent=2))
             # Records past a resumed checkpoint are dropped: they will be written again, identically.
-            (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run.history))
+            (out / "metrics.jsonl").write_text("".join(_line(r) for r in run.history))
+            if run.step and self.progress:
+                print(f"engram: resuming {out} from step {run.step} (of {cfg.steps})",
+                      file=sys.stderr)
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=cfg.steps, initial=run.step, disable=not (self.progress and
@@ -58,7 +68,7 @@ class LogMetrics:
             run.history.append(rec)
             if self.ranks.logs:
                 with open(Path(cfg.out_dir) / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                    f.write(_line(rec))
             run.window, self.t_last = (0, 0.0), time.perf_counter()  # eval is not training time
             self.bar.set_postfix(loss=f"{loss:.3f}", **({"val": f"{rec['val_loss']:.3f}"}
                                                         if "val_loss" in rec else {}))
@@ -67,8 +77,14 @@ class LogMetrics:
         self.bar.close()
 
 
+def _line(rec: dict[str, Any]) -> str:
+    """One metrics.jsonl line: NaN and Infinity are not JSON, so they are written as null."""
+    return json.dumps(finite(rec), allow_nan=False) + "\n"
+
+
 class SaveCheckpoints:
-    """A checkpoint every ``every`` steps and at the last."""
+    """A checkpoint every ``every`` steps and at the last, and of the step reached when a signal
+    stops the loop early (``end`` saves what is not saved yet)."""
 
     def __init__(self, checkpoints: Checkpoints, every: int):
         if every < 1:
@@ -76,11 +92,14 @@ class SaveCheckpoints:
         self.checkpoints, self.every = checkpoints, every
 
     def start(self, run: Run) -> None:
-        pass
+        self.saved = run.step  # a resumed run's checkpoint is this step's
 
     def after_step(self, run: Run, lr: float, loss: float) -> None:
         if run.step % self.every == 0 or run.step == run.cfg.steps:
             self.checkpoints.save(run)
+            self.saved = run.step
 
     def end(self, run: Run) -> None:
-        pass
+        if run.step > self.saved:  # stopped early (a signal): keep the steps done
+            self.checkpoints.save(run)
+            self.saved = run.step

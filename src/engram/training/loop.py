@@ -25,9 +25,11 @@ Where later changes plug in, one place each:
   :func:`evaluate`, a grad scaler's ``scale`` before ``backward``, ``unscale_`` before
   ``ranks.clip``, its ``step`` where ``run.optim.step()`` is); ``Ranks.forward_module`` is the one
   module a training forward runs through (compile it there).
-- a non-finite loss or gradient: :func:`train_step` holds the step's loss and the global grad
-  norm ``ranks.clip`` returns, before ``run.optim.step()``; SIGINT/SIGTERM: the head of
-  :func:`fit`'s loop, then ``Hook.end`` (``SaveCheckpoints`` saving a step it has not saved).
+- a non-finite loss or gradient: :func:`train_step` checks the step's loss and the global grad
+  norm ``ranks.clip`` returns before ``run.optim.step()`` (``errors.NonFinite``, naming the step;
+  nothing of it is applied or saved); SIGINT/SIGTERM: a flag (engram/interrupts.py) read at the
+  head of :func:`fit`'s loop and summed over the ranks, then ``Hook.end`` (``SaveCheckpoints``
+  saves the step reached), then ``errors.Interrupted``.
 - memory-mapped token shards: ``run.batches`` (a :class:`BatchSource`) and :func:`validation`.
 """
 
@@ -42,12 +44,17 @@ from typing import Any, Iterator, Protocol, Sequence
 import torch
 from torch import nn
 
+from .. import interrupts
+from ..errors import Interrupted, NonFinite
 from ..models.model import EngramLM
 from ..retrieval.hashing import NgramHasher
 from .batches import Batch, val_batches
 from .checkpoint import CheckpointError
 from .corpus import Corpus
 from .optim import Optimizers, clip_grad_norm_
+
+STOPPING = ("engram: stopping after this step and saving a checkpoint (Ctrl-C again: stop now, "
+            "without saving)")
 
 
 class BatchSource(Protocol):
@@ -184,6 +191,10 @@ def restore(run: Run, checkpoints: Checkpoints, resume: bool = True) -> bool:
         raise CheckpointError(f"{Path(run.cfg.out_dir)} already holds a checkpoint; pass "
                               "resume=True or use another out_dir (nothing was overwritten)")
     checkpoints.load(run, found)
+    if run.step > run.cfg.steps:  # training nothing and rewriting config.json would hide it
+        raise CheckpointError(f"{Path(run.cfg.out_dir)} holds a checkpoint at step {run.step}, "
+                              f"past steps={run.cfg.steps}: pass --steps {run.step} or more to "
+                              "continue it, or use another out_dir (nothing was changed)")
     return True
 
 
@@ -198,10 +209,15 @@ def train_step(run: Run, ranks: Ranks = ONE_PROCESS) -> float:
             loss = run.model.loss(module(b.inputs, b.hash_ids), b.targets) / cfg.grad_accum
             loss.backward()
         loss_sum += float(loss.detach())
-    ranks.clip(run.model, cfg.grad_clip)
+    norm = float(ranks.clip(run.model, cfg.grad_clip))  # global: every rank decides alike
+    mean = ranks.sum([loss_sum])[0] / ranks.world
+    if not (math.isfinite(mean) and math.isfinite(norm)):  # an update now would poison the weights
+        raise NonFinite(f"step {run.step + 1}: the loss is {mean:g} and the gradient norm "
+                        f"{norm:g}; training stopped before applying it (lower --lr, or check "
+                        "the data)", run.step + 1)
     run.optim.step()
     run.optim.zero_grad(set_to_none=True)
-    return ranks.sum([loss_sum])[0] / ranks.world
+    return mean
 
 
 def validation(run: Run, full: bool = False) -> Iterator[Batch]:
@@ -227,10 +243,27 @@ def evaluate(run: Run, full: bool = False, ranks: Ranks = ONE_PROCESS) -> float:
 
 
 def fit(run: Run, hooks: Sequence[Hook] = (), ranks: Ranks = ONE_PROCESS) -> Run:
-    """Train ``run`` from run.step to run.cfg.steps, calling every hook after every step."""
+    """Train ``run`` from run.step to run.cfg.steps, calling every hook after every step.
+
+    SIGINT / SIGTERM stop it at the head of the next step (on every rank at the same one); the
+    hooks' ``end`` still runs (the checkpoint hook saves the step reached), then Interrupted."""
+    with interrupts.stop_requests(STOPPING if ranks.logs else None):
+        stopped = _fit(run, hooks, ranks)
+    if stopped:
+        interrupts.clear()
+        raise Interrupted(f"stopped at step {run.step} of {run.cfg.steps}")
+    return run
+
+
+def _fit(run: Run, hooks: Sequence[Hook], ranks: Ranks) -> bool:
+    """:func:`fit`'s loop; True when a signal stopped it."""
+    stopped = False
     for h in hooks:
         h.start(run)
     while run.step < run.cfg.steps:
+        if ranks.sum([float(interrupts.requested())])[0]:  # any rank's signal stops them all
+            stopped = True
+            break
         try:
             lr = lr_at(run.step, run.cfg)
             run.optim.set_lr(lr)
@@ -246,4 +279,4 @@ def fit(run: Run, hooks: Sequence[Hook] = (), ranks: Ranks = ONE_PROCESS) -> Run
             raise err from e
     for h in hooks:
         h.end(run)
-    return run
+    return stopped

@@ -21,6 +21,7 @@ import torch
 
 from .. import gemm
 from ..errors import UserError
+from ..ranges import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Range, check_ranges
 from ..models.layers import AdaptiveHead
 from ..models.model import EngramLM, ModelConfig
 from ..module import fused
@@ -68,7 +69,8 @@ class TrainConfig:
     out_dir: str = "runs/engram"  # checkpoints, metrics.jsonl, config.json
     seed: int = 0  # model init and batch order
     # -- data --
-    sources: tuple[str, ...] = ("kjv", "peoples-daily")
+    sources: tuple[str, ...] = field(default=("kjv", "peoples-daily"),
+                                    metadata={"choices": "engram.training.corpus:SOURCES"})
     max_chars: int | None = None  # per source; None = all the text
     val_fraction: float = 0.05
     # A folder written by `engram prepare` (replaces sources, max_chars and val_fraction).
@@ -81,7 +83,8 @@ class TrainConfig:
     n_head: int = 4
     d_ff: int | None = None  # None: SwiGLU default (~8/3 d)
     seq_len: int = 128
-    head: str = "adaptive"  # "full" softmax or "adaptive" (exact; ~4x faster training on CPU)
+    # "full" softmax or "adaptive" (exact; ~4x faster training on CPU)
+    head: str = field(default="adaptive", metadata={"choices": ("full", "adaptive")})
     head_cutoffs: tuple[int, ...] = (2048, 8192)  # adaptive: ranks >= the vocabulary are dropped
     tie_embeddings: bool = False  # full head only
     hc_mult: int = 1  # hyper-connection branches
@@ -98,10 +101,12 @@ class TrainConfig:
     max_ngram_size: int = 3
     n_head_per_ngram: int = 4
     n_embed_per_ngram: int = 128  # d_ngram; head dim = d_ngram / heads
-    engram_gate: str | None = None  # None: the profile's default
+    # None: the profile's default
+    engram_gate: str | None = field(default=None, metadata={"choices": "engram.module.gate:GATES"})
     # "demo-v1", or "v4.1": DeepSeek-V4.1's layout (one table size for all orders, global row ids,
     # fused bias-free keys, no short conv); its layers import and export as a V4.1 checkpoint's.
-    engram_profile: str = "demo-v1"
+    engram_profile: str = field(default="demo-v1",
+                                metadata={"choices": "engram.retrieval.config:PROFILES"})
     engram_norm_eps: float | None = None  # Engram gate norms' eps; None: the profile's (v4.1 1e-6)
     engram_conv: bool | None = None  # short conv on/off; None: the profile's default (on)
     engram_fixed_gate: bool = False  # ablation: gate alpha fixed at 1 (no keys)
@@ -114,9 +119,11 @@ class TrainConfig:
     # -- Engram-Nine hot tier (arXiv 2601.16531; studies/nine.py) --
     # N_hot per n-gram order: that many most frequent training n-grams get a collision-free row.
     hot_rows: int = 0
-    hot_index: str = "mphf"  # "mphf" (MPHF + fingerprint) or "exact" (sorted keys, no false hits)
+    # "mphf" (MPHF + fingerprint) or "exact" (sorted keys, no false hits)
+    hot_index: str = field(default="mphf", metadata={"choices": "engram.retrieval.hot:KINDS"})
     fingerprint_bits: int = 16  # mphf: bits per hot slot; non-members pass at ~2^-bits
-    mphf_engine: str = "torch"  # "torch" (vectorised BBHash) or "bbhash" (the wheel; extra nine)
+    # "torch" (vectorised BBHash) or "bbhash" (the wheel; extra nine)
+    mphf_engine: str = field(default="torch", metadata={"choices": "engram.retrieval.mphf:ENGINES"})
     shared_tables: bool = False  # one table set read by every Engram layer (the Nine paper)
     # -- optimisation --
     steps: int = 300
@@ -146,6 +153,16 @@ class TrainConfig:
             raise UserError("need lr > 0, 0 <= min_lr_ratio <= 1 and warmup >= 0")
         if self.hot_rows < 0:
             raise UserError(f"hot_rows must be >= 0, got {self.hot_rows}")
+        check_ranges(  # every float finite, too (a NaN passes every comparison above)
+            self, seed=NON_NEGATIVE, max_chars=AT_LEAST_1, val_fraction=Range(0, 1, True, True),
+            n_layer=AT_LEAST_1, d_model=AT_LEAST_1, n_head=AT_LEAST_1, d_ff=AT_LEAST_1,
+            head_cutoffs=AT_LEAST_1, hc_mult=AT_LEAST_1, n_routed_experts=AT_LEAST_1,
+            n_shared_experts=NON_NEGATIVE, top_k=AT_LEAST_1, d_expert=AT_LEAST_1,
+            engram_layers=NON_NEGATIVE, table_size=Range(2), max_ngram_size=Range(2),
+            n_head_per_ngram=AT_LEAST_1, n_embed_per_ngram=AT_LEAST_1, engram_norm_eps=POSITIVE,
+            table_init_std=NON_NEGATIVE, fingerprint_bits=Range(1, 32), lr=POSITIVE,
+            table_lr_mult=NON_NEGATIVE, weight_decay=NON_NEGATIVE, grad_clip=POSITIVE,
+            threads=AT_LEAST_1)
         if self.nine and not self.engram:
             raise UserError("hot_rows / shared_tables need engram=true")
 

@@ -1,0 +1,116 @@
+"""Loading and saving :class:`~engram.serving.hf_model.EngramLMForCausalLM` as an export.
+
+transformers' own loader would read model.safetensors into a model it builds itself; an export
+keeps its tables apart, as table files read on a tier (serving/hf_export.py), so both directions
+go through the export's own functions: ``build_export_model`` + ``load_dense`` in,
+``export_model`` out. The tables are opened by ONE call into hf_export/loader (the tier chain
+lives there), so a new tier needs no change here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .hf_export import (ARCHITECTURE, FORMAT, MODEL_TYPE, SERVING_DEFAULTS, build_export_model,
+                        load_dense, read_export)
+
+# from_pretrained arguments that concern the hub or transformers' own loader: nothing to do here.
+_HUB_ARGS = {"cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
+             "trust_remote_code", "code_revision", "use_safetensors", "low_cpu_mem_usage",
+             "attn_implementation", "proxies", "resume_download", "key_mapping", "weights_only",
+             "offload_folder", "offload_state_dict", "adapter_kwargs", "gguf_file", "use_auth_token"}
+
+
+def load_export(cls: type, path: str | Path, config: Any, engram_serving: dict[str, Any] | None,
+                dtype: Any, kwargs: dict[str, Any]) -> Any:
+    """``cls.from_pretrained``: see EngramLMForCausalLM.from_pretrained."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such directory; an engram model loads from a local "
+                                "directory written by `engram export-hf` (nothing is downloaded)")
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no config.json in {path}: write the export with `engram export-hf`")
+    raw = json.loads((path / "config.json").read_text())
+    if raw.get("model_type") != MODEL_TYPE:
+        raise ValueError(f"{path}/config.json is a {raw.get('model_type')!r} model, not an engram "
+                         f"export (model_type {MODEL_TYPE!r}, written by `engram export-hf`)")
+    if config is None:
+        config = cls.config_class.from_pretrained(path)
+    for key, value in kwargs.items():
+        if key in _HUB_ARGS or key.startswith("_"):
+            continue
+        if key == "output_loading_info":
+            raise ValueError("output_loading_info: an export loads whole or not at all")
+        if not hasattr(config, key):
+            raise TypeError(f"from_pretrained got an unexpected argument {key!r}")
+        setattr(config, key, value)
+    check_config(config)
+    serving = engram_serving if engram_serving is not None else getattr(config, "engram_serving",
+                                                                        None)
+    export = read_export(path, serving)  # the tier and the other keys, checked
+    tier = export["engram_serving"]["tier"]
+    try:
+        lm, hasher, raw_vocab = build_export_model(path, export)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{path} is missing a table file ({e}); write the export again "
+                                "with `engram export-hf`") from e
+    except (OSError, ImportError, RuntimeError) as e:
+        raise RuntimeError(f"engram_serving.tier={tier!r}: the tables in {path} could not be "
+                           f"opened on this machine ({type(e).__name__}: {e}); choose another "
+                           f"tier, e.g. engram_serving={{'tier': 'memory'}}") from e
+    vocab = load_dense(lm, load_file(str(path / "model.safetensors")))
+    if raw_vocab != config.vocab_size:
+        raise ValueError(f"{path}: tokenizer.json has {raw_vocab} ids, config.json says "
+                         f"vocab_size={config.vocab_size}")
+    config.engram_serving = export["engram_serving"]
+    config._name_or_path = str(path)
+    model = cls(config, lm=lm, hasher=hasher, vocab=vocab)
+    if dtype not in (None, "auto"):
+        model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    return model.eval()
+
+
+def check_config(config: Any) -> None:
+    """Refuse a config of another model type, or one export-hf did not write."""
+    kind = getattr(config, "model_type", None)
+    if kind != MODEL_TYPE:
+        raise ValueError(f"a {kind!r} config is not an engram export (model_type {MODEL_TYPE!r}, "
+                         f"architecture {ARCHITECTURE}); load it with its own class")
+    if getattr(config, "engram_format", None) != FORMAT or not getattr(config, "engram_model",
+                                                                           None):
+        raise ValueError(f"this {MODEL_TYPE} config lacks engram_format={FORMAT!r} or "
+                         "engram_model: write it with `engram export-hf`")
+
+
+def save_export(model: Any, out_dir: str | Path) -> Path:
+    """Write ``model`` as an export; its serving keys, table dtype and row counts (for a hot
+    cache) are the ones it was loaded with."""
+    from ..tables.tablefile import read_header, table_path
+    from .hf_export import export_model, read_row_counts
+
+    out = Path(out_dir)
+    serving = {**SERVING_DEFAULTS, **(getattr(model.config, "engram_serving", None) or {})}
+    source = getattr(model.config, "_name_or_path", "") or ""
+    src = Path(source) / serving["table_dir"] if source else None
+    if source and out.resolve() == Path(source).resolve():
+        raise ValueError(f"save_pretrained into {out}, the export the model was loaded from, "
+                         "would overwrite the table files it reads; choose another directory")
+    counts, dtype = None, "fp32"
+    ecfg = model.lm.config.engram
+    if src is not None and src.is_dir() and ecfg is not None:
+        first = table_path(src, ecfg.layer_ids[0])
+        if first.exists():
+            dtype = read_header(first).dtype
+        if (src / "row_counts.safetensors").exists():
+            counts = read_row_counts(src, model.hasher)
+    return export_model(model.lm, model.hasher, model.vocab_map.vocab, out, counts=counts,
+                        tier=serving["tier"], table_dtype=dtype,
+                        cache_fraction=serving["cache_fraction"] if counts is not None else 0.0,
+                        prefetch=serving["prefetch"],
+                        tag=getattr(model.config, "engram_checkpoint", "") or "")

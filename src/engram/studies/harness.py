@@ -1,0 +1,222 @@
+"""lm-evaluation-harness on an ``engram export-hf`` directory: the model type ``engram``.
+
+lm-eval 0.4 has no plugin entry points: a model type exists once its module is imported
+(``@register_model``). ``engram lm-eval ARGS`` imports this module and hands ARGS to lm-eval's own
+command line (``lm_eval.__main__.cli_evaluate``), so its options, task files and output are lm-eval's;
+``--model engram`` is added when no model is named:
+
+    engram lm-eval --model_args pretrained=OUT,tier=file --tasks wikitext --include_path DIR
+
+model_args: ``pretrained`` (an export), the tier keys of ``engram_serving`` (``tier``,
+``cache_fraction``, ``prefetch``), ``batch_size``, ``max_length`` (default: the model's), ``device``.
+
+How each request type is scored (the model is EngramLMForCausalLM, serving/hf_model.py):
+- ``loglikelihood_rolling``: each document after EOS (the token that precedes every document in
+  training) in rolling windows, by :func:`engram.studies.evaluate.score_documents`, the function
+  ``engram eval --per_document`` reports (tested equal). Unseen ids are context only, as there.
+- ``loglikelihood``: context + continuation cut to the last ``max_length + 1`` tokens, one forward;
+  a continuation token the run never saw has probability 0 (log-likelihood -inf), since leaving
+  it out would favour continuations the model cannot write.
+- ``generate_until``: ``generate()`` on left-padded batches (greedy unless the task samples), cut
+  at the first stop string.
+Rows are never padded into one tensor for scoring: batches hold requests of one length.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+
+from ..serving.hf_model import EngramLMForCausalLM
+from .evaluate import IGNORE, score_documents
+
+
+@register_model("engram")
+class EngramHarnessLM(TemplateLM):
+    def __init__(self, pretrained: str, tier: str | None = None,
+                 cache_fraction: float | None = None, prefetch: bool | None = None,
+                 batch_size: int | str = 16, max_length: int | None = None,
+                 device: str | None = None, max_gen_toks: int = 256, **kwargs: Any):
+        super().__init__()
+        from tokenizers import Tokenizer
+
+        unknown = sorted(k for k in kwargs if k not in ("max_batch_size", "trust_remote_code"))
+        if unknown:
+            raise ValueError(f"model_args {unknown} are not arguments of the engram model type "
+                             "(pretrained, tier, cache_fraction, prefetch, batch_size, "
+                             "max_length, device, max_gen_toks)")
+        # checked by the export's reader: an unknown tier is refused with the known ones
+        serving = {k: v for k, v in (("tier", tier), ("cache_fraction", cache_fraction),
+                                     ("prefetch", prefetch)) if v is not None}
+        self.model = EngramLMForCausalLM.from_pretrained(pretrained, engram_serving=serving)
+        if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
+            device = None  # lm-eval's default device; its hf model falls back the same way
+        if device not in (None, "cpu"):
+            self.model.to(device)
+        self.tokenizer = Tokenizer.from_file(str(Path(pretrained) / "tokenizer.json"))
+        self.batch_size = 16 if batch_size in (None, "auto") else int(batch_size)
+        self.max_length = int(max_length or self.model.config.max_position_embeddings)
+        if self.max_length > self.model.lm.config.max_seq_len:
+            raise ValueError(f"max_length={self.max_length} exceeds the model's max_seq_len="
+                             f"{self.model.lm.config.max_seq_len}")
+        self.max_gen_toks = int(max_gen_toks)
+        self.vocab = self.model.vocab_map.vocab.numpy()  # [V] sorted raw ids
+
+    # -- tokens ------------------------------------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return int(self.model.config.eos_token_id)  # ends every training document
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None,
+                   **kwargs: Any) -> list[int]:
+        return self.tokenizer.encode(string, add_special_tokens=False).ids  # as training did
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    # -- requests ----------------------------------------------------------------------------------
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False
+                              ) -> list[float]:
+        docs = [self.tok_encode(r.args[0]) for r in requests]
+        out = score_documents(self.model.lm, self.model.hasher, self.vocab, docs,
+                              self.eot_token_id, self.max_length, self.batch_size)
+        return [d["loglikelihood"] for d in out]
+
+    @torch.no_grad()
+    def _loglikelihood_tokens(self, requests: list[Any], disable_tqdm: bool = False,
+                              **kwargs: Any) -> list[tuple[float, bool]]:
+        lm = self.model.lm
+        rows = []  # (input ids, number of continuation tokens)
+        for _, context, continuation in requests:
+            whole = (list(context) + list(continuation))[-(self.max_length + 1):]
+            rows.append((whole, len(continuation)))
+        by_len: dict[int, list[int]] = {}
+        for i, (whole, _) in enumerate(rows):
+            by_len.setdefault(len(whole) - 1, []).append(i)
+        out: list[tuple[float, bool]] = [(0.0, True)] * len(rows)
+        for t, idx in sorted(by_len.items()):
+            for a in range(0, len(idx), self.batch_size):
+                batch = idx[a:a + self.batch_size]
+                whole = torch.tensor([rows[i][0] for i in batch])  # [b, t+1] raw ids
+                target = self.model.vocab_map.to_local(whole[:, 1:])  # [b, t], -1 unseen
+                n_cont = torch.tensor([rows[i][1] for i in batch])
+                cont = torch.arange(t)[None, :] >= (t - n_cont)[:, None]  # [b, t]
+                res = self.model.run_ids(whole[:, :-1])
+                y = torch.where(cont & (target >= 0), target, IGNORE).to(self.model.device)
+                nll = lm.token_nll(res, y, ignore_index=IGNORE).double().cpu()  # [b, t]
+                greedy = lm.logits(res.hidden).argmax(-1).cpu() == target  # [b, t]
+                for j, i in enumerate(batch):
+                    c = cont[j]
+                    if bool((target[j][c] < 0).any()):  # the run cannot write this continuation
+                        out[i] = (float("-inf"), False)
+                    else:
+                        out[i] = (-float(nll[j][c].sum()), bool(greedy[j][c].all()))
+        return out
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(json.dumps(r.args[1], sort_keys=True, default=str), []).append(i)
+        out = [""] * len(requests)
+        for key, idx in groups.items():
+            kw = dict(requests[idx[0]].args[1])
+            until = kw.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kw.pop("max_gen_toks", self.max_gen_toks))
+            sample = bool(kw.pop("do_sample", False)) or float(kw.get("temperature", 0) or 0) > 0
+            for a in range(0, len(idx), self.batch_size):
+                batch = idx[a:a + self.batch_size]
+                texts = self._generate([requests[i].args[0] for i in batch], max_new, sample, kw)
+                for i, text in zip(batch, texts):
+                    for stop in until:
+                        text = text.split(stop)[0] if stop else text
+                    out[i] = text
+        return out
+
+    def _generate(self, contexts: list[str], max_new: int, sample: bool,
+                  kw: dict[str, Any]) -> list[str]:
+        room = self.max_length - max_new
+        if room < 1:
+            raise ValueError(f"max_gen_toks={max_new} leaves no room for a prompt in "
+                             f"max_length={self.max_length}")
+        prompts = [(self.tok_encode(c) or [self.eot_token_id])[-room:] for c in contexts]
+        width = max(map(len, prompts))
+        eos = self.eot_token_id
+        ids = torch.full((len(prompts), width), eos, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for j, p in enumerate(prompts):  # left padding
+            ids[j, width - len(p):] = torch.tensor(p)
+            mask[j, width - len(p):] = 1
+        args = {"temperature": float(kw["temperature"])} if sample and "temperature" in kw else {}
+        gen = self.model.generate(ids.to(self.model.device), attention_mask=mask,
+                                  max_new_tokens=max_new, do_sample=sample, eos_token_id=eos,
+                                  pad_token_id=eos, **args)
+        return [self.tok_decode(g[width:].tolist()) for g in gen]
+
+
+def cli_lm_eval(argv: list[str]) -> int:
+    """``engram lm-eval ARGS``: lm-eval's command line with the ``engram`` model type."""
+    from lm_eval.__main__ import cli_evaluate
+
+    argv = list(argv)
+    if not argv or argv[0] not in ("run", "ls", "validate"):
+        argv = ["run", *argv]
+    if argv[0] == "run" and not any(a in ("-M", "--model") or a.startswith("--model=")
+                                    for a in argv):
+        argv = ["run", "--model", "engram", *argv[1:]]
+    if argv[0] == "run" and _named_model(argv) == "engram":
+        _check_model_args(_model_args(argv))
+    saved = sys.argv
+    sys.argv = ["engram lm-eval", *argv]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
+    return 0
+
+
+
+def _named_model(argv: list[str]) -> str:
+    for i, a in enumerate(argv):
+        if a in ("-M", "--model") and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--model="):
+            return a.split("=", 1)[1]
+    return "engram"
+
+
+def _model_args(argv: list[str]) -> dict[str, str]:
+    """``--model_args`` as lm-eval reads it (``k=v,k2=v2`` or several ``k=v`` words)."""
+    words: list[str] = []
+    for i, a in enumerate(argv):
+        if a.startswith("--model_args="):
+            words.append(a.split("=", 1)[1])
+        elif a in ("-a", "--model_args"):
+            for b in argv[i + 1:]:
+                if b.startswith("-"):
+                    break
+                words.append(b)
+    pairs = [p for w in words for p in w.split(",") if p]
+    return {k.strip(): v.strip() for k, _, v in (p.partition("=") for p in pairs)}
+
+
+def _check_model_args(args: dict[str, str]) -> None:
+    """What the user can fix, refused in one line before lm-eval starts (it logs and builds its
+    task list first, and reports a model's error as a traceback)."""
+    from ..errors import InputNotFound, UserError
+    from ..tables.registry import TIERS
+
+    if "pretrained" not in args:
+        raise UserError("--model_args needs pretrained=DIR (an `engram export-hf` directory)")
+    root = Path(args["pretrained"])
+    if not (root / "config.json").is_file():
+        raise InputNotFound(f"pretrained={root}: no config.json there (an `engram export-hf` "
+                            "directory is expected)")
+    if "tier" in args and args["tier"] not in TIERS:
+        raise UserError(f"engram_serving.tier must be one of {TIERS}, got {args['tier']!r}")
