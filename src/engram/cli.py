@@ -201,7 +201,8 @@ def _train(cfg, launch: Launch) -> None:
 
 @command("prepare", "your own text (files, folders, globs, .jsonl/.parquet/.csv) as token "
          "shards for `train --data`", configs=("engram.training.prepare:PrepareConfig",),
-         reads=("input", "tokenizer"), writes=("out",),
+         reads=(In("input", check=False), In("tokenizer", check=False)),
+         writes=(Out("out", "corpus"),),
          about="Rerunning the same command resumes: finished shards are kept, changed ones redone.")
 def _prepare(cfg) -> None:
     from .training.prepare import prepare, summary_lines

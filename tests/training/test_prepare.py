@@ -110,7 +110,7 @@ def test_skip_mode_drops_non_utf8_and_counts_it(tmp_path, chapters):
     ("not jsonl", UserError, "is not JSON"),
     ("nothing", UserError, "nothing to prepare"),
     ("out is a file", OutputExists, "is a file"),
-    ("out holds files", OutputExists, "holds other files"),
+    ("out holds files", OutputExists, "is not a corpus folder: it holds files engram did not"),
     ("eos", UserError, "not a token of this tokenizer"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, monkeypatch, case, error, match):

@@ -17,6 +17,7 @@ changed, redoes only the shards that differ.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -30,7 +31,9 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from ..errors import InputNotFound, OutputExists, UserError
+from ..errors import InputNotFound, UserError
+from ..outputs import claim_folder
+from ..ranges import NON_NEGATIVE, POSITIVE, Range, check_ranges
 from ..retrieval.compress import build_compression, default_tokenizer, tokenizer_fingerprint
 from . import shards
 from .inputs import Skips, check_fields, discover, read
@@ -67,12 +70,8 @@ class PrepareConfig:
         for s in self.source:
             if s not in SOURCES:
                 raise UserError(f"unknown source {s!r}; known: {sorted(SOURCES)}")
-        if not 0.0 < float(self.val_fraction) < 1.0:
-            raise UserError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
-        if self.shard_mb <= 0:
-            raise UserError(f"shard_mb must be > 0, got {self.shard_mb}")
-        if self.workers is not None and self.workers < 0:
-            raise UserError(f"workers must be >= 0 or None, got {self.workers}")
+        check_ranges(self, val_fraction=Range(0, 1, True, True), shard_mb=POSITIVE,
+                     workers=NON_NEGATIVE, split_seed=NON_NEGATIVE)
 
 
 # -- tokenizers ------------------------------------------------------------------------------------
@@ -145,6 +144,12 @@ def write_corpus(docs: Iterable[Doc], out: str | Path, tok: Any, eos_token: str,
     eos = tok.token_to_id(eos_token)
     if eos is None:
         raise UserError(f"the tokenizer has no {eos_token!r} token to separate documents")
+    docs = iter(docs)
+    first = next(docs, None)  # inputs that hold no document fail before the folder is touched
+    if first is None:
+        raise UserError("no documents to prepare: every input was empty or skipped "
+                        f"({_skipped_line(skips) or 'nothing read'})")
+    docs = itertools.chain([first], docs)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     fp = tokenizer_fingerprint(tok)
     tok_json = tok.to_str()
@@ -185,9 +190,6 @@ def write_corpus(docs: Iterable[Doc], out: str | Path, tok: Any, eos_token: str,
         while pending:
             collect()
     bar.close()
-    if not metas:
-        raise UserError("no documents to prepare: every input was empty or skipped "
-                        f"({_skipped_line(skips) or 'nothing read'})")
     shards.remove_shards(folder, keep=len(metas))
     counts = np.zeros((2, vocab_size), dtype=np.int64)  # [2, V]
     for m in metas:
@@ -209,13 +211,10 @@ def write_corpus(docs: Iterable[Doc], out: str | Path, tok: Any, eos_token: str,
 
 
 def _claim(out: Path) -> Path:
-    """The shard folder of ``out``, after making ``out`` unfinished: its manifest goes first, so no
-    manifest ever names a shard this run is rewriting."""
-    if out.exists() and not out.is_dir():
-        raise OutputExists(f"--out {out} is a file")
-    if out.is_dir() and any(out.iterdir()) and not ((out / "shards").is_dir()
-                                                     or (out / shards.MANIFEST).exists()):
-        raise OutputExists(f"--out {out} holds other files; give a new or empty folder")
+    """The shard folder of ``out``, after claiming ``out`` by the outputs rule (a new or empty
+    folder, or one ``engram prepare`` wrote: its marker) and making it unfinished: its manifest
+    goes first, so no manifest ever names a shard this run is rewriting."""
+    claim_folder(out, "corpus", "engram prepare", "--out")
     folder = out / "shards"
     folder.mkdir(parents=True, exist_ok=True)
     (out / shards.MANIFEST).unlink(missing_ok=True)
