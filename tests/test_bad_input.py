@@ -102,7 +102,21 @@ CASES = [
     ("eval {root}/run --text {root}/binary.bin", "binary.bin is not UTF-8 text"),
     ("eval {root}/run --text {root}/nope.txt", "--text {root}/nope.txt: no such file"),
     ("eval {root}/nope --source kjv", "RUN_DIR {root}/nope: no such file"),
-    ("eval {root}/run", "give exactly one of --text FILE or --source NAME"),
+    ("eval {root}/run", "give exactly one of --text FILE, --source NAME or --data DIR"),
+    ("eval {root}/run --data {root}/export", "is not a prepared corpus"),
+    ("train --data {root}/run --steps 1", "is not a prepared corpus"),
+    # prepare: inputs that hold nothing to read, and where it may write
+    ("prepare --input {root}/nope/*.md --out {root}/late", "matches nothing"),
+    ("prepare --input {root}/nope.txt --out {root}/late", "--input {root}/nope.txt: no such file"),
+    ("prepare --input {root}/binary.bin --out {root}/late", "no documents to prepare"),
+    ("prepare --out {root}/late", "nothing to prepare: give --input PATH"),
+    ("prepare --input {root}/text.txt --out {root}/run", "holds an engram run"),
+    ("prepare --input {root}/text.txt --out {root}/foreign", "not a corpus folder"),
+    ("prepare --input {root}/text.txt --out {root}/plain.txt", "is a file, not a folder"),
+    ("prepare --input {root}/text.txt --out {root}/late --shard_mb 0", "shard_mb must be > 0"),
+    ("prepare --input {root}/text.txt --out {root}/late --workers -1", "workers must be >= 0"),
+    ("prepare --input {root}/text.txt --out {root}/late --non_utf8 drop", "bad value for "
+     "--non_utf8: drop"),
     ("generate {root}/nope --prompt God", "RUN_DIR {root}/nope: no such file"),
     # numbers: range and finiteness, checked by each config
     ("train --lr inf", "lr must be a finite number, got inf"),

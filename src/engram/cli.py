@@ -206,6 +206,17 @@ def _train(cfg, launch: Launch) -> None:
                       **({"world_size": world} if world > 1 else {}), **last}))
 
 
+@command("prepare", "your own text (files, folders, globs, .jsonl/.parquet/.csv) as token "
+         "shards for `train --data`", configs=("engram.training.prepare:PrepareConfig",),
+         reads=(In("input", check=False), In("tokenizer", check=False)),
+         writes=(Out("out", "corpus"),),
+         about="Rerunning the same command resumes: finished shards are kept, changed ones redone.")
+def _prepare(cfg) -> None:
+    from .training.prepare import prepare, summary_lines
+
+    print("\n".join(summary_lines(prepare(cfg), cfg.out)))
+
+
 @command("compare", "the main job: dense vs Engram vs MoE at matched parameters, seeds, report",
          configs=("engram.studies.compare:CompareConfig", STUDY_BASE),
          writes=(Out("out_dir", "compare"),), interrupted=RUNS_KEPT)

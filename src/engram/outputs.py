@@ -61,6 +61,7 @@ SIGNATURES: dict[str, tuple[Callable[[Path], bool], ...]] = {
     "study-vision": (lambda p: (p / "vision.json").is_file(),),
     "finetune": (lambda p: (p / "results.json").is_file() and (p / "finetune.png").is_file(),),
     "pool-budget": (lambda p: (p / "budget.json").is_file(),),
+    "corpus": (lambda p: (p / "manifest.json").is_file() or (p / "shards").is_dir(),),
 }
 
 

@@ -178,6 +178,24 @@ def test_torchrun_and_one_process_run_the_same_loop(tmp_path, corpus):
         "step_00000004.safetensors", "step_00000005.safetensors"]
 
 
+def test_ranks_read_one_folder_of_shards(tmp_path):
+    """Under torchrun every rank opens the same prepared folder (memory-mapped) and reads the
+    global batch's windows from it: world size 2 on --data equals one process."""
+    from engram.training.prepare import PrepareConfig, prepare
+    from engram.training.sources import load_documents
+
+    (tmp_path / "in").mkdir()
+    for i, d in enumerate(load_documents("kjv", max_chars=60_000)):
+        (tmp_path / "in" / f"{i:03d}.txt").write_text(d.text)
+    data = tmp_path / "data"
+    prepare(PrepareConfig(out=str(data), input=[str(tmp_path / "in")], workers=0,
+                          val_fraction=0.3, shard_mb=0.01), progress=False)
+    kw = dict(steps=4, max_chars=None, data=str(data))
+    one = train(_cfg(tmp_path / "one", **kw), progress=False).history
+    spawn_local(_train_worker, 2, _cfg(tmp_path / "two", **kw), None)
+    _assert_same_run(_metrics(tmp_path / "two"), one)
+
+
 @pytest.mark.slow
 def test_hung_rank_times_out_with_a_clear_error(tmp_path):
     msg, elapsed = _fail_one_rank(tmp_path / "run", "hang", timeout=5.0)

@@ -14,12 +14,17 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ..files import publish_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a tensor is made or checked, not here: `engram prepare` (and its spawned
+# tokenising workers) read the compression map without it, ~0.8 s of start-up each.
 
 # Bump when the key function changes, so stale caches are never reused.
 ALGORITHM_VERSION = "engram-compress-1"
@@ -65,6 +70,8 @@ class Compression:
 
     def table(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """The map as a LongTensor on ``device`` (cached per device)."""
+        import torch
+
         device = torch.device(device)
         t = self._tensors.get(device)
         if t is None:
@@ -73,6 +80,8 @@ class Compression:
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Compress raw ids; ``DEAD`` positions stay ``DEAD``. Checks range and dtype."""
+        import torch
+
         check_token_ids(input_ids, self.raw_vocab_size)
         lut = self.table(input_ids.device)
         return torch.where(input_ids == DEAD, DEAD, lut[input_ids.clamp_min(0)])
@@ -83,6 +92,8 @@ class Compression:
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
     """Clear errors for ids the hasher cannot take."""
+    import torch
+
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"token ids must be a torch.Tensor, got {type(ids).__name__}")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:

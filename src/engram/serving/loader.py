@@ -48,14 +48,13 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
     set (``engram import-v41``) replacing the Engram weights and tables of a v4.1 run of the same
     shape; its table files are served on the tier.
     """
-    from ..retrieval.compress import default_tokenizer
     from ..retrieval.hot import checkpoint_hasher
     from ..tables.hotcold import check_index_files, index_paths
     from ..tables.tablefile import read_header, table_paths
     from ..training.checkpoint import latest_checkpoint, load_checkpoint
     from ..training.corpus import build_corpus
     from ..training.export import export_tables
-    from ..training.train import TrainConfig, build_model
+    from ..training.train import TrainConfig, build_model, check_same_data
 
     if tier not in TIERS:
         raise UserError(f"tier must be one of {TIERS}, got {tier!r}")
@@ -66,10 +65,11 @@ def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path
                                 f"`engram train --out_dir={run_dir}`)")
     state, meta, step = load_checkpoint(ckpt)
     cfg = TrainConfig(**meta["config"])
-    tok = default_tokenizer()  # loaded once: corpus, compression and decoding share it
-    corpus = build_corpus(cfg.data_config(), tok)
+    corpus = build_corpus(cfg.data_config())
+    check_same_data(corpus, meta, ckpt)  # the data the checkpoint was trained on, tokens and all
+    tok = corpus.tokenizer()  # the one the data was made with: hasher and decoding share it
     ecfg = cfg.engram_config()
-    hasher = cfg.hasher(tok)
+    hasher = cfg.hasher(compression=corpus.compression())
     if hasher is not None:  # the one training used: Engram-Nine's carries the saved hot index
         hasher = checkpoint_hasher(hasher, state, cfg.shared_tables)
     tables: dict[int, Any] = {}

@@ -207,8 +207,8 @@ def summarise(results: list[dict], configs: dict[str, TrainConfig], corpus, wall
             "gain_over_max_noise": gap / spread if spread else None,
             "resolved": {"engram_vs_dense": resolved(gap, spread),
                          "engram_vs_moe": resolved(vs_moe, spread), "rule": RULE},
-            "corpus": {"vocab": corpus.vocab_size, "train_tokens": int(len(corpus.train)),
-                       "val_tokens": int(len(corpus.val)),
+            "corpus": {"vocab": corpus.vocab_size, "train_tokens": len(corpus.streams["train"]),
+                       "val_tokens": len(corpus.streams["val"]),
                        "sources": list(configs["dense"].sources),
-                       "max_chars": configs["dense"].max_chars},
+                       "max_chars": configs["dense"].max_chars, "data": configs["dense"].data},
             "machine": {"cpu": gemm.cpu_model(), "gemm": gemm.backend()}, "wall_s": wall}

@@ -1,4 +1,4 @@
-"""`engram eval RUN_DIR --text FILE | --source NAME`: a trained run's loss on any text.
+"""`engram eval RUN_DIR --text FILE | --source NAME | --data DIR`: a trained run's loss on any text.
 
 A run's output layer covers only the ids of its training corpus (its restricted vocabulary), so text
 from elsewhere holds tokens it has never seen. Those tokens stay in the input as context: their
@@ -39,6 +39,7 @@ class EvalConfig:
     text: str | None = None  # a UTF-8 text file; paragraphs (blank-line separated) are documents
     # or a corpus source by name
     source: str | None = field(default=None, metadata={"choices": "engram.training.corpus:SOURCES"})
+    data: str | None = None  # or a folder written by `engram prepare`: its held-out documents
     max_chars: int | None = None  # keep the first max_chars characters (None: all)
     batch_size: int = 16  # windows per forward pass
     seq_len: int | None = None  # window length; None: the run's training length
@@ -56,9 +57,9 @@ class EvalConfig:
 
 
 def read_documents(ec: EvalConfig) -> list[str]:
-    """The text to score as documents, from exactly one of ``text`` / ``source``."""
-    if (ec.text is None) == (ec.source is None):
-        raise UserError("give exactly one of --text FILE or --source NAME")
+    """The text to score as documents, from ``text`` or ``source`` (``data`` is read as tokens)."""
+    if sum(x is not None for x in (ec.text, ec.source, ec.data)) != 1:
+        raise UserError("give exactly one of --text FILE, --source NAME or --data DIR")
     if ec.source is not None:
         from ..training.corpus import load_documents
 
@@ -75,6 +76,20 @@ def encode(tokenizer: Any, docs: list[str], eos_id: int) -> np.ndarray:
     """Documents -> one raw-id stream [n], each document followed by EOS (as the corpus does)."""
     encs = tokenizer.encode_batch(docs, add_special_tokens=False)
     return np.concatenate([np.asarray(e.ids + [eos_id], dtype=np.int64) for e in encs])
+
+
+def held_out(folder: str, tokenizer: Any) -> tuple[np.ndarray, int]:
+    """The validation stream [n] (raw ids, int64) of a prepared folder and its document count; the
+    folder must have been tokenised as the run was."""
+    from ..retrieval.compress import tokenizer_fingerprint
+    from ..training.corpus import open_corpus
+    from ..training.shards import DataError
+
+    corpus = open_corpus(folder)
+    if corpus.tokenizer_fingerprint != tokenizer_fingerprint(tokenizer):
+        raise DataError(f"--data {folder} was tokenised with another tokenizer than the run's: "
+                        "prepare it with the run's --tokenizer")
+    return np.asarray(corpus.val, dtype=np.int64), corpus.manifest["stats"]["total"]["val"]["docs"]
 
 
 def local_ids(raw: np.ndarray, vocab: np.ndarray) -> np.ndarray:
@@ -197,22 +212,29 @@ def run_eval(run_dir: str, ec: EvalConfig, progress: bool = True) -> dict[str, A
     device = resolve(ec.device, ec.precision)  # before any work
     served = load_run(run_dir)
     served.model.to(device)
-    docs = read_documents(ec)
     eos = served.tokenizer.token_to_id(EOS_TOKEN)
-    raw = encode(served.tokenizer, docs, eos)
+    if ec.data is not None:
+        raw, n_docs = held_out(ec.data, served.tokenizer)
+        docs = None
+    else:
+        docs = read_documents(ec)
+        raw, n_docs = encode(served.tokenizer, docs, eos), len(docs)
     seq_len = ec.seq_len or served.model.config.max_seq_len
     if seq_len > served.model.config.max_seq_len:
         raise UserError(f"seq_len={seq_len} exceeds the run's max_seq_len="
                          f"{served.model.config.max_seq_len}")
     res = score_stream(served.model, served.hasher, served.vocab, raw, seq_len, ec.batch_size,
                        progress, ec.precision)
-    res.update({"run": str(run_dir), "checkpoint": served.checkpoint.name, "documents": len(docs),
-                "text": ec.text, "source": ec.source, "seq_len": seq_len})
+    res.update({"run": str(run_dir), "checkpoint": served.checkpoint.name, "documents": n_docs,
+                "text": ec.text, "source": ec.source, "data": ec.data, "seq_len": seq_len})
     if ec.per_document:
-        encs = served.tokenizer.encode_batch(docs, add_special_tokens=False)
-        res["per_document"] = score_documents(served.model, served.hasher, served.vocab,
-                                              [e.ids for e in encs], eos, seq_len, ec.batch_size,
-                                              ec.precision)
+        if docs is None:  # the held-out stream: each document is followed by its EOS
+            ends = np.flatnonzero(raw == eos)
+            ids = [raw[a + 1:b].tolist() for a, b in zip(np.r_[-1, ends[:-1]], ends)]
+        else:
+            ids = [e.ids for e in served.tokenizer.encode_batch(docs, add_special_tokens=False)]
+        res["per_document"] = score_documents(served.model, served.hasher, served.vocab, ids, eos,
+                                              seq_len, ec.batch_size, ec.precision)
     if ec.json:
         write_json(ec.json, res, "engram eval", indent=2)
     return res

@@ -167,7 +167,7 @@ def _eval_set(run, cfg: TrainConfig, ref_rows: int, max_batches: int | None):
     """Fixed validation batches and their reference hot masks [b, t]."""
     plain = run.hasher.hasher
     ref = build_hot_index(plain, run.corpus.train, ref_rows, kind="exact")
-    batches = list(val_batches(run.corpus.val, cfg.batch_size, cfg.seq_len, run.corpus,
+    batches = list(val_batches(run.corpus.streams["val"], cfg.batch_size, cfg.seq_len, run.corpus,
                                run.hasher, max_batches=max_batches))
     hot = [(ref.lookup(ngram_keys(plain, plain.compression(b.raw))) >= 0).any(-1) for b in batches]
     return batches, hot

@@ -34,10 +34,12 @@ def flip_step(steps: list[int], delta: list[float]) -> int | None:
 
 def summarise(results: list[dict], configs: dict, sc, corpus, wall: float) -> dict[str, Any]:
     out: dict[str, Any] = {"configs": {}, "wall_s": wall, "study": _plain(sc.__dict__),
-                           "corpus": {"vocab": corpus.vocab_size, "train_tokens": len(corpus.train),
-                                      "val_tokens": len(corpus.val),
+                           "corpus": {"vocab": corpus.vocab_size,
+                                      "train_tokens": len(corpus.streams["train"]),
+                                      "val_tokens": len(corpus.streams["val"]),
                                       "sources": list(configs[next(iter(configs))].sources),
-                                      "max_chars": configs[next(iter(configs))].max_chars}}
+                                      "max_chars": configs[next(iter(configs))].max_chars,
+                                      "data": configs[next(iter(configs))].data}}
     for name, cfg in configs.items():
         rs = sorted((r for r in results if r["name"] == name), key=lambda r: r["seed"])
         if not rs:  # an interrupted study: report what finished

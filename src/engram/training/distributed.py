@@ -40,7 +40,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import UserError
 from ..models.model import EngramLM
-from ..retrieval.compress import build_compression
 from ..retrieval.hashing import NgramHasher
 from ..retrieval.primes import rows_per_layer
 from ..tables.sharded import ShardedTable
@@ -122,13 +121,15 @@ def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = Non
             L: ShardedTable(n, ecfg.head_dim, group=d.tables, init_std=cfg.table_init_std,
                             seed=cfg.seed * 10_007 + L) for L, n in rows_per_layer(ecfg).items()}
         model = place(build_model(cfg, corpus, tables), cfg, d.device)
-        hasher = NgramHasher(ecfg, build_compression()) if ecfg is not None else None
+        hasher = NgramHasher(ecfg, corpus.compression()) if ecfg is not None else None
         run = Run(cfg, corpus, hasher, model, None, None)
     else:
         raise UserError(f"table_init must be 'replicated' or 'sharded', got {table_init!r}")
     run.model.to(d.device)
     # Unhashed: each rank hashes only its own rows of the global batch.
-    run.batches = TokenBatches(corpus.train, cfg.batch_size, cfg.seq_len, corpus, seed=cfg.seed)
+    # Every rank reads the global batch's windows from the same memory-mapped shards, then its rows.
+    run.batches = TokenBatches(corpus.streams["train"], cfg.batch_size, cfg.seq_len, corpus,
+                               seed=cfg.seed)
     run.optim = sharded_optimizers(run.model, cfg)
     # The shards differ per rank: DDP must neither broadcast nor average them.
     DDP._set_params_and_buffers_to_ignore_for_model(run.model, [

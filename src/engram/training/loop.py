@@ -245,7 +245,7 @@ def _autocast(run: Run) -> AbstractContextManager:
 def validation(run: Run, full: bool = False) -> Iterator[Batch]:
     """The fixed validation sweep (all of it if full), hashed like the training batches."""
     cfg = run.cfg
-    return val_batches(run.corpus.val, cfg.batch_size, cfg.seq_len, run.corpus,
+    return val_batches(run.corpus.streams["val"], cfg.batch_size, cfg.seq_len, run.corpus,
                        run.batches.hasher, max_batches=None if full else cfg.eval_batches)
 
 

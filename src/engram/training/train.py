@@ -75,6 +75,10 @@ class TrainConfig:
                                     metadata={"choices": "engram.training.corpus:SOURCES"})
     max_chars: int | None = None  # per source; None = all the text
     val_fraction: float = 0.05
+    # A folder written by `engram prepare` (replaces sources, max_chars and val_fraction).
+    data: str | None = None
+    # Output ids: "corpus" (those the data uses) or "full" (the whole tokenizer: any text scores).
+    vocab: str = field(default="corpus", metadata={"choices": ("corpus", "full")})
     # -- backbone --
     n_layer: int = 4
     d_model: int = 128
@@ -204,19 +208,21 @@ class TrainConfig:
             engram_norm_eps=self.engram_norm_eps,
             engram_fixed_gate=self.engram_fixed_gate, engram_shared_key=self.engram_shared_key)
 
-    def hasher(self, tokenizer: Any = None) -> NgramHasher | None:
-        """The run's hasher; compression always maps the full tokenizer (or is the identity)."""
+    def hasher(self, tokenizer: Any = None, compression: Compression | None = None
+               ) -> NgramHasher | None:
+        """The run's hasher; compression (``compression``, else built from ``tokenizer``) always
+        maps the full tokenizer (or is the identity)."""
         ecfg = self.engram_config()
         if ecfg is None:
             return None
-        comp = build_compression(tokenizer)
+        comp = compression if compression is not None else build_compression(tokenizer)
         if not self.compress:  # paper table 5 "w/o tokenizer compression": raw ids are hashed
             comp = Compression(np.arange(comp.raw_vocab_size))
         return NgramHasher(ecfg, comp)
 
     def data_config(self) -> DataConfig:
         return DataConfig(sources=self.sources, max_chars=self.max_chars,
-                          val_fraction=self.val_fraction)
+                          val_fraction=self.val_fraction, data=self.data, vocab=self.vocab)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -234,8 +240,7 @@ def build_model(cfg: TrainConfig, corpus: Corpus,
     else:
         model = EngramLM(cfg.model_config(corpus.vocab_size), tables=tables)
     if isinstance(model.head, AdaptiveHead):
-        counts = np.bincount(corpus.to_local(corpus.train), minlength=corpus.vocab_size)
-        model.head.set_frequencies(torch.from_numpy(counts))
+        model.head.set_frequencies(torch.from_numpy(corpus.frequencies()))
     return model
 
 
@@ -270,7 +275,7 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None,
     resolved = resolve_machine(cfg.threads, cfg.device, cfg.precision, cfg.compile)
     device = resolved if device is None else device
     corpus = corpus if corpus is not None else build_corpus(cfg.data_config())
-    hasher = cfg.hasher()  # compression from the full tokenizer, whatever the model's vocabulary
+    hasher = cfg.hasher(compression=corpus.compression())  # the data's own, over the full tokenizer
     if cfg.nine:  # hot slots, like hash ids, come from token ids in the data pipeline
         from ..retrieval.hot import NineHasher, build_hot_index
 
@@ -281,7 +286,8 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None,
     model = place(build_model(cfg, corpus), cfg, device)
     if device.type == "cpu" and cfg.precision == "fp32":  # the only products gemm.py routes
         gemm.prepare(model, [cfg.batch_size * cfg.seq_len])  # routes measured now, not in a step
-    batches = TokenBatches(corpus.train, cfg.batch_size, cfg.seq_len, corpus, hasher, seed=cfg.seed)
+    batches = TokenBatches(corpus.streams["train"], cfg.batch_size, cfg.seq_len, corpus, hasher,
+                           seed=cfg.seed)
     optim = build_optimizers(model, cfg.lr, weight_decay=cfg.weight_decay,
                              table_lr_mult=cfg.table_lr_mult)
     optim.scaler = LossScaler() if cfg.precision == "fp16" else None
@@ -299,7 +305,24 @@ def _state(run: Run) -> dict[str, Any]:
 def checkpoint_meta(run: Run) -> dict[str, Any]:
     """What a checkpoint keeps beside the tensors: config and the loop's position."""
     return {"config": run.cfg.to_dict(), "history": run.history, "window": list(run.window),
-            "hook_state": run.hook_state}
+            "hook_state": run.hook_state, "data": data_identity(run.corpus)}
+
+
+def data_identity(corpus: Corpus) -> dict[str, str]:
+    """What a checkpoint records of the data it was trained on (``check_same_data``)."""
+    return {"fingerprint": corpus.fingerprint, "tokenizer": corpus.tokenizer_fingerprint}
+
+
+def check_same_data(corpus: Corpus, meta: dict[str, Any], where: Any) -> None:
+    """Refuse to resume on other data than the checkpoint's (its folder may have moved; its
+    tokens may not have changed). Checkpoints from before this record pass."""
+    saved = meta.get("data")
+    if saved is None or saved == data_identity(corpus):
+        return
+    why = ("was tokenised with another tokenizer" if saved["tokenizer"] != corpus.tokenizer_fingerprint
+           else "holds other tokens (prepared again from changed input, or another corpus)")
+    raise CheckpointError(f"checkpoint {where} was trained on other data: {corpus.folder} {why}; "
+                          "use the data it was trained on, or another --out_dir")
 
 
 def load_position(run: Run, meta: dict[str, Any], step: int) -> None:
@@ -316,9 +339,10 @@ def save(run: Run) -> Path:
 def _comparable(d: dict[str, Any]) -> dict[str, Any]:
     """Fields that must match to resume: everything but the bookkeeping."""
     # A run may resume on another device, in another precision (tables are cast on load, a loss
-    # scale starts or is dropped) or compiled or not.
+    # scale starts or is dropped) or compiled or not; data: a folder's path may change, its tokens
+    # may not (``check_same_data``).
     skip = {"out_dir", "steps", "eval_every", "eval_batches", "ckpt_every", "log_every", "threads",
-            "device", "precision", "compile"}
+            "device", "precision", "compile", "data"}
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k not in skip}
 
 
@@ -345,6 +369,7 @@ class FileCheckpoints:
     def load(self, run: Run, found: Path) -> None:
         state, meta, step = load_checkpoint(found)
         check_same_config(run.cfg, meta["config"], found)
+        check_same_data(run.corpus, meta, found)
         try:
             run.model.load_state_dict(state["model"])
             run.optim.load_state_dict(state["optim"])
