@@ -30,15 +30,6 @@ CHECK = ("import sys, runpy\nsys.argv = {argv!r}\ntry:\n    runpy.run_module('en
          "('torch', 'numpy') if m in sys.modules), file=sys.stderr)\n")
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
 
 def timed(argv: list[str], reps: int) -> dict:
     """Median wall and CPU seconds of ``python *argv`` over ``reps`` fresh processes."""
@@ -72,9 +63,10 @@ def main() -> None:
     if args.smoke:
         args.reps = args.demo_reps = 1
     sys.path.insert(0, str(SRC))
+    from engram import gemm  # after the timings' subprocesses are set up: this imports torch
     from engram.cli import COMMANDS
 
-    res: dict = {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+    res: dict = {"cpu": gemm.cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                  "load_avg_start": os.getloadavg()[0], "reps": args.reps}
     res["python_pass"] = timed(["-c", "pass"], args.reps)
     res["import_torch"] = timed(["-c", "import torch"], args.reps)

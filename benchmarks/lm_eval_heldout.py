@@ -15,12 +15,12 @@ import argparse
 import glob
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 
+from engram import gemm
 from engram.cli import main
 from engram.training.corpus import build_corpus, load_documents
 from engram.training.train import TrainConfig, train
@@ -44,12 +44,6 @@ metadata:
   version: 1.0
 """
 
-
-def cpu_model() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def heldout_docs(cfg: TrainConfig, per_source: int, max_chars: int) -> list[dict]:
@@ -136,7 +130,7 @@ def main_(argv: list[str] | None = None) -> int:
         "max_abs_difference": float(np.max(np.abs(np.subtract(lm_eval_ll, eval_ll)))),
         "scored_tokens": scored, "nats_per_token": -sum(eval_ll) / scored,
         "engram_eval_stream_loss": ev["loss"], "timings_s": timings,
-        "cpu": cpu_model(), "threads": os.cpu_count(),
+        "cpu": gemm.cpu_model(), "threads": os.cpu_count(),
     }
     Path(a.json or out / "lm_eval_heldout.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: summary[k] for k in ("lm_eval", "per_document_equal", "nats_per_token",
