@@ -19,7 +19,8 @@ count and bucket): later runs on this machine reuse it, so they repeat bit for b
 exported in ``ENGRAM_GEMM_ROUTES``, so spawned workers take their parent's decisions; one no
 process has made yet is measured by one process at a time under a file lock, and the others read
 it. A decision measured while the machine was busy (load average above its cores) is used, and
-marked: the first process that finds the machine quiet measures it again. With no writable cache (nor temp dir) the decisions live in the process.
+marked: the first process that finds the machine quiet measures it again. With no writable cache
+(nor temp dir) the decisions live in the process.
 
 Results agree with MKL's to float32 rounding (summation order differs), not to the bit; oneDNN's
 are bit-identical from call to call, and on 1 or 2 threads on the AMD EPYC measured (tested).
