@@ -173,7 +173,8 @@ def _demo(o: DemoOptions) -> None:
         write_json(o.json, out, "engram demo")
 
 
-@command("train", "train one LM (dense, MoE or Engram) on the package corpus; torchrun for several",
+@command("train", "train one LM (dense, MoE or Engram) on the package corpus or --data; "
+         "torchrun for several",
          configs=(TRAIN, Config(Launch, "run options")), writes=(Out("out_dir", "run"),),
          about="Under torchrun (WORLD_SIZE > 1): DDP and row-sharded tables. Ctrl-C or SIGTERM "
          "saves a checkpoint of the step reached; the same command resumes from it.",
@@ -444,7 +445,8 @@ def _lm_eval(argv: list[str]) -> int:
 
         print("engram lm-eval: lm-eval's own options below; --model is engram unless given.\n"
               "model_args of engram: pretrained=OUT (an `engram export-hf` directory), tier ("
-              + "|".join(constant("engram.tables.registry:TIERS")) + "; default: the export's), cache_fraction, prefetch, batch_size "
+              + "|".join(constant("engram.tables.registry:TIERS"))
+              + "; default: the export's), cache_fraction, prefetch, batch_size "
               "[16], max_length [the model's], max_gen_toks [256], device [cpu]\n", flush=True)
         raise SystemExit(subprocess.call([sys.executable, "-m", "lm_eval", "run", "--help"]))
     from .studies.harness import cli_lm_eval
@@ -491,8 +493,9 @@ def top_parser() -> ConfigParser:
                    "`engram COMMAND --help` lists a command's options.\n\ncommands:\n"
                    + "\n".join(f"  {k:<17} {c.help}" for k, c in COMMANDS.items())
                    + "\n\nenvironment:\n  ENGRAM_GEMM       float32 CPU matrix products: auto "
-                   "(default; oneDNN on AMD x86, torch's MKL elsewhere), torch, onednn"
-                   "\n\nexit status: 0 done, 2 bad input (one line on stderr), 1 a bug (traceback)")
+                   "(default: the faster of the two, timed per shape on first use, cached), "
+                   "torch, onednn\n\nexit status: 0 done, 2 bad input (one line on stderr), 1 a bug "
+                   "(traceback), 130 interrupted (Ctrl-C / SIGTERM; what was kept is said)")
     p.add_argument("--version", action="version", version=f"engram {_version()}")
     p.add_argument("command", nargs="?", choices=list(COMMANDS), metavar="COMMAND")
     return p
