@@ -262,7 +262,7 @@ def _load() -> None:
 def _busy() -> bool:
     """More runnable processes than cores (the 1-minute load average): a timing then measures the
     contention as much as the backends (two oneDNN threads waiting on a descheduled one ran 18x
-    slower than MKL here on 2 busy cores, at a shape where they are 1.4x faster alone)."""
+    slower than MKL here on 2 busy cores, at a shape where they are 2.1x faster alone)."""
     try:
         return os.getloadavg()[0] > (os.cpu_count() or 1)
     except (OSError, AttributeError):
