@@ -6,8 +6,9 @@
 Documents come from the user's files (``inputs``) or the built-in sources (``sources``); the split is
 by a stable hash of each document's id; documents are cut into shards of ``shard_mb`` of text, in
 input order; their batches are tokenised in worker processes (``tokenise``) and each shard is written
-whole by this process once its batches are back, with the manifest last. The built-in corpus of ``engram train`` is made by this same function (``corpus.build_corpus``),
-into a cache folder: one path from text to the training loop.
+whole by this process once its batches are back, with the manifest last. The built-in corpus of
+``engram train`` is made by this same function (``corpus.build_corpus``), into a cache folder: one
+path from text to the training loop.
 
 Resuming: a shard whose input digest (its documents, the tokenizer, the split) matches what is on
 disk and whose files match their digests is kept, so a rerun after a kill, or after one input file
