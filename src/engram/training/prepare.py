@@ -5,9 +5,10 @@
 
 Documents come from the user's files (``inputs``) or the built-in sources (``sources``); the split is
 by a stable hash of each document's id; documents are cut into shards of ``shard_mb`` of text, in
-input order, and each shard is tokenised in a worker process and written whole, with the manifest
-last. The built-in corpus of ``engram train`` is made by this same function (``corpus.build_corpus``),
-into a cache folder: one path from text to the training loop.
+input order; their batches are tokenised in worker processes (``tokenise``) and each shard is written
+whole by this process once its batches are back, with the manifest last. The built-in corpus of
+``engram train`` is made by this same function (``corpus.build_corpus``), into a cache folder: one
+path from text to the training loop.
 
 Resuming: a shard whose input digest (its documents, the tokenizer, the split) matches what is on
 disk and whose files match their digests is kept, so a rerun after a kill, or after one input file
@@ -38,7 +39,7 @@ from ..retrieval.compress import build_compression, default_tokenizer, tokenizer
 from . import shards
 from .inputs import Skips, check_fields, discover, read
 from .sources import EOS_TOKEN, SOURCES, load_documents, source_files
-from .tokenise import init_worker, tokenise_shard
+from .tokenise import batches, encode_texts, init_worker, write_tokens
 
 # Names of end-of-text tokens, tried in order when the tokenizer's config names none.
 EOS_NAMES = (EOS_TOKEN, "<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
@@ -163,32 +164,45 @@ def write_corpus(docs: Iterable[Doc], out: str | Path, tok: Any, eos_token: str,
     made: list[bool] = []  # per shard: tokenised by this run (not kept from an earlier one)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", disable=not progress)
     with _tokenisers(workers, tok_json) as (pool, n_workers):
-        pending: deque[tuple[Future | dict, bool]] = deque()
-        limit = n_workers + 1  # shards queued or being tokenised, beyond the one being read
+        # Shards in input order: [name, digest, docs, batch futures, its JSON when kept, all
+        # submitted]; written in order once their batches are done. Batches in flight are bounded,
+        # and with them the text and ids held.
+        shards_q: deque[list] = deque()
+        queued: deque[Future] = deque()  # batches submitted and not yet waited on, oldest first
 
-        def collect() -> None:
-            item, new = pending.popleft()
-            meta = item.result() if isinstance(item, Future) else item
-            metas.append(meta)
-            made.append(new)
-            bar.update(sum(v["bytes"] for st in meta["stats"].values() for v in st.values()))
+        def settle(limit: int) -> None:
+            while len(queued) > limit:
+                queued.popleft().result()
+            while shards_q and (shards_q[0][4] is not None or (
+                    shards_q[0][5] and all(f.done() for f in shards_q[0][3]))):
+                name, digest, group, futs, meta, _ = shards_q.popleft()
+                new = meta is None
+                if new:
+                    meta = write_tokens(str(folder), name, digest, group,
+                                        [f.result() for f in futs], eos, vocab_size)
+                metas.append(meta)
+                made.append(new)
+                bar.update(sum(v["bytes"] for st in meta["stats"].values() for v in st.values()))
 
         for k, group in enumerate(_groups(docs, val_fraction, split_seed, shard_mb)):
             name = f"{k:05d}"
             digest = _input_digest(settings, group)
-            done = shards.finished_shard(folder, name, digest)
-            if done is not None:
-                pending.append((done, False))
-            elif pool is None:
-                pending.append((tokenise_shard(str(folder), name, digest, group, eos, vocab_size,
-                                               tok), True))
-            else:
-                pending.append((pool.submit(tokenise_shard, str(folder), name, digest, group, eos,
-                                            vocab_size), True))
-            while len(pending) > limit:  # the text in flight stays bounded
-                collect()
-        while pending:
-            collect()
+            entry = [name, digest, group, [], shards.finished_shard(folder, name, digest), False]
+            shards_q.append(entry)
+            if entry[4] is None:
+                for i, j in batches(group):
+                    texts = [d[3] for d in group[i:j]]
+                    if pool is None:
+                        fut: Future = Future()
+                        fut.set_result(encode_texts(texts, tok))
+                    else:
+                        fut = pool.submit(encode_texts, texts)
+                    entry[3].append(fut)
+                    queued.append(fut)
+                    settle(2 * n_workers)
+            entry[5] = True
+            settle(2 * n_workers)
+        settle(0)
     bar.close()
     shards.remove_shards(folder, keep=len(metas))
     counts = np.zeros((2, vocab_size), dtype=np.int64)  # [2, V]
