@@ -20,7 +20,7 @@ git -C "$ROOT" worktree add --detach "$BASE" "$REV" >/dev/null
 trap 'git -C "$ROOT" worktree remove --force "$BASE"' EXIT
 
 runs() {  # $1: source tree, $2: output folder
-  local E="python3 -m engram.cli"
+  local E="python3 -m engram"
   mkdir -p "$2"
   (cd "$1" && export PYTHONPATH="$1/src" &&
    $E train --out_dir="$2/train_engram" --steps=60 --eval_every=20 --log_every=10 --seed=3 &&

@@ -1,0 +1,134 @@
+"""The `engram` command line: every command declared once, by ``@command``
+(``registry``), in the file of its kind: ``training`` (demo, train, prepare, finetune),
+``studies`` (compare, the sweeps, study-nine, study-vision, eval, ablate, analyze), ``serving``
+(generate, export-hf, pool-budget, lm-eval, import-v41, export-v41).
+
+A command is a function decorated with ``@command(name, help, args=..., configs=..., reads=...,
+writes=...)``. The declaration says everything the command line needs: the one-line help, the
+positional arguments (:class:`Arg`), the config dataclasses whose fields are its options, in order
+(an earlier config owns an option name a later one also has; :class:`Config` adds a group title,
+fields to skip, a prefix), and which arguments and options are places it reads (``reads``: a name,
+or :class:`In` for a text file) and writes (``writes``: :class:`Out`, a file or a folder of a
+kind). The function receives the positional values, then one instance per config, and prints its
+result. Adding a command:
+
+    @command("eval", "loss of a trained run on any text", args=(RUN_DIR,),
+             configs=("engram.studies.evaluate:EvalConfig",),
+             reads=("run_dir", In("text", text=True)), writes=(Out("json"),))
+    def _eval(run_dir: str, ec) -> None:
+        from .studies.evaluate import run_eval
+
+        print(json.dumps(run_eval(run_dir, ec)))
+
+Before the function runs, every command follows one rule for its places (engram/outputs.py,
+applied by ``options.Command``): inputs exist (text inputs decode as text); outputs are checked
+before any work: a folder output is new, empty or marked as this kind of folder (``.engram``),
+never a file or a folder of something else; a file output is new or this command's own earlier
+output. A command that fails leaves no folder it created behind.
+
+A config whose module imports torch is named ``"module:Class"``; every config is read from its
+source (:mod:`engram.schema`), so ``engram --help`` and ``engram CMD --help`` import no torch, and a
+command's modules are imported only when it runs (import them inside the function). Options that
+exist only on the command line (the prompts, resume, where tables live) are dataclasses next to the
+commands that take them.
+
+Errors: :class:`engram.errors.UserError` (bad input) and argparse errors print one line,
+``engram CMD: error: MESSAGE``, and exit 2; SIGINT / SIGTERM print one line saying what was kept
+(training saves a checkpoint first) and exit 130; any other exception is a bug and keeps its
+traceback (exit 1).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from ..errors import Interrupted, UserError
+from ..options import ConfigParser, new_parser
+# Each declares its commands, in `engram --help` order: making a run, studies, serving.
+from . import training  # noqa: F401, I001
+from . import studies  # noqa: F401
+from . import serving  # noqa: F401
+from .registry import COMMANDS, command
+
+__all__ = ["COMMANDS", "command", "main", "top_parser"]
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch-engram")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def top_parser() -> ConfigParser:
+    p = new_parser("engram", "Engram conditional memory for language models. "
+                   "`engram COMMAND --help` lists a command's options.\n\ncommands:\n"
+                   + "\n".join(f"  {k:<17} {c.help}" for k, c in COMMANDS.items())
+                   + "\n\nenvironment:\n  ENGRAM_GEMM       float32 CPU matrix products: auto "
+                   "(default: the faster of the two, timed per shape on first use, cached), "
+                   "torch, onednn\n\nexit status: 0 done, 2 bad input (one line on stderr), 1 a "
+                   "bug (traceback), 130 interrupted (Ctrl-C / SIGTERM; what was kept is said)")
+    p.add_argument("--version", action="version", version=f"engram {_version()}")
+    p.add_argument("command", nargs="?", choices=list(COMMANDS), metavar="COMMAND")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command. Bad input (UserError, a bad option): one line on stderr, 2. A bug: the
+    exception propagates with its traceback (exit status 1)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        top_parser().parse_args(argv)  # --help / --version exit here
+        top_parser().print_help()
+        return 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(COMMANDS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        print(f"engram: error: unknown command {name!r}{hint} (commands: "
+              f"{', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    cmd = COMMANDS[name]
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+    try:
+        with _sigterm_as_ctrl_c():
+            return cmd(rest)
+    except UserError as e:
+        rank = f" (rank {os.environ['RANK']})" if distributed else ""
+        code, line = 2, f"engram {name}{rank}: error: {e}"
+    except (Interrupted, KeyboardInterrupt) as e:  # 128 + SIGINT, the shell's convention
+        said = str(e) if isinstance(e, Interrupted) else cmd.interrupted
+        code, line = 130, f"engram {name}: interrupted; {said}"
+        if distributed and os.environ["RANK"] != "0":
+            line = ""
+    # Printed once the exception is gone: what it held (a progress bar) has closed by now, so the
+    # line stands on its own, last.
+    if line:
+        print(line, file=sys.stderr)
+    return code
+
+
+@contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM (a scheduler, `kill`, torchrun stopping its workers) takes Ctrl-C's path: a clean
+    stop saying what was kept, not a silent death. Training loops catch both to save first."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

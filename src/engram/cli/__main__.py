@@ -1,0 +1,5 @@
+"""``python -m engram.cli``, as ``engram``."""
+
+from . import main
+
+raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""The command registry: ``@command`` declares a function as ``engram NAME`` (the package docstring
+says what a declaration holds), and what several commands' declarations share."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from ..options import Arg, Command, Config, In, Out
+
+TRAIN = "engram.training.train:TrainConfig"
+
+
+GENERATION = "engram.serving.generate:GenerationConfig"
+
+
+COMMANDS: dict[str, Command] = {}  # name -> declaration, in `engram --help` order
+
+
+def command(name: str, help: str, *, args: Sequence[Arg] = (),
+            configs: Sequence[Config | type | str] = (), about: str = "",
+            reads: Sequence[In | str] = (), writes: Sequence[Out] = (), interrupted: str = "",
+            passthrough: bool = False):
+    """Declare the decorated function as ``engram NAME`` (see the module docstring);
+    ``interrupted``: what a Ctrl-C leaves, when the command does not say it itself;
+    ``passthrough``: the function takes the raw argv (a command that hands over to another
+    program's own command line, e.g. lm-eval's)."""
+    def declare(run: Callable[..., int | None]) -> Callable[..., int | None]:
+        assert name not in COMMANDS, f"command {name!r} declared twice"
+        COMMANDS[name] = Command(name, help, run, tuple(args),
+                                 tuple(c if isinstance(c, Config) else Config(c) for c in configs),
+                                 about, tuple(r if isinstance(r, In) else In(r) for r in reads),
+                                 tuple(writes), passthrough=passthrough,
+                                 **({"interrupted": interrupted} if interrupted else {}))
+        return run
+    return declare
+
+
+RUN_DIR = Arg("run_dir", "a folder written by `engram train --out_dir`")
+
+
+STUDY_BASE = Config(TRAIN, "TrainConfig options (the base of every run; the study's options "
+                    "above set each run's token budget)")
+
+
+RUNS_KEPT = ("finished runs are kept; a run in progress resumes from its checkpoint when the same "
+             "command runs again")
+
+
+def _on_this_machine(base) -> None:
+    """A study's --device, --precision and --compile, checked before its first run (UserError)."""
+    from ..training.precision import resolve
+
+    resolve(base.device, base.precision, base.compile)

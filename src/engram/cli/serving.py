@@ -1,0 +1,177 @@
+"""Commands that serve or move a trained model: generate, export-hf, pool-budget, lm-eval,
+import-v41, export-v41."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from ..errors import UserError
+from ..options import Arg, Config, In, Out
+from .registry import GENERATION, RUN_DIR, TRAIN, command
+
+@dataclass
+class Tables:
+    # Where table rows are read from.
+    tier: str = field(default="memory", metadata={"choices": "engram.tables.registry:TIERS"})
+    # Row type of the table files.
+    table_dtype: str = field(default="fp32", metadata={"choices": "engram.tables.tablefile:DTYPES"})
+    cache_fraction: float = 0.0  # hot cache of this fraction of each table's rows (file tiers)
+    prefetch: bool = False  # gather each step's rows in background threads
+    table_dir: str | None = None  # table files of the file tiers; None: RUN_DIR/tables
+    # A DeepSeek-V4.1 layer set (`engram import-v41` OUT) replacing the run's Engram layers.
+    engram_layers: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.cache_fraction < 1:
+            raise UserError(f"cache_fraction must be in [0, 1), got {self.cache_fraction}")
+
+
+@dataclass
+class Prompts:
+    prompt: list[str]  # text to continue; repeat the option for a batch
+    stop: bool = True  # end a row at the end-of-text token (--no-stop: always max_new_tokens)
+    json: str | None = None  # also write tokens and speeds here
+    threads: int | None = None  # torch threads; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise UserError(f"threads must be >= 1 or None, got {self.threads}")
+        if not all(p.strip() for p in self.prompt):
+            raise UserError("every --prompt must hold text (an empty prompt has nothing to "
+                            "continue)")
+
+
+@command("generate", "continue prompts with a trained run, tables on any tier",
+         args=(Arg("run_dir", RUN_DIR.help, deprecated="--run"),),
+         configs=(Prompts, Tables, GENERATION),
+         reads=("run_dir", "table_dir"), writes=(Out("json"),),
+         about="GenerationConfig's prefetch (announce rows before each forward) stays on; "
+         "--prefetch is the tables' background gather.")
+def _generate(run_dir: str, o: Prompts, t: Tables, gen) -> None:
+    import dataclasses
+
+    import torch
+
+    from ..serving.generate import Generator
+    from ..serving.loader import load_run
+    from ..training.corpus import EOS_TOKEN
+    from ..training.precision import resolve
+
+    resolve(gen.device or "cpu", gen.precision)  # the machine can run it: before loading
+    if o.threads:
+        torch.set_num_threads(o.threads)
+    served = load_run(run_dir, tier=t.tier, table_dir=t.table_dir, table_dtype=t.table_dtype,
+                      cache_fraction=t.cache_fraction, prefetch=t.prefetch,
+                      engram_layers=t.engram_layers)
+    tok = served.tokenizer
+    eos = tok.token_to_id(EOS_TOKEN)
+    if o.stop and eos is not None:
+        gen = dataclasses.replace(gen, stop_ids=(*gen.stop_ids, eos))
+    room = served.model.config.max_seq_len - max(0, gen.max_new_tokens - 1)
+    prompts, known = [], set(served.vocab.tolist())
+    for text in o.prompt:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        unknown = sorted({tok.decode([i]) for i in ids if i not in known})
+        if unknown:
+            raise UserError(f"prompt {text!r} has tokens the model never saw in training: "
+                            f"{unknown[:10]}")
+        if len(ids) > room:
+            print(f"engram generate: keeping the last {room} of {len(ids)} prompt tokens "
+                  f"(max_seq_len={served.model.config.max_seq_len})", file=sys.stderr)
+            ids = ids[-room:]
+        prompts.append(ids)
+    out = Generator(served.model, served.hasher, served.vocab, gen).generate(prompts)
+    texts = [tok.decode(t, skip_special_tokens=True) for t in out.tokens]
+    for i, text in enumerate(texts):
+        print(text if len(texts) == 1 else f"[{i}] {text}")
+    print(f"engram generate: {t.tier} tables; prefill {out.prefill_tok_s:.0f} tok/s, decode "
+          f"{out.decode_tok_s:.0f} tok/s ({served.checkpoint.name})", file=sys.stderr)
+    if o.json:
+        from ..outputs import write_json
+
+        write_json(o.json, {
+            "prompts": o.prompt, "continuations": texts, "tokens": out.tokens,
+            "prefill_tok_s": out.prefill_tok_s, "decode_tok_s": out.decode_tok_s,
+            "checkpoint": str(served.checkpoint), "tier": t.tier}, "engram generate")
+
+
+@command("export-hf", "a trained run as a directory vLLM serves (`vllm serve OUT` with the plugin)",
+         args=(RUN_DIR, Arg("out_dir", "where to write config.json, weights, tables and "
+                            "tokenizer")),
+         configs=(Config(Tables, skip=("table_dir",)),),
+         reads=("run_dir",), writes=(Out("out_dir", "export", of="run_dir"),),
+         about="The tier is a default: vLLM's --hf-overrides "
+         "'{\"engram_serving\": {\"tier\": \"file\"}}' changes it.")
+def _export_hf(run_dir: str, out_dir: str, t: Tables) -> None:
+    from ..serving.hf_export import export_hf
+
+    out = export_hf(run_dir, out_dir, tier=t.tier, table_dtype=t.table_dtype,
+                    cache_fraction=t.cache_fraction, prefetch=t.prefetch,
+                    engram_layers=t.engram_layers)
+    print(f"wrote {out}; serve with: vllm serve {out} --dtype float32")
+
+
+@command("pool-budget", "will each Engram layer's rows arrive within its prefetch window, per tier",
+         args=(Arg("run_dir", "a trained run (`engram train --out_dir`); none: the model of the "
+                   "TrainConfig options with random weights", nargs="?", deprecated="--run_dir"),),
+         configs=(Config("engram.studies.pool_budget:PoolBudgetConfig", skip=("run_dir",)),
+                  Config(TRAIN, "TrainConfig options (the model with random weights when RUN_DIR "
+                         "is not given)")),
+         reads=("run_dir", In("pool_path", check=False)),
+         writes=(Out("out_dir", "pool-budget"), Out("table_dir", "tables", of="run_dir")),
+         about="Measures t_exec per layer, the read latency per tier, the break-even injected "
+         "latency and the bandwidth bound.")
+def _pool_budget(run_dir: str | None, pc, tc) -> None:
+    import dataclasses
+
+    from ..studies.pool_budget import run_pool_budget, v41_lines
+    from ..studies.pool_report import verdict
+
+    summary = run_pool_budget(dataclasses.replace(pc, run_dir=run_dir), tc)
+    print("\n".join(verdict(summary) + v41_lines(summary["v41_tables"])))
+    print(f"wrote {pc.out_dir}/budget.json, budget.png, report.md ({summary['wall_s']:.0f} s)")
+
+
+@command("lm-eval", "lm-evaluation-harness on an export-hf directory: lm-eval's options, model "
+         "`engram`", passthrough=True,
+         about="Every option is lm-eval's own (`lm-eval run --help`); --model is engram unless "
+         "given, e.g. engram lm-eval --model_args pretrained=OUT,tier=file --tasks TASK.")
+def _lm_eval(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):  # lm-eval's own help, from a process of its own:
+        import subprocess  # this one stays free of torch (lm-eval imports it)
+
+        from ..schema import constant
+
+        print("engram lm-eval: lm-eval's own options below; --model is engram unless given.\n"
+              "model_args of engram: pretrained=OUT (an `engram export-hf` directory), tier ("
+              + "|".join(constant("engram.tables.registry:TIERS"))
+              + "; default: the export's), cache_fraction, prefetch, batch_size "
+              "[16], max_length [the model's], max_gen_toks [256], device [cpu]\n", flush=True)
+        raise SystemExit(subprocess.call([sys.executable, "-m", "lm_eval", "run", "--help"]))
+    from ..studies.harness import cli_lm_eval
+
+    return cli_lm_eval(argv)
+
+
+V41_ABOUT = "OUT appears whole or not at all; an existing non-empty OUT is refused."
+
+
+@command("import-v41", "a DeepSeek-V4.1 checkpoint's Engram layers as our module weights + table "
+         "files", args=(Arg("src", "checkpoint folder (config.json, safetensors shards)"),
+                        Arg("out", "folder to write")),
+         reads=("src",), writes=(Out("out", "v41-layers", whole=True),), about=V41_ABOUT)
+def _import_v41(src: str, out: str) -> None:
+    from ..models.v41_layers import import_v41
+
+    print(f"wrote {import_v41(src, out, progress=True)}")
+
+
+@command("export-v41", "a layer set (or a v4.1 run's Engram layers) as a DeepSeek-V4.1 checkpoint",
+         args=(Arg("src", "layer set folder (`engram import-v41` OUT) or v4.1 run folder"),
+               Arg("out", "folder to write")),
+         reads=("src",), writes=(Out("out", "v41-checkpoint", whole=True),), about=V41_ABOUT)
+def _export_v41(src: str, out: str) -> None:
+    from ..serving.v41 import export_v41_checkpoint
+
+    print(f"wrote {export_v41_checkpoint(src, out, progress=True)}")

@@ -1,0 +1,108 @@
+"""Commands that make a run: demo, train, prepare, finetune."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from ..errors import Interrupted, NonFinite, UserError
+from ..options import Config, In, Out
+from ..ranges import AT_LEAST_1, POSITIVE, Range, check_ranges
+from .registry import TRAIN, command
+
+@dataclass
+class DemoOptions:
+    text: str | None = None  # sentence to hash; None: a built-in one
+    table_size: int = 50_000  # table size per n-gram order; the official demo uses 646400
+    hidden_size: int = 256  # model width the module runs at
+    json: str | None = None  # also write ids, hashes and gates here
+
+    def __post_init__(self) -> None:
+        if self.text is not None and not self.text.strip():
+            raise UserError("text must hold at least one character that is not a space")
+        check_ranges(self, table_size=Range(2), hidden_size=AT_LEAST_1)
+
+
+@dataclass
+class Launch:
+    resume: bool = True  # continue from the newest checkpoint in out_dir (--no-resume refuses to)
+    # Under torchrun only: init every table row on every rank, or each rank only its own rows
+    # (tables larger than one machine).
+    table_init: str = field(default="replicated", metadata={"choices": ("replicated", "sharded")})
+    timeout: float = 300.0  # under torchrun only: seconds a collective waits for a dead/hung peer
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0:
+            raise UserError(f"timeout must be > 0 seconds, got {self.timeout}")
+        check_ranges(self, timeout=POSITIVE)
+
+
+@command("demo", "compress the DeepSeek tokenizer, hash a sentence, run the module (~3 s)",
+         configs=(DemoOptions,), writes=(Out("json"),))
+def _demo(o: DemoOptions) -> None:
+    from ..outputs import write_json
+    from ..studies.demo import DEFAULT_TEXT, run_demo
+
+    out = run_demo(text=o.text or DEFAULT_TEXT, table_size=o.table_size, hidden_size=o.hidden_size)
+    if o.json:
+        write_json(o.json, out, "engram demo")
+
+
+@command("train", "train one LM (dense, MoE or Engram) on the package corpus or --data; "
+         "torchrun for several",
+         configs=(TRAIN, Config(Launch, "run options")), writes=(Out("out_dir", "run"),),
+         about="Under torchrun (WORLD_SIZE > 1): DDP and row-sharded tables. Ctrl-C or SIGTERM "
+         "saves a checkpoint of the step reached; the same command resumes from it.",
+         interrupted="stopped at once (before training began, or a second Ctrl-C): the run "
+         "folder's newest checkpoint, if any, is intact and the same command resumes from it")
+def _train(cfg, launch: Launch) -> None:
+    from ..training.checkpoint import saved_step
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        if world > 1:  # launched by torchrun: sharded tables + DDP
+            from ..training.distributed import train_distributed
+
+            run = train_distributed(cfg, resume=launch.resume, table_init=launch.table_init,
+                                    timeout_s=launch.timeout)
+        else:
+            from ..training.train import train
+
+            run = train(cfg, resume=launch.resume)
+    except (NonFinite, Interrupted) as e:  # say what the run folder keeps
+        step = saved_step(cfg.out_dir)
+        kept = (f"the newest checkpoint is step {step} in {cfg.out_dir}/checkpoints; the same "
+                "command resumes from it" if step is not None else
+                f"no checkpoint yet in {cfg.out_dir}: nothing to resume from")
+        raise type(e)(f"{e}; {kept}") from None
+    if int(os.environ.get("RANK", "0")) != 0 and world > 1:
+        return
+    last = run.history[-1] if run.history else {}
+    print(json.dumps({"out_dir": cfg.out_dir, "step": run.step,
+                      **({"world_size": world} if world > 1 else {}), **last}))
+
+
+@command("prepare", "your own text (files, folders, globs, .jsonl/.parquet/.csv) as token "
+         "shards for `train --data`", configs=("engram.training.prepare:PrepareConfig",),
+         reads=(In("input", check=False), In("tokenizer", check=False)),
+         writes=(Out("out", "corpus"),),
+         about="Rerunning the same command resumes: finished shards are kept, changed ones redone.")
+def _prepare(cfg) -> None:
+    from ..training.prepare import prepare, summary_lines
+
+    print("\n".join(summary_lines(prepare(cfg), cfg.out)))
+
+
+@command("finetune", "memory-only training of Engram injected into SmolLM2 vs LoRA",
+         configs=("engram.studies.finetune:FinetuneConfig",), reads=(In("model", check=False),),
+         writes=(Out("out_dir", "finetune"),),
+         about="Train only Engram injected into a frozen pretrained model (SmolLM2-135M) and LoRA "
+         "at the same trainable parameters; report fit and forgetting.")
+def _finetune(cfg) -> None:
+    from ..studies.finetune import format_summary, run_finetune
+
+    summary = run_finetune(cfg)
+    print(format_summary(summary))
+    print(f"wrote {cfg.out_dir}/results.json and finetune.png "
+          f"({summary['wall_seconds']:.0f}s in all)")
