@@ -81,7 +81,7 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
     from ..retrieval.compress import default_tokenizer
     from ..training.export import export_tables
 
-    _check_serving({"tier": tier, "cache_fraction": cache_fraction})
+    check_serving({"tier": tier, "cache_fraction": cache_fraction})
     if cache_fraction > 0 and counts is None:
         raise ValueError("a hot cache needs the training text's row counts")
     out = Path(out_dir)
@@ -120,7 +120,8 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
     return out
 
 
-def _check_serving(serving: dict[str, Any]) -> None:
+def check_serving(serving: dict[str, Any]) -> None:
+    """The ``engram_serving`` keys (config.json's, the loader's, lm-eval's model_args): UserError."""
     unknown = sorted(set(serving) - set(SERVING_DEFAULTS))
     if unknown:
         raise UserError(f"unknown engram_serving keys {unknown}; known: {sorted(SERVING_DEFAULTS)}")
@@ -141,7 +142,7 @@ def read_export(out_dir: str | Path, serving: dict[str, Any] | None = None) -> d
                          f"expected {FORMAT!r})")
     config["engram_serving"] = {**SERVING_DEFAULTS, **config.get("engram_serving", {}),
                                 **(serving or {})}
-    _check_serving(config["engram_serving"])
+    check_serving(config["engram_serving"])
     return config
 
 

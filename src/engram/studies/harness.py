@@ -210,7 +210,7 @@ def _check_model_args(args: dict[str, str]) -> None:
     """What the user can fix, refused in one line before lm-eval starts (it logs and builds its
     task list first, and reports a model's error as a traceback)."""
     from ..errors import InputNotFound, UserError
-    from ..tables.registry import TIERS
+    from ..serving.hf_export import check_serving
 
     if "pretrained" not in args:
         raise UserError("--model_args needs pretrained=DIR (an `engram export-hf` directory)")
@@ -218,5 +218,5 @@ def _check_model_args(args: dict[str, str]) -> None:
     if not (root / "config.json").is_file():
         raise InputNotFound(f"pretrained={root}: no config.json there (an `engram export-hf` "
                             "directory is expected)")
-    if "tier" in args and args["tier"] not in TIERS:
-        raise UserError(f"engram_serving.tier must be one of {TIERS}, got {args['tier']!r}")
+    if "tier" in args:
+        check_serving({"tier": args["tier"]})
