@@ -164,22 +164,20 @@ def write_corpus(docs: Iterable[Doc], out: str | Path, tok: Any, eos_token: str,
     made: list[bool] = []  # per shard: tokenised by this run (not kept from an earlier one)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", disable=not progress)
     with _tokenisers(workers, tok_json) as (pool, n_workers):
-        # Shards in input order: [name, digest, docs, batch futures, its JSON when kept, all
-        # submitted]; written in order once their batches are done. Batches in flight are bounded,
-        # and with them the text and ids held.
-        shards_q: deque[list] = deque()
+        # Shards in input order, written in order once their batches are done. Batches in flight
+        # are bounded, and with them the text and ids held.
+        shards_q: deque[_Shard] = deque()
         queued: deque[Future] = deque()  # batches submitted and not yet waited on, oldest first
 
         def settle(limit: int) -> None:
             while len(queued) > limit:
                 queued.popleft().result()
-            while shards_q and (shards_q[0][4] is not None or (
-                    shards_q[0][5] and all(f.done() for f in shards_q[0][3]))):
-                name, digest, group, futs, meta, _ = shards_q.popleft()
-                new = meta is None
-                if new:
-                    meta = write_tokens(str(folder), name, digest, group,
-                                        [f.result() for f in futs], eos, vocab_size)
+            while shards_q and shards_q[0].ready():
+                sh = shards_q.popleft()
+                new = sh.kept is None
+                meta = sh.kept if not new else write_tokens(
+                    str(folder), sh.name, sh.digest, sh.docs, [f.result() for f in sh.batches],
+                    eos, vocab_size)
                 metas.append(meta)
                 made.append(new)
                 bar.update(sum(v["bytes"] for st in meta["stats"].values() for v in st.values()))
@@ -187,9 +185,9 @@ def write_corpus(docs: Iterable[Doc], out: str | Path, tok: Any, eos_token: str,
         for k, group in enumerate(_groups(docs, val_fraction, split_seed, shard_mb)):
             name = f"{k:05d}"
             digest = _input_digest(settings, group)
-            entry = [name, digest, group, [], shards.finished_shard(folder, name, digest), False]
+            entry = _Shard(name, digest, group, kept=shards.finished_shard(folder, name, digest))
             shards_q.append(entry)
-            if entry[4] is None:
+            if entry.kept is None:
                 for i, j in batches(group):
                     texts = [d[3] for d in group[i:j]]
                     if pool is None:
@@ -197,10 +195,10 @@ def write_corpus(docs: Iterable[Doc], out: str | Path, tok: Any, eos_token: str,
                         fut.set_result(encode_texts(texts, tok))
                     else:
                         fut = pool.submit(encode_texts, texts)
-                    entry[3].append(fut)
+                    entry.batches.append(fut)
                     queued.append(fut)
                     settle(2 * n_workers)
-            entry[5] = True
+            entry.submitted = True
             settle(2 * n_workers)
         settle(0)
     bar.close()
@@ -222,6 +220,20 @@ def write_corpus(docs: Iterable[Doc], out: str | Path, tok: Any, eos_token: str,
         "stats": _stats(metas), "skipped": skips.as_dict(), **(extra or {}),
         "summary": _summary(metas, made, wall, skips)}
     return shards.write_manifest(out, manifest)
+
+
+@dataclass
+class _Shard:
+    """One shard on its way through :func:`write_corpus`."""
+    name: str
+    digest: str  # of its input (documents, tokenizer, split)
+    docs: list[tuple[str, str, int, str]]
+    kept: dict[str, Any] | None  # its JSON when an earlier run's files already match
+    batches: list[Future] = field(default_factory=list)  # its documents' ids, batch by batch
+    submitted: bool = False  # every batch handed out
+
+    def ready(self) -> bool:
+        return self.kept is not None or (self.submitted and all(f.done() for f in self.batches))
 
 
 def _claim(out: Path) -> Path:
