@@ -1,18 +1,17 @@
-"""Tokenising: batches of texts to token ids (in ``prepare``'s workers), and the ids of one shard's
-documents to its arrays, index and JSON (in ``prepare``'s process; format in ``shards``).
+"""Tokenising: batches of texts to token ids (on ``prepare``'s worker threads), and the ids of one
+shard's documents to its arrays, index and JSON (format in ``shards``).
 
-The workers get batches of about ``BATCH_CHARS`` of text, not whole shards: the cores stay busy to
-the end (a shard of text on each worker leaves one idle while the other finishes) and the first
-batch starts as soon as it is read; they send back int32 arrays, not Python lists. A worker has one
-tokenizer, its own thread pool off (the processes are the parallelism), and imports no torch, so it
-starts in a fraction of a second. Every document is encoded without special tokens and followed by
-EOS, the layout the training stream and the Engram hasher (pad = EOS) expect.
+The threads get batches of about ``BATCH_CHARS`` of text, not whole shards: the cores stay busy to
+the end (a shard of text on each leaves one idle while the other finishes) and the first batch
+starts as soon as it is read; a batch comes back as int32 arrays, not Python lists, so what is held
+until its shard is written is 4 bytes a token. Every document is encoded without special tokens
+(``encode_batch_fast``: no offsets computed) and followed by EOS, the layout the training stream and
+the Engram hasher (pad = EOS) expect.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -22,16 +21,6 @@ import numpy as np
 from .shards import SPLITS, write_shard
 
 BATCH_CHARS = 1 << 20  # text per encode call and per task of a worker: bounds its memory
-_TOKENIZER: Any = None  # a worker process's tokenizer (set by init_worker)
-
-
-def init_worker(tokenizer_json: str) -> None:
-    """A worker's start: its tokenizer, single-threaded (several workers share the cores)."""
-    global _TOKENIZER
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from tokenizers import Tokenizer
-
-    _TOKENIZER = Tokenizer.from_str(tokenizer_json)
 
 
 def batches(docs: list[tuple[str, str, int, str]]) -> list[tuple[int, int]]:
@@ -47,9 +36,8 @@ def batches(docs: list[tuple[str, str, int, str]]) -> list[tuple[int, int]]:
     return out
 
 
-def encode_texts(texts: list[str], tokenizer: Any = None) -> tuple[np.ndarray, np.ndarray]:
+def encode_texts(texts: list[str], tok: Any) -> tuple[np.ndarray, np.ndarray]:
     """(the ids of every text, concatenated: int32 [n], each text's count: int64 [texts])."""
-    tok = tokenizer if tokenizer is not None else _TOKENIZER
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # ids only: no offsets kept
     ids = [e.ids for e in encode(texts, add_special_tokens=False)]  # each .ids makes a new list
     lengths = np.fromiter(map(len, ids), np.int64, len(ids))
