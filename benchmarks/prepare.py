@@ -256,8 +256,9 @@ def shards_vs_memory(steps: int, smoke: bool = False) -> dict:
             run.batches.batch(i)
         make[name] = (time.perf_counter() - t0) / makes * 1e3
     times = {"shards": [], "memory": []}
-    for step in range(steps + 3):  # interleaved; the first 3 warm up
-        for name, run in (("shards", shards), ("memory", memory)):
+    pair = (("shards", shards), ("memory", memory))
+    for step in range(steps + 3):  # interleaved, each first on every other step; 3 warm up
+        for name, run in pair[::1 if step % 2 else -1]:
             run.optim.set_lr(lr_at(run.step, cfg))
             t0 = time.perf_counter()
             train_step(run)

@@ -156,9 +156,15 @@ def test_many_shards_and_workers_give_the_same_tokens(tmp_path, chapters):
         (folder / f"{i:02d}.txt").write_text(text)
     one = run(tmp_path, [folder], out="one")
     many = run(tmp_path, [folder], out="many", shard_mb=0.01)
-    par = run(tmp_path, [folder], out="par", shard_mb=0.01, workers=2)
+    had = os.environ.pop("RAYON_NUM_THREADS", None)
+    try:
+        par = run(tmp_path, [folder], out="par", shard_mb=0.01, workers=2)
+        assert "RAYON_NUM_THREADS" not in os.environ  # the tokenizer's pool size is set, then unset
+    finally:
+        if had is not None:
+            os.environ["RAYON_NUM_THREADS"] = had
     assert one["summary"]["shards"] == 1 and many["summary"]["shards"] >= 4
-    assert par["fingerprint"] == many["fingerprint"]  # worker processes change nothing
+    assert par["fingerprint"] == many["fingerprint"]  # worker threads change nothing
     a, b = open_corpus(tmp_path / "one"), open_corpus(tmp_path / "many")
     for split in ("train", "val"):
         np.testing.assert_array_equal(a.streams[split].array(), b.streams[split].array())

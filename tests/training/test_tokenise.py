@@ -44,3 +44,38 @@ def test_batched_shard_is_each_document_then_eos_in_its_split(tmp_path, monkeypa
     meta = json.loads((tmp_path / "00000.json").read_text())
     assert meta["stats"]["a"]["val"] == {"docs": 1, "tokens": 1, "chars": 0, "bytes": 0}
     assert meta["stats"]["b"]["train"]["bytes"] == len("é".encode())
+
+
+def _long_text() -> str:
+    """Real text of two kinds (English verse, Chinese news), ~300K chars."""
+    from engram.training.sources import load_documents
+
+    parts = []
+    for source in ("kjv", "peoples-daily"):
+        parts += [d.text for d in load_documents(source)][:60]
+    return "\n".join(parts)
+
+
+def test_a_long_document_is_encoded_in_pieces_to_the_same_ids(monkeypatch):
+    tok = default_tokenizer()
+    text = _long_text()
+    monkeypatch.setattr(tokenise, "PIECE_CHARS", 6000)
+    cut = tokenise.pieces(text, tok)
+    assert "".join(cut) == text and max(map(len, cut)) <= 6000  # a cut found every time
+    ids, lengths = tokenise.encode_texts(["short", text, "end"], tok)
+    want = [tok.encode(t, add_special_tokens=False).ids for t in ("short", text, "end")]
+    assert lengths.tolist() == [len(w) for w in want]
+    np.testing.assert_array_equal(ids, np.asarray(want[0] + want[1] + want[2], dtype=np.int32))
+
+
+def test_no_cut_where_the_tokenizer_would_tokenise_the_pieces_differently(monkeypatch):
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    tok = Tokenizer.from_str(default_tokenizer().to_str())
+    # A space added before every text: a piece would start with a token the whole text lacks there.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True)
+    text = _long_text()[:60_000]
+    monkeypatch.setattr(tokenise, "PIECE_CHARS", 6000)
+    assert tokenise.pieces(text, tok) == [text]
+    ids, _ = tokenise.encode_texts([text], tok)
+    np.testing.assert_array_equal(ids, tok.encode(text, add_special_tokens=False).ids)

@@ -209,6 +209,6 @@ def summarise(results: list[dict], configs: dict[str, TrainConfig], corpus, wall
                          "engram_vs_moe": resolved(vs_moe, spread), "rule": RULE},
             "corpus": {"vocab": corpus.vocab_size, "train_tokens": len(corpus.streams["train"]),
                        "val_tokens": len(corpus.streams["val"]),
-                       "sources": list(configs["dense"].sources),
+                       "sources": corpus.sources,
                        "max_chars": configs["dense"].max_chars, "data": configs["dense"].data},
             "machine": {"cpu": gemm.cpu_model(), "gemm": gemm.backend()}, "wall_s": wall}

@@ -37,7 +37,7 @@ def summarise(results: list[dict], configs: dict, sc, corpus, wall: float) -> di
                            "corpus": {"vocab": corpus.vocab_size,
                                       "train_tokens": len(corpus.streams["train"]),
                                       "val_tokens": len(corpus.streams["val"]),
-                                      "sources": list(configs[next(iter(configs))].sources),
+                                      "sources": corpus.sources,
                                       "max_chars": configs[next(iter(configs))].max_chars,
                                       "data": configs[next(iter(configs))].data}}
     for name, cfg in configs.items():

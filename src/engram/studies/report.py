@@ -118,14 +118,14 @@ def _gates_png(gates: torch.Tensor, texts: list[list[str]], path: Path, layer: i
 
 
 SOURCE_NAMES = {"kjv": "King James Bible", "peoples-daily": "People's Daily 1998",
-                "python-doc": "Python docs"}
+                "python-doc": "Python docs", "linux-doc": "Linux kernel docs"}
 
 
 def corpus_name(corpus: dict[str, Any]) -> str:
     """What the runs actually read, e.g. "King James Bible + People's Daily 1998"."""
-    if corpus.get("data"):
-        return f"the corpus prepared in {corpus['data']}"
     names = [SOURCE_NAMES.get(s, s) for s in corpus.get("sources", [])] or ["unknown sources"]
+    if corpus.get("data"):
+        return f"the corpus prepared in {corpus['data']} ({', '.join(names)})"
     cap = corpus.get("max_chars")
     return " + ".join(names) + (f", first {cap:,} characters of each" if cap else "")
 

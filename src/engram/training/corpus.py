@@ -163,6 +163,12 @@ class Corpus:
         """[V_loc] int64: how often each model id occurs in the training text."""
         return self.counts[0][self.vocab]
 
+    @property
+    def sources(self) -> list[str]:
+        """What the text came from, in input order: the built-in sources' names, or the --input
+        arguments (``engram prepare`` counts by these)."""
+        return [s for s in self.manifest["stats"] if s != "total"]
+
     def stats(self) -> dict[str, Any]:
         """{source or "total": {split: {"docs", "tokens" (eos included), "chars", "bytes"}}}."""
         return json.loads(json.dumps(self.manifest["stats"]))

@@ -179,6 +179,7 @@ def write_corpus(docs: Iterable[Doc], out: str | Path, tok: Any, eos_token: str,
                     eos, vocab_size)
                 metas.append(meta)
                 made.append(new)
+                _trim_heap()
                 bar.update(sum(v["bytes"] for st in meta["stats"].values() for v in st.values()))
 
         for k, group in enumerate(_groups(docs, val_fraction, split_seed, shard_mb)):
@@ -291,6 +292,25 @@ def _tokenisers(workers: int | None) -> Iterator[tuple[ThreadPoolExecutor | None
     finally:
         if sized:
             os.environ.pop("RAYON_NUM_THREADS", None)
+
+
+def _trim_heap() -> None:
+    """Hand freed heap back to the OS (glibc's ``malloc_trim``; elsewhere nothing). The tokenizer
+    allocates on each of its threads, from several malloc arenas whose freed pages glibc keeps:
+    without this, prepare's memory crept up with the text read (450 to 820 MiB over 1 GB)."""
+    global _TRIM
+    if _TRIM is None:
+        import ctypes
+
+        try:
+            _TRIM = ctypes.CDLL(None).malloc_trim
+        except (AttributeError, OSError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM: Any = None  # glibc's malloc_trim once looked up; False where there is none
 
 
 def _stats(metas: list[dict[str, Any]]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ Shape legend: V the tokenizer's vocabulary, n tokens of a split, b windows, t wi
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from pathlib import Path
@@ -54,9 +55,28 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-def _save_npy(path: Path, a: np.ndarray) -> str:
-    publish_bytes(path, lambda f: np.save(f, a, allow_pickle=False))
-    return sha256_file(path)
+def _save_stream(path: Path, length: int, pieces: Iterable[np.ndarray]) -> str:
+    """Publish an int32 [length] .npy file (the bytes ``np.save`` writes) from ``pieces`` in order,
+    never joined: a shard's stream is not held whole; returns the file's digest."""
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        head, {"descr": np.lib.format.dtype_to_descr(np.dtype("<i4")), "fortran_order": False,
+               "shape": (length,)})
+    h = hashlib.sha256(head.getvalue())
+
+    def write(f: Any) -> None:
+        f.write(head.getvalue())
+        n = 0
+        for piece in pieces:
+            data = np.ascontiguousarray(piece, dtype="<i4").data
+            f.write(data)
+            h.update(data)
+            n += len(piece)
+        if n != length:
+            raise ValueError(f"{path.name}: {n} tokens written, {length} announced")
+
+    publish_bytes(path, write)
+    return h.hexdigest()
 
 
 def in_val(doc_id: str, seed: int, fraction: float) -> bool:
@@ -73,16 +93,18 @@ def shard_files(folder: Path, name: str) -> dict[str, Path]:
             for k in ("train", "val", "index")}
 
 
-def write_shard(folder: Path, name: str, streams: dict[str, np.ndarray],
+def write_shard(folder: Path, name: str,
+                streams: dict[str, tuple[int, Iterable[np.ndarray]]],
                 index: dict[str, np.ndarray], meta: dict[str, Any]) -> dict[str, Any]:
     """Publish one shard's files, then its JSON (the mark that the shard is whole); returns the
-    JSON's content (``meta`` plus the files' digests) less the document ids."""
+    JSON's content (``meta`` plus the files' digests) less the document ids. ``streams``: {split:
+    (its length, its int32 pieces in order)}."""
     files = shard_files(folder, name)
-    digests = {s: _save_npy(files[s], streams[s].astype(np.int32, copy=False)) for s in SPLITS}
+    digests = {s: _save_stream(files[s], *streams[s]) for s in SPLITS}
     publish_bytes(files["index"], lambda f: np.savez(f, **index))
     digests["index"] = sha256_file(files["index"])
     meta = {**meta, "name": name, "sha256": digests,
-            "tokens": {s: int(len(streams[s])) for s in SPLITS}}
+            "tokens": {s: int(streams[s][0]) for s in SPLITS}}
     publish_text(folder / f"{name}.json", json.dumps(meta))
     return _without_ids(meta)
 

@@ -14,35 +14,87 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from .shards import SPLITS, write_shard
 
 BATCH_CHARS = 1 << 20  # text per encode call and per task of a worker: bounds its memory
+# The tokenizer takes ~100 bytes of memory per byte of a document while encoding it (a 2 MB document
+# peaked at +220 MiB), so a longer document is encoded in pieces (``pieces``).
+PIECE_CHARS = 1 << 18
+CHECK_CHARS = 2000  # text either side of a cut encoded to check that the cut changes no token
 
 
 def batches(docs: list[tuple[str, str, int, str]]) -> list[tuple[int, int]]:
     """[(start, stop)] of ``docs`` in runs of at most ``BATCH_CHARS`` of text (one doc at least)."""
+    return _runs([len(d[3]) for d in docs])
+
+
+def encode_texts(texts: list[str], tok: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(the ids of every text, concatenated: int32 [n], each text's count: int64 [texts]).
+
+    A text longer than ``PIECE_CHARS`` is encoded in pieces (``pieces``), at most ``BATCH_CHARS``
+    of them at a time: the ids are the same, the memory is bounded whatever a document's size."""
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # ids only: no offsets kept
+    cut = [pieces(t, tok) for t in texts]
+    flat = [p for ps in cut for p in ps]
+    ids: list[list[int]] = []
+    for i, j in _runs([len(p) for p in flat]):
+        ids += [e.ids for e in encode(flat[i:j], add_special_tokens=False)]  # .ids: a new list each
+    counts = np.fromiter(map(len, ids), np.int64, len(ids))  # [pieces]
+    owner = np.repeat(np.arange(len(texts)), [len(ps) for ps in cut])  # [pieces] -> its text
+    lengths = np.bincount(owner, weights=counts, minlength=len(texts)).astype(np.int64)
+    out = np.fromiter(itertools.chain.from_iterable(ids), np.int32, int(counts.sum()))
+    return out, lengths
+
+
+def pieces(text: str, tok: Any) -> list[str]:
+    """``text`` cut into pieces of at most ``PIECE_CHARS`` (as far as cuts are found) at line starts
+    where the tokens do not change: ``CHECK_CHARS`` either side of each cut are encoded apart and
+    across it, and the cut is kept only when both give the same ids (so a tokenizer that would
+    join or reshape tokens there, or that adds a prefix to every text, gets no cut). A text
+    without such a place stays whole."""
+    out, start = [], 0
+    while len(text) - start > PIECE_CHARS:
+        cut = _cut(text, start, tok)
+        if cut is None:
+            break
+        out.append(text[start:cut])
+        start = cut
+    out.append(text[start:])
+    return out
+
+
+def _cut(text: str, start: int, tok: Any, tries: int = 20) -> int | None:
+    """The last line start in ``text[start + PIECE_CHARS // 2 : start + PIECE_CHARS]`` whose cut
+    leaves the tokens as they are, trying ``tries`` line starts from the end; None if none does."""
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    lo, end = start + PIECE_CHARS // 2, start + PIECE_CHARS
+    for _ in range(tries):
+        nl = text.rfind("\n", lo, end)
+        if nl < 0:
+            return None
+        c, end = nl + 1, nl
+        a, b = text[max(start, c - CHECK_CHARS):c], text[c:c + CHECK_CHARS]
+        across, left, right = (e.ids for e in encode([a + b, a, b], add_special_tokens=False))
+        if across == left + right:
+            return c
+    return None
+
+
+def _runs(sizes: list[int]) -> list[tuple[int, int]]:
+    """[(start, stop)] of consecutive items of at most ``BATCH_CHARS`` in all (one at least)."""
     out, i = [], 0
-    while i < len(docs):
+    while i < len(sizes):
         j, size = i, 0
-        while j < len(docs) and (j == i or size + len(docs[j][3]) <= BATCH_CHARS):
-            size += len(docs[j][3])
+        while j < len(sizes) and (j == i or size + sizes[j] <= BATCH_CHARS):
+            size += sizes[j]
             j += 1
         out.append((i, j))
         i = j
     return out
-
-
-def encode_texts(texts: list[str], tok: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(the ids of every text, concatenated: int32 [n], each text's count: int64 [texts])."""
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # ids only: no offsets kept
-    ids = [e.ids for e in encode(texts, add_special_tokens=False)]  # each .ids makes a new list
-    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-    flat = np.fromiter(itertools.chain.from_iterable(ids), np.int32, int(lengths.sum()))
-    return flat, lengths
 
 
 def write_tokens(folder: str, name: str, input_digest: str, docs: list[tuple[str, str, int, str]],
@@ -54,16 +106,15 @@ def write_tokens(folder: str, name: str, input_digest: str, docs: list[tuple[str
     Returns the shard's JSON (``shards.write_shard``): digests, token counts, document ids, stats
     {source: {split: {docs, tokens, chars, bytes}}}.
     """
-    ids = np.concatenate([p[0] for p in parts])  # [n] every doc's ids, no EOS
     n = np.concatenate([p[1] for p in parts]) + 1  # [docs] tokens of each doc with its EOS
     split = np.asarray([d[2] for d in docs], dtype=np.uint8)  # [docs]
-    full = np.empty(int(n.sum()), dtype=np.int32)  # [n + docs] ids and EOS, in input order
-    is_eos = np.zeros(len(full), dtype=bool)
-    is_eos[np.cumsum(n) - 1] = True
-    full[is_eos] = eos
-    full[~is_eos] = ids
-    token_split = np.repeat(split, n)  # [n + docs]
-    streams = {SPLITS[s]: full[token_split == s] for s in (0, 1)}  # [n_split]
+    counts = np.zeros((2, vocab_size), dtype=np.int64)  # [2, V]
+    for s in (0, 1):
+        for piece in _pieces(parts, split, eos, s):
+            counts[s] += np.bincount(piece, minlength=vocab_size)
+    # Each split's stream goes to its file batch by batch: a 16 MB shard of text held as one array,
+    # and again split, took ~100 MB at once; a batch's pieces take ~5 MB.
+    streams = {SPLITS[s]: (int(n[split == s].sum()), _pieces(parts, split, eos, s)) for s in (0, 1)}
     doc_end = np.zeros(len(docs), dtype=np.int64)  # [docs] end of each doc in its split's array
     for s in (0, 1):
         doc_end[split == s] = np.cumsum(n[split == s])
@@ -75,10 +126,25 @@ def write_tokens(folder: str, name: str, input_digest: str, docs: list[tuple[str
         st["tokens"] += k
         st["chars"] += len(text)
         st["bytes"] += len(text.encode("utf-8"))
-    counts = [np.bincount(streams[s], minlength=vocab_size) for s in SPLITS]  # [V] each
     used = np.flatnonzero(counts[0] + counts[1]).astype(np.int32)  # [k] ids the shard uses
     index = {"doc_split": split, "doc_end": doc_end, "ids": used,
              "train": counts[0][used].astype(np.int64), "val": counts[1][used].astype(np.int64)}
     meta = {"input": input_digest, "docs": len(docs), "doc_ids": [d[1] for d in docs],
             "stats": dict(stats)}
     return write_shard(Path(folder), name, streams, index, meta)
+
+
+def _pieces(parts: list[tuple[np.ndarray, np.ndarray]], split: np.ndarray, eos: int,
+            s: int) -> Iterator[np.ndarray]:
+    """Split ``s``'s stream, batch by batch: int32 [m] pieces, each document's ids then EOS."""
+    start = 0
+    for ids, lengths in parts:  # [n_b] ids, [k] tokens of each of the batch's k docs
+        k = len(lengths)
+        n = lengths + 1  # [k] with EOS
+        full = np.empty(len(ids) + k, dtype=np.int32)  # [n_b + k] ids and EOS, in input order
+        is_eos = np.zeros(len(full), dtype=bool)
+        is_eos[np.cumsum(n) - 1] = True
+        full[is_eos] = eos
+        full[~is_eos] = ids
+        yield full[np.repeat(split[start:start + k] == s, n)]
+        start += k
