@@ -89,7 +89,10 @@ def _train(cfg, launch: Launch) -> None:
          writes=(Out("out", "corpus"),),
          about="Rerunning the same command resumes: finished shards are kept, changed ones redone.")
 def _prepare(cfg) -> None:
-    from ..training.prepare import prepare, summary_lines
+    from ..training.prepare import prepare, release_large_blocks, summary_lines
+
+    if cfg.workers != 0:  # this process only prepares, on worker threads
+        release_large_blocks()
 
     print("\n".join(summary_lines(prepare(cfg), cfg.out)))
 

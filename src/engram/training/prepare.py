@@ -278,7 +278,8 @@ def _tokenisers(workers: int | None) -> Iterator[tuple[ThreadPoolExecutor | None
     every thread, and nothing is pickled. Its own thread pool (Rust's rayon, sized at its first use
     in a process, which in ``engram prepare`` is here) gets as many threads, so a batch's documents
     spread over the cores too. Measured against spawned processes with a single-threaded tokenizer
-    each: 1.4x the MB/s for 0.65x the CPU seconds (benchmarks/results/data/prepare.json)."""
+    each (the design before), 2 workers, 64 MB, five alternated pairs on a 2-core AMD EPYC Zen 5:
+    1.11-1.40x the MB/s (median 1.20x) for 0.68-0.87x the CPU seconds (median 0.80x)."""
     n = (os.cpu_count() or 1) if workers is None else workers
     if n == 0:
         yield None, 0
@@ -298,19 +299,36 @@ def _trim_heap() -> None:
     """Hand freed heap back to the OS (glibc's ``malloc_trim``; elsewhere nothing). The tokenizer
     allocates on each of its threads, from several malloc arenas whose freed pages glibc keeps:
     without this, prepare's memory crept up with the text read (450 to 820 MiB over 1 GB)."""
-    global _TRIM
-    if _TRIM is None:
+    trim = _libc("malloc_trim")
+    if trim is not None:
+        trim(0)
+
+
+def release_large_blocks(threshold: int = 256 << 10) -> None:
+    """For a process that only prepares (``engram prepare``'s): blocks of ``threshold`` bytes and
+    more are mapped and unmapped, so they go back to the kernel when freed. glibc otherwise raises
+    that threshold as large blocks are freed and serves later ones from heaps that keep their
+    high-water mark, one per thread: a batch's encodings and a shard's arrays left prepare's peak
+    growing with the text read (over 1 GB: 515 MiB without this, 452 with it). Not for training
+    processes, which want the opposite (``train.ALLOCATOR_ENV``)."""
+    mallopt = _libc("mallopt")
+    if mallopt is not None:
+        mallopt(-3, threshold)  # M_MMAP_THRESHOLD; setting it also stops glibc moving it
+
+
+def _libc(name: str) -> Any:
+    """glibc's function ``name``, or None (another C library)."""
+    if name not in _LIBC:
         import ctypes
 
         try:
-            _TRIM = ctypes.CDLL(None).malloc_trim
+            _LIBC[name] = getattr(ctypes.CDLL(None), name)
         except (AttributeError, OSError):
-            _TRIM = False
-    if _TRIM:
-        _TRIM(0)
+            _LIBC[name] = None
+    return _LIBC[name]
 
 
-_TRIM: Any = None  # glibc's malloc_trim once looked up; False where there is none
+_LIBC: dict[str, Any] = {}
 
 
 def _stats(metas: list[dict[str, Any]]) -> dict[str, Any]:
