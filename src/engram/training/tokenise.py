@@ -38,12 +38,11 @@ def encode_texts(texts: list[str], tok: Any) -> tuple[np.ndarray, np.ndarray]:
 
     A text longer than ``PIECE_CHARS`` is encoded in pieces (``pieces``), at most ``BATCH_CHARS``
     of them at a time: the ids are the same, the memory is bounded whatever a document's size."""
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # ids only: no offsets kept
     cut = [pieces(t, tok) for t in texts]
     flat = [p for ps in cut for p in ps]
     ids: list[list[int]] = []
     for i, j in _runs([len(p) for p in flat]):
-        ids += [e.ids for e in encode(flat[i:j], add_special_tokens=False)]  # .ids: a new list each
+        ids += _ids(tok, flat[i:j])
     counts = np.fromiter(map(len, ids), np.int64, len(ids))  # [pieces]
     owner = np.repeat(np.arange(len(texts)), [len(ps) for ps in cut])  # [pieces] -> its text
     lengths = np.bincount(owner, weights=counts, minlength=len(texts)).astype(np.int64)
@@ -71,7 +70,6 @@ def pieces(text: str, tok: Any) -> list[str]:
 def _cut(text: str, start: int, tok: Any, tries: int = 20) -> int | None:
     """The last line start in ``text[start + PIECE_CHARS // 2 : start + PIECE_CHARS]`` whose cut
     leaves the tokens as they are, trying ``tries`` line starts from the end; None if none does."""
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     lo, end = start + PIECE_CHARS // 2, start + PIECE_CHARS
     for _ in range(tries):
         nl = text.rfind("\n", lo, end)
@@ -79,10 +77,16 @@ def _cut(text: str, start: int, tok: Any, tries: int = 20) -> int | None:
             return None
         c, end = nl + 1, nl
         a, b = text[max(start, c - CHECK_CHARS):c], text[c:c + CHECK_CHARS]
-        across, left, right = (e.ids for e in encode([a + b, a, b], add_special_tokens=False))
+        across, left, right = _ids(tok, [a + b, a, b])
         if across == left + right:
             return c
     return None
+
+
+def _ids(tok: Any, texts: list[str]) -> list[list[int]]:
+    """Each text's ids, without special tokens (``encode_batch_fast``: no offsets computed)."""
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    return [e.ids for e in encode(texts, add_special_tokens=False)]  # .ids: a new list each
 
 
 def _runs(sizes: list[int]) -> list[tuple[int, int]]:
@@ -109,10 +113,14 @@ def write_tokens(folder: str, name: str, input_digest: str, docs: list[tuple[str
     """
     n = np.concatenate([p[1] for p in parts]) + 1  # [docs] tokens of each doc with its EOS
     split = np.asarray([d[2] for d in docs], dtype=np.uint8)  # [docs]
-    counts = np.zeros((2, vocab_size), dtype=np.int64)  # [2, V]
-    for s in (0, 1):
-        for piece in _pieces(parts, split, eos, s):
-            counts[s] += np.bincount(piece, minlength=vocab_size)
+    # Counted per (split, id) in one pass over the batches, the EOS ending each doc added after.
+    counts = np.zeros(2 * vocab_size, dtype=np.int64)  # [2 V]
+    per_batch = np.split(split, np.cumsum([len(p[1]) for p in parts])[:-1])  # [k] each
+    for (ids, lengths), doc_split in zip(parts, per_batch):
+        key = np.repeat(doc_split.astype(np.int64) * vocab_size, lengths) + ids  # [n_b]
+        counts += np.bincount(key, minlength=2 * vocab_size)
+    counts = counts.reshape(2, vocab_size)  # [2, V]
+    counts[:, eos] += np.bincount(split, minlength=2)
     # Each split's stream goes to its file batch by batch: a 16 MB shard of text held as one array,
     # and again split, took ~100 MB at once; a batch's pieces take ~5 MB.
     streams = {SPLITS[s]: (int(n[split == s].sum()), _pieces(parts, split, eos, s)) for s in (0, 1)}
