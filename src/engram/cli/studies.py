@@ -6,10 +6,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from ..errors import UserError
 from ..options import Arg, In, Out
 from .registry import RUN_DIR, RUNS_KEPT, STUDY_BASE, _on_this_machine, command
+
+
+def _losses(named: Iterable[tuple[str, float]]) -> str:
+    """The line a study prints when done: "name: loss" for each of its runs or configurations."""
+    return " ".join(f"{name}: {loss:.4f}" for name, loss in named)
+
 
 @dataclass
 class Baselines:
@@ -25,7 +32,7 @@ def _compare(cc, base) -> None:
     from ..studies.compare import run_compare
 
     s = run_compare(cc, base)
-    print(" ".join(f"{k}: {v['val_loss']:.4f}" for k, v in s["runs"].items())
+    print(_losses((k, v["val_loss"]) for k, v in s["runs"].items())
           + f" | engram gain vs dense {s['engram_gain_vs_dense']:.4f} nats; "
           f"wrote {cc.out_dir}/results.json, loss.png, report.md, gates.html")
 
@@ -35,7 +42,7 @@ def _sweep(kind: str, sc, base) -> None:
     from ..studies.sweep import run_sweep
 
     s = run_sweep(kind, sc, base)
-    print(" ".join(f"{p['name']}: {p['val_loss']:.4f}" for p in s["points"])
+    print(_losses((p["name"], p["val_loss"]) for p in s["points"])
           + f" | best {s['best']['name']}; wrote {sc.out_dir}")
 
 
@@ -61,7 +68,7 @@ def _study_nine(sc, base) -> None:
     from ..studies.nine import run_nine_study
 
     s = run_nine_study(sc, base)
-    print(" ".join(f"{k}: {v['val_loss_mean_sd'][0]:.4f}" for k, v in s["configs"].items())
+    print(_losses((k, v["val_loss_mean_sd"][0]) for k, v in s["configs"].items())
           + f"; wrote {sc.out_dir}/nine.json, report.md and plots")
 
 
@@ -97,7 +104,7 @@ def _ablate(ac, base) -> None:
     from ..studies.ablate import run_ablate
 
     s = run_ablate(ac, base)
-    print(" ".join(f"{k}: {v['val_loss']:.4f}" for k, v in s["variants"].items())
+    print(_losses((k, v["val_loss"]) for k, v in s["variants"].items())
           + f"; wrote {ac.out_dir}/ablate.json, ablate.png, report.md")
 
 
