@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import json
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ import torch
 
 from engram.serving.loader import load_run
 from engram.studies.evaluate import EvalConfig, local_ids, run_eval
+from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 MODULES = ("os", "json", "re", "collections", "itertools", "functools", "pathlib", "string",
            "textwrap", "argparse", "shutil", "subprocess", "random", "statistics", "datetime",
@@ -76,8 +76,7 @@ def main() -> None:
         print(f"{run}: loss {res['loss']:.4f} on {res['scored']:,} of {res['targets']:,} targets "
               f"({res['left_out_fraction']:.1%} left out, {res['unseen_ids']} unseen ids); "
               f"{whole} of {res['documents']} paragraphs have no unseen token")
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(out, indent=2))
+    write_json(a.json, out)
 
 
 if __name__ == "__main__":

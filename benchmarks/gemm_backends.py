@@ -22,7 +22,6 @@ page-fault in.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,6 +33,7 @@ import torch
 
 from engram import gemm
 from engram.training.train import ALLOCATOR_ENV
+from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 # (name, rows n, in i, out o): the compare model (d = 128, batch 16 x 128 tokens) and the module
 SHAPES = [
@@ -143,8 +143,7 @@ def main() -> None:
     res["load_avg_after"] = os.getloadavg()
     print(f"worst chosen / forced fwd+bwd: {worst:.2f}x")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -42,13 +42,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +55,7 @@ from torch import nn
 from engram import EngramConfig, EngramState, build_engram, gemm
 from engram.retrieval.primes import prime_table_sizes
 from engram.training.train import ALLOCATOR_ENV
+from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 
 # -- the official demo's module, ported plainly (engram_demo_v1.py) ------------------------------
@@ -348,8 +347,7 @@ def main() -> None:
         print(table)
         res["profile_ours_fwd_bwd_3_calls"] = table
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -30,6 +28,7 @@ from engram.studies.compare import budget
 from engram.studies.nine import NineStudyConfig, study_configs
 from engram.training.corpus import build_corpus
 from engram.training.train import TrainConfig, build_run, train_step
+from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 
 def _median_rate(times: list[float], tokens: int) -> float:
@@ -107,8 +106,7 @@ def main() -> None:
     for k, v in tr["tokens_per_s"].items():
         print(f"train  {k:12s} {v:9.0f} tok/s  x{tr['ratio_vs_hash-10k'][k]:.3f}")
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(out, indent=1))
+        write_json(a.json, out, indent=1)
 
 
 if __name__ == "__main__":

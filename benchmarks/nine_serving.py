@@ -13,16 +13,15 @@ must give the memory tier's tokens (checked). Ratios are against the same run's 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
-from pathlib import Path
 
 import torch
 
 from engram.serving.generate import GenerationConfig, Generator
 from engram.serving.loader import load_run
 from engram.training.train import TrainConfig, train
+from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 TIERS = {"memory": {}, "file": {"tier": "file"},
          "file+cache+prefetch": {"tier": "file", "cache_fraction": 0.05, "prefetch": True},
@@ -80,8 +79,7 @@ def main() -> None:
     result = {"config": {**vars(a), **shape, "prompts": len(PROMPTS)}, "rows": rows,
               "torch_threads": torch.get_num_threads()}
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=1))
+        write_json(a.json, result, indent=1)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ from offload_tiers import (  # noqa: E402  (benchmarks/offload_tiers.py)
     resident_fraction,
     stats_of,
 )
+from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 # The registered tiers that read the table files where they lie (the others copy them into memory).
 DISK_TIERS = ("file", "shared", "pool")
@@ -336,8 +337,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{br['whole_file_mapping'].split(':')[0]}, windows exact={br['exact']}, "
           f"{br['rows_per_s']:.3g} rows/s")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
     return 0
 
 

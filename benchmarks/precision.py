@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -48,6 +46,7 @@ from engram.training.train import (
     evaluate,
     train_step,
 )
+from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 MIN_NOISE = 0.03
 SMOKE = dict(max_chars=200_000, n_layer=2, d_model=64, n_head=2, seq_len=32, batch_size=4,
@@ -212,8 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['chosen_is_fastest_within_noise']}")
     print(f"CPU: {out['cpu']} ({out['cpu_flags']}); {wall:.0f} s")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
     return out
 
 

@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 HERE = Path(__file__).resolve()
 
@@ -382,8 +383,7 @@ def main() -> None:
         print(json.dumps({k: res["speed"][k] for k in ("ratio_shards_over_memory", "batch_ms")}))
 
     res["load_avg_end"] = os.getloadavg()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**previous, **res}, indent=2))
+    write_json(path, {**previous, **res})
     print(f"wrote {path}")
 
 

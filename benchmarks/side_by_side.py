@@ -18,12 +18,10 @@ the core's caches and memory (the pair's cost), its wall time also from waiting 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from engram import gemm
 from engram.studies.common import Workers
@@ -31,6 +29,7 @@ from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.studies.estimate import probe
 from engram.training.corpus import build_corpus
 from engram.training.train import TrainConfig
+from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 # A model small enough for CI: the runner, the probe and the figures, not the timings.
 SMOKE = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, table_size=997,
@@ -109,8 +108,7 @@ def main() -> None:
               f"{v['throughput_pair_over_alone']:.2f}x one's")
     print(f"CPU: {res['cpu']} ({res['cpus']} CPUs)")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ The measuring process runs with the allocator settings compare gives its workers
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import resource
@@ -54,6 +53,7 @@ except ImportError:  # measuring an older checkout, which had none
 
 sys.path.insert(0, str(Path(__file__).parent))
 import optim as optim_bench  # noqa: E402  (benchmarks/optim.py)
+from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 
 def _status_mib(field: str) -> float:
@@ -257,8 +257,7 @@ def main() -> None:
               f"(goal ~1); dense Adam / RowAdam at 1M rows: {o['ratio_dense_over_row_adam']:.1f}x; "
               f"peak RSS {o['peak_rss_gib']:.2f} GiB")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import multiprocessing as mp
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -29,6 +27,7 @@ from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.training import sparse_rows, train as train_mod
 from engram.training.corpus import build_corpus
 from engram.training.train import TrainConfig, allocator_env
+from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 VARIANTS = ("torch", "kernels", "kernel_coalesce_only", "kernel_adam_only", "ulp@0", "ulp@100",
             "ulp@7777")
@@ -96,8 +95,7 @@ def main() -> None:
     print(f"final val loss over {len(losses)} runs equal up to rounding: mean {res['mean']:.4f}, "
           f"sd {res['sd']:.4f}, range {res['range']:.4f}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ re-quantised losslessly). Records the CPU model and the torch thread count.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -27,6 +26,7 @@ from engram.tables.fp8 import dequantize_fp8, quantize_fp8_e8m0, row_bytes
 from engram.tables.tablefile import write_table
 from engram.tables.tiers import FileTable
 from timing import median_seconds  # benchmarks/timing.py: the script's folder is on sys.path
+from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 DIM, BLOCK = 256, 32
 
@@ -96,8 +96,7 @@ def main() -> None:
             f.close()
     res["load_avg_end"] = os.getloadavg()[0]  # other jobs on the machine during the timings
     print("bytes per row: " + ", ".join(f"{k} {v}" for k, v in res["bytes_per_row"].items()))
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(res, indent=1))
+    write_json(a.json, res, indent=1)
     print(f"wrote {a.json} ({res['cpu']}, {res['torch_threads']} thread)")
 
 

@@ -32,6 +32,7 @@ from engram import EngramConfig, EngramLM, ModelConfig, NgramHasher, build_compr
 from engram.serving.generate import GenerationConfig, Generator
 from engram.serving.hf_export import export_hf, export_model
 from engram.training.process_group import free_port
+from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 TIERS = {"memory": {}, "file+cache+prefetch": {"tier": "file", "cache_fraction": 0.05,
                                                "prefetch": True},
@@ -154,8 +155,7 @@ def main() -> None:
         else:
             result["vllm"] = f"not installed for {a.vllm_python}: skipped"
         print(json.dumps(result))
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=1))
+        write_json(a.json, result, indent=1)
         return
     tiers = {}
     for name in ["memory", "file+cache+prefetch", "shared", "memory"]:  # memory twice: drift
@@ -170,8 +170,7 @@ def main() -> None:
     result["load_test"] = load_test(a.vllm_python, out, load_ps, want, a.load_tokens,
                                      concurrency=a.load_requests)
     print(json.dumps(result, indent=1))
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(result, indent=1))
+    write_json(a.json, result, indent=1)
 
 
 if __name__ == "__main__":
