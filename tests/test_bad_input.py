@@ -283,9 +283,16 @@ def _start(argv: list[str]) -> subprocess.Popen:
                             env={**os.environ, "PYTHONPATH": str(Path(engram.__file__).parents[1])})
 
 
-def _once_training(p: subprocess.Popen, metrics: Path, timeout: float = 120) -> None:
+def _once_training(p: subprocess.Popen, metrics: Path, timeout: float = 120,
+                   after: int = 0) -> None:
+    """Wait until the run has logged two records, the last past step ``after`` (a resumed run
+    may log before its first new step)."""
+    def logged() -> bool:
+        lines = metrics.read_text().split("\n")[:-1] if metrics.exists() else []  # whole lines
+        return len(lines) >= 2 and json.loads(lines[-1]).get("step", 0) > after
+
     t0 = time.time()
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+    while not logged():
         assert p.poll() is None, p.communicate()
         assert time.time() - t0 < timeout, "training never started"
         time.sleep(0.05)
@@ -316,7 +323,7 @@ def test_a_signal_saves_a_checkpoint_exits_130_and_the_rerun_resumes(tmp_path):
         == first
     (out / "metrics.jsonl").write_text("")  # to see the resumed run's records start
     p = _start(argv)
-    _once_training(p, out / "metrics.jsonl")
+    _once_training(p, out / "metrics.jsonl", after=first)
     second, err = _interrupted(p, signal.SIGTERM)
     assert f"engram: resuming {out} from step {first} (of 100000)" in err
     assert second > first
