@@ -25,7 +25,11 @@ _EXPORTS = {
     "prime_table_sizes": "retrieval.primes", "rows_per_layer": "retrieval.primes",
     "MemoryTable": "tables.store", "TableStore": "tables.store",
     "RowAdam": "training.optim", "build_optimizers": "training.optim",
+    "Runtime": "serving.runtime", "open_model": "serving.loader",
+    "GenerationConfig": "serving.generate", "Generator": "serving.generate",
 }
+# ``engram.open(path, tier=..., device=..., precision=...)``: a run or an export as one Runtime
+_ALIASES = {"open": ("serving.loader", "open_model")}
 DISTRIBUTION = "torch-engram"  # the name on the package index; `engram` there is another project
 
 
@@ -37,6 +41,9 @@ def __getattr__(name: str) -> Any:
             value = version(DISTRIBUTION)
         except Exception:  # a source tree that was never installed
             value = "unknown"
+    elif name in _ALIASES:
+        module, attr = _ALIASES[name]
+        value = getattr(importlib.import_module(f".{module}", __name__), attr)
     elif name in _EXPORTS:
         value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     else:
@@ -46,10 +53,10 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS, "__version__"])
+    return sorted([*globals(), *_EXPORTS, *_ALIASES, "__version__"])
 
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, *_ALIASES])
 
 # AutoConfig / AutoModelForCausalLM learn "engram_lm" once transformers' Auto modules load (now, if
 # they already have): no trust_remote_code, and no transformers or torch import here

@@ -111,9 +111,11 @@ def test_stop_ids_sampling_and_errors():
         gen.generate(prompts)
     with pytest.raises(ValueError, match="left-padded"):
         gen.generate(torch.tensor([[int(VOCAB[1]), 0]]), torch.tensor([[1, 0]]))
-    with pytest.raises(ValueError, match="not in the model's vocabulary"):
-        gen.generate([[int(np.setdiff1d(np.arange(300), VOCAB)[0])]])
-    with pytest.raises(ValueError, match="NgramHasher"):
+    unseen = int(np.setdiff1d(np.arange(300), VOCAB)[0])  # the runtime's policy: warned, read
+    with pytest.warns(UserWarning, match="never occurred in training"):  # as the mean embedding
+        assert len(Generator(model, hasher, VOCAB, GenerationConfig(max_new_tokens=3))
+                   .generate([[unseen, int(VOCAB[1])]]).tokens[0]) == 3
+    with pytest.raises(ValueError, match="hasher"):
         Generator(model, None, VOCAB)
 
 
@@ -130,16 +132,27 @@ def test_cli_generates_from_a_trained_run_on_every_tier(tmp_path, capsys):
     outputs = {}
     # memory: the checkpoint's tables; every other tier from table files, behind cache + prefetch
     for tier in [t for t, tt in REGISTRY.items() if tt.missing() is None]:
-        extra = ["--cache-fraction", "0.05", "--prefetch"]
+        extra = ["--cache-fraction", "0.05", "--prefetch"] if tier != "memory" else []
         js = tmp_path / f"{tier}.json"
         assert main(["generate", *base, "--tier", tier, "--json", str(js), *extra]) == 0
         result = json.loads(js.read_text())
         assert [len(t) for t in result["tokens"]] == [6, 6]
         outputs[tier] = result["tokens"]
-        printed = capsys.readouterr().out
-        assert all(c in printed for c in result["continuations"])
+        captured = capsys.readouterr()
+        assert all(c in captured.out for c in result["continuations"])
+        if tier != "memory":  # a tiered run reports its hot cache
+            assert result["cache"]["lookups"] > 0 and "cache hit rate" in captured.err
     assert all(o == outputs["memory"] for o in outputs.values()) and len(outputs) >= 6
     assert (run / "tables" / "layer0.table").exists()
+    # a cache or prefetch on the memory tier would do nothing: refused, before any work
+    assert main(["generate", *base, "--cache-fraction", "0.05"]) == 2
+    assert "on the memory tier they would do nothing" in capsys.readouterr().err
+    # a request longer than the context: the prompt is cut from the left, the count said; new
+    # tokens that cannot fit with any prompt: refused naming max_new_tokens and max_seq_len
+    assert main(["generate", str(run), "--prompt", "And God " * 40, "--max-new-tokens", "4"]) == 0
+    assert "keeping the last 45 of" in capsys.readouterr().err
+    assert main(["generate", str(run), "--prompt", "x", "--max-new-tokens", "100"]) == 2
+    assert "max_new_tokens=100 leaves no room for a prompt" in capsys.readouterr().err
     # the deprecated --run spelling still works, with a warning; a missing run is one line, exit 2
     assert main(["generate", "--prompt", "x", "--run", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err

@@ -61,7 +61,7 @@ def load(out, **serving):
     config = read_export(out, serving)
     model, hasher, raw_vocab = build_export_model(out, config)
     vocab = load_dense(model, load_file(str(out / "model.safetensors")))
-    return PagedLM(model, hasher, vocab, raw_vocab, unknown_id=0)
+    return PagedLM(model, hasher, vocab, raw_vocab)
 
 
 @pytest.mark.parametrize("serving", [{}] + [{"tier": t} for t in TIERS]

@@ -14,7 +14,8 @@ import torch
 from engram.cli import main
 from engram.retrieval.hot import NineHasher, build_hot_index
 from engram.serving.generate import GenerationConfig, Generator
-from engram.serving.loader import load_run
+from engram.serving.loader import load_run, write_tables
+from engram.training.corpus import build_corpus
 from engram.tables.hotcold import check_index_files, hot_path, read_index_files, write_hot_tier
 from engram.tables.registry import REGISTRY, TIERS, open_tier
 from engram.tables.tablefile import TableFileError, table_path
@@ -38,10 +39,15 @@ def runs(tmp_path_factory):
         run = root / layout
         train(TrainConfig(out_dir=str(run), steps=3, shared_tables=layout == "shared", **TINY),
               progress=False)
+        write_tables(run)  # the explicit step that writes RUN/tables (opening writes nothing)
         memory = load_run(run)
         prompts = [memory.tokenizer.encode(p).ids for p in PROMPTS]
         out[layout] = (run, prompts, _tokens(memory, prompts), _logits(memory))
     return out
+
+
+def _train_tokens():
+    return build_corpus(TrainConfig(**TINY).data_config()).train
 
 
 def _tokens(served, prompts):
@@ -51,7 +57,7 @@ def _tokens(served, prompts):
 
 @torch.no_grad()
 def _logits(served):
-    raw = torch.from_numpy(np.asarray(served.train_tokens[:4 * 32], dtype=np.int64)).view(4, 32)
+    raw = torch.from_numpy(np.asarray(_train_tokens()[:4 * 32], dtype=np.int64)).view(4, 32)
     local = torch.from_numpy(np.searchsorted(served.vocab, raw.numpy()))
     assert np.array_equal(served.vocab[local.numpy()], raw.numpy())
     ids = served.hasher.hash(raw)
@@ -90,10 +96,10 @@ def test_every_tier_serves_exactly_what_memory_serves(runs, layout, tier, cache,
 
 def test_foreign_stale_or_damaged_hot_tier_files_are_refused(runs, tmp_path):
     run, *_ = runs["shared"]
-    served = load_run(run, tier="file")  # exports RUN/tables once
+    served = load_run(run, tier="file")
     tables, cfg, nine = run / "tables", served.hasher.config, served.hasher
     # Another hot index over the same hashed tables: its rows would serve other n-grams.
-    other = NineHasher(nine.hasher, build_hot_index(nine.hasher, served.train_tokens, 30),
+    other = NineHasher(nine.hasher, build_hot_index(nine.hasher, _train_tokens(), 30),
                        shared=True)
     with pytest.raises(TableFileError, match="another Engram-Nine hot tier.*slots: file 80 vs "
                                              "model 60"):
@@ -108,7 +114,7 @@ def test_foreign_stale_or_damaged_hot_tier_files_are_refused(runs, tmp_path):
     # A stale export (another run's files under the same checkpoint name) is refused, not used.
     stale = tmp_path / "stale"
     shutil.copytree(tables, stale)
-    write_hot_tier(hot_path(stale, 0), other.index, None, cfg, tag=served.checkpoint.name)
+    write_hot_tier(hot_path(stale, 0), other.index, None, cfg, tag=served.checkpoint)
     with pytest.raises(TableFileError, match="another hot index"):
         load_run(run, tier="file", table_dir=stale)
     # A hot file under another layer's name; a cold file where the hot one belongs.

@@ -52,7 +52,7 @@ def _prompts(n, seed=0, shared_prefix=0):
                                                  ("v4.1", 1, True)])
 def test_paged_greedy_equals_generate(profile, hc_mult, moe):
     model, hasher = _model(profile, hc_mult, moe)
-    paged = PagedLM(model, hasher, torch.tensor(VOCAB), 300, unknown_id=0)
+    paged = PagedLM(model, hasher, torch.tensor(VOCAB), 300)
     prompts = _prompts(12, seed=1)
     eng = MiniEngine(paged, chunk=5)
     for p in prompts:
@@ -86,7 +86,7 @@ def _live_model(profile, hc_mult, moe):
         for name, p in model.named_parameters():
             if "_hc." in name:
                 p.add_(0.3 * torch.randn_like(p))
-    paged = PagedLM(model, hasher, torch.tensor(VOCAB), 300, unknown_id=0)
+    paged = PagedLM(model, hasher, torch.tensor(VOCAB), 300)
     attn = TorchPagedAttention(model.config.n_layer, model.config.n_head, model.config.head_dim)
     paged.ensure_slots(256)
     attn.ensure_slots(256)
@@ -133,7 +133,7 @@ def test_one_sequence_equals_forward():
 
 def test_prefix_cache_preemption_and_many_requests_in_flight():
     model, hasher = _model()
-    paged = PagedLM(model, hasher, torch.tensor(VOCAB), 300, unknown_id=0)
+    paged = PagedLM(model, hasher, torch.tensor(VOCAB), 300)
     prompts = _prompts(24, seed=2, shared_prefix=9)  # shared full blocks: prefix-cache hits
     eng = MiniEngine(paged, chunk=3, seed=3)
     for p in prompts[:8]:
@@ -154,7 +154,7 @@ def test_prefix_cache_preemption_and_many_requests_in_flight():
 def test_histories_are_not_shared():
     """Two requests with the same last token but different pasts get different Engram rows."""
     model, hasher = _model()
-    paged = PagedLM(model, hasher, torch.tensor(VOCAB), 300, unknown_id=0)
+    paged = PagedLM(model, hasher, torch.tensor(VOCAB), 300)
     paged.ensure_slots(64)
     a, b = [int(VOCAB[1]), int(VOCAB[2]), int(VOCAB[5])], [int(VOCAB[3]), int(VOCAB[4]),
                                                            int(VOCAB[5])]
@@ -179,6 +179,6 @@ def test_layout_and_history_errors():
     assert h.read(torch.tensor([2, -1, 3])).tolist() == [7, -1, -1]
     model, hasher = _model()
     with pytest.raises(ValueError, match="vocab maps"):
-        PagedLM(model, hasher, torch.tensor(VOCAB[:10]), 300, unknown_id=0)
+        PagedLM(model, hasher, torch.tensor(VOCAB[:10]), 300)
     with pytest.raises(ValueError, match="hasher"):
-        PagedLM(model, None, torch.tensor(VOCAB), 300, unknown_id=0)
+        PagedLM(model, None, torch.tensor(VOCAB), 300)

@@ -109,7 +109,7 @@ def test_export_hf_serves_the_layer_set_on_every_tier(setup, tmp_path):
         table = model.engrams()[1].table
         rows = torch.arange(0, table.num_rows, 7)
         assert torch.equal(table.lookup(rows), served.model.engrams()[1].table.lookup(rows))
-        eng = MiniEngine(PagedLM(model, hasher, vocab, raw_vocab, unknown_id=0), block_size=8,
+        eng = MiniEngine(PagedLM(model, hasher, vocab, raw_vocab), block_size=8,
                          chunk=5)
         for p in prompts:
             eng.add(p, 8)

@@ -54,46 +54,52 @@ def _generate(run_dir: str, o: Prompts, t: Tables, gen) -> None:
     import torch
 
     from ..serving.generate import Generator
-    from ..serving.loader import load_run
-    from ..training.corpus import EOS_TOKEN
-    from ..training.precision import resolve
+    from ..serving.loader import open_model, write_tables
 
-    resolve(gen.device or "cpu", gen.precision)  # the machine can run it: before loading
+    def say(line: str) -> None:
+        print(f"engram generate: {line}", file=sys.stderr)
+
     if o.threads:
         torch.set_num_threads(o.threads)
-    served = load_run(run_dir, tier=t.tier, table_dir=t.table_dir, table_dtype=t.table_dtype,
-                      cache_fraction=t.cache_fraction, prefetch=t.prefetch,
-                      engram_layers=t.engram_layers)
-    tok = served.tokenizer
-    eos = tok.token_to_id(EOS_TOKEN)
-    if o.stop and eos is not None:
-        gen = dataclasses.replace(gen, stop_ids=(*gen.stop_ids, eos))
-    room = served.model.config.max_seq_len - max(0, gen.max_new_tokens - 1)
-    prompts, known = [], set(served.vocab.tolist())
-    for text in o.prompt:
-        ids = tok.encode(text, add_special_tokens=False).ids
-        unknown = sorted({tok.decode([i]) for i in ids if i not in known})
-        if unknown:
-            raise UserError(f"prompt {text!r} has tokens the model never saw in training: "
-                            f"{unknown[:10]}")
-        if len(ids) > room:
-            print(f"engram generate: keeping the last {room} of {len(ids)} prompt tokens "
-                  f"(max_seq_len={served.model.config.max_seq_len})", file=sys.stderr)
-            ids = ids[-room:]
-        prompts.append(ids)
-    out = Generator(served.model, served.hasher, served.vocab, gen).generate(prompts)
-    texts = [tok.decode(t, skip_special_tokens=True) for t in out.tokens]
+    if t.tier != "memory" and t.engram_layers is None:  # the file tiers read table files
+        write_tables(run_dir, t.table_dir, t.table_dtype, say=say)
+    rt = open_model(run_dir, tier=t.tier, table_dir=t.table_dir, table_dtype=t.table_dtype,
+                    cache_fraction=t.cache_fraction, prefetch=t.prefetch,
+                    engram_layers=t.engram_layers, device=gen.device, precision=gen.precision)
+    rt.on_unseen = say
+    if o.stop and rt.eos_id is not None:
+        gen = dataclasses.replace(gen, stop_ids=(*gen.stop_ids, rt.eos_id))
+    prompts = rt.fit_prompts([rt.encode(text) for text in o.prompt], gen.max_new_tokens,
+                             cut=True, say=say)
+    out = Generator(rt, config=gen).generate(prompts)
+    texts = [rt.decode(ids) for ids in out.tokens]
     for i, text in enumerate(texts):
         print(text if len(texts) == 1 else f"[{i}] {text}")
-    print(f"engram generate: {t.tier} tables; prefill {out.prefill_tok_s:.0f} tok/s, decode "
-          f"{out.decode_tok_s:.0f} tok/s ({served.checkpoint.name})", file=sys.stderr)
+    stats = rt.cache_stats()
+    cache = "" if stats is None else f", cache hit rate {stats['hit_rate']:.1%}"
+    say(f"{t.tier} tables{cache}; prefill {out.prefill_tok_s:.0f} tok/s, decode "
+        f"{out.decode_tok_s:.0f} tok/s ({rt.checkpoint})")
     if o.json:
         from ..outputs import write_json
 
         write_json(o.json, {
             "prompts": o.prompt, "continuations": texts, "tokens": out.tokens,
             "prefill_tok_s": out.prefill_tok_s, "decode_tok_s": out.decode_tok_s,
-            "checkpoint": str(served.checkpoint), "tier": t.tier}, "engram generate")
+            "checkpoint": rt.checkpoint, "tier": t.tier, "cache": stats}, "engram generate")
+
+
+@command("export-tables", "a run's tables as table files, for the file tiers (generate, eval, "
+         "pool-budget read them)",
+         args=(RUN_DIR,), configs=(Config(Tables, skip=("tier", "cache_fraction", "prefetch",
+                                                        "engram_layers")),),
+         reads=("run_dir",), writes=(Out("table_dir", "tables", of="run_dir"),),
+         about="Writes nothing when the files of the newest checkpoint are there already.")
+def _export_tables(run_dir: str, t: Tables) -> None:
+    from ..serving.loader import write_tables
+
+    folder = write_tables(run_dir, t.table_dir, t.table_dtype,
+                          say=lambda line: print(f"engram export-tables: {line}", file=sys.stderr))
+    print(f"table files in {folder}")
 
 
 @command("export-hf", "a trained run as a directory vLLM serves (`vllm serve OUT` with the plugin)",
@@ -104,7 +110,7 @@ def _generate(run_dir: str, o: Prompts, t: Tables, gen) -> None:
          about="The tier is a default: vLLM's --hf-overrides "
          "'{\"engram_serving\": {\"tier\": \"file\"}}' changes it.")
 def _export_hf(run_dir: str, out_dir: str, t: Tables) -> None:
-    from ..serving.hf_export import export_hf
+    from ..serving.loader import export_hf
 
     out = export_hf(run_dir, out_dir, tier=t.tier, table_dtype=t.table_dtype,
                     cache_fraction=t.cache_fraction, prefetch=t.prefetch,

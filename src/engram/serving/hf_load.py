@@ -2,7 +2,7 @@
 
 transformers' own loader would read model.safetensors into a model it builds itself; an export
 keeps its tables apart, as table files read on a tier (serving/hf_export.py), so both directions
-go through the export's own functions: ``build_export_model`` + ``load_dense`` in,
+go through the export's own functions: ``open_export`` (the one runtime) in,
 ``export_model`` out. The tables are opened by ONE call into hf_export/loader (the tier chain
 lives there), so a new tier needs no change here.
 """
@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from .hf_export import (ARCHITECTURE, FORMAT, MODEL_TYPE, SERVING_DEFAULTS, build_export_model,
-                        load_dense, read_export)
+from .hf_export import ARCHITECTURE, FORMAT, MODEL_TYPE, SERVING_DEFAULTS, open_export
 
 # from_pretrained arguments that concern the hub or transformers' own loader: nothing to do here.
 _HUB_ARGS = {"cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
@@ -28,8 +27,6 @@ _HUB_ARGS = {"cache_dir", "force_download", "local_files_only", "token", "revisi
 def load_export(cls: type, path: str | Path, config: Any, engram_serving: dict[str, Any] | None,
                 dtype: Any, kwargs: dict[str, Any]) -> Any:
     """``cls.from_pretrained``: see EngramLMForCausalLM.from_pretrained."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such directory; an engram model loads from a local "
@@ -53,24 +50,15 @@ def load_export(cls: type, path: str | Path, config: Any, engram_serving: dict[s
     check_config(config)
     serving = engram_serving if engram_serving is not None else getattr(config, "engram_serving",
                                                                         None)
-    export = read_export(path, serving)  # the tier and the other keys, checked
-    tier = export["engram_serving"]["tier"]
-    try:
-        lm, hasher, raw_vocab = build_export_model(path, export)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"{path} is missing a table file ({e}); write the export again "
-                                "with `engram export-hf`") from e
-    except (OSError, ImportError, RuntimeError) as e:
-        raise RuntimeError(f"engram_serving.tier={tier!r}: the tables in {path} could not be "
-                           f"opened on this machine ({type(e).__name__}: {e}); choose another "
-                           f"tier, e.g. engram_serving={{'tier': 'memory'}}") from e
-    vocab = load_dense(lm, load_file(str(path / "model.safetensors")))
-    if raw_vocab != config.vocab_size:
-        raise ValueError(f"{path}: tokenizer.json has {raw_vocab} ids, config.json says "
-                         f"vocab_size={config.vocab_size}")
+    rt = open_export(path, serving)  # the tier and the other keys, checked
+    if rt.ids.raw_vocab_size != config.vocab_size:
+        raise ValueError(f"{path}: tokenizer.json has {rt.ids.raw_vocab_size} ids, config.json "
+                         f"says vocab_size={config.vocab_size}")
+    export = {"engram_serving": {**SERVING_DEFAULTS, **(getattr(config, "engram_serving", None)
+                                                        or {}), **(serving or {})}}
     config.engram_serving = export["engram_serving"]
     config._name_or_path = str(path)
-    model = cls(config, lm=lm, hasher=hasher, vocab=vocab)
+    model = cls(config, runtime=rt)
     if dtype not in (None, "auto"):
         model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     return model.eval()
@@ -113,4 +101,5 @@ def save_export(model: Any, out_dir: str | Path) -> Path:
                         tier=serving["tier"], table_dtype=dtype,
                         cache_fraction=serving["cache_fraction"] if counts is not None else 0.0,
                         prefetch=serving["prefetch"],
-                        tag=getattr(model.config, "engram_checkpoint", "") or "")
+                        tag=getattr(model.config, "engram_checkpoint", "") or "",
+                        tokenizer_file=model.runtime.tokenizer_file, eos_id=model.runtime.eos_id)

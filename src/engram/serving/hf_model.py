@@ -25,7 +25,6 @@ positions, d model width, V model vocabulary, W tokenizer vocabulary.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,11 +35,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..models.model import DecodeCache, EngramLM, ModelOutput
 from ..retrieval.hashing import HashStream, NgramHasher
-from ..tables.prefetch import prefetch_batch
 from .hf_config import EngramLMConfig
 from .hf_export import MODEL_TYPE
 from .hf_load import check_config, load_export, save_export
-from .vocab import VocabMap, unknown_inputs
+from .runtime import Runtime
 
 IGNORE = -100  # label left out of the loss (transformers' convention)
 
@@ -102,14 +100,17 @@ class EngramLMForCausalLM(PreTrainedModel, GenerationMixin):
     _no_split_modules = ["Block"]
 
     def __init__(self, config: EngramLMConfig, lm: EngramLM | None = None,
-                 hasher: NgramHasher | None = None, vocab: Any = None):
+                 hasher: NgramHasher | None = None, vocab: Any = None,
+                 runtime: Runtime | None = None):
         super().__init__(config)
         check_config(config)
-        if lm is None:
-            lm, hasher, vocab = _fresh(config)
-        self.lm, self.hasher = lm, hasher
-        self.vocab_map = VocabMap(vocab, config.vocab_size)
-        self._warned = False
+        if runtime is None:
+            if lm is None:
+                lm, hasher, vocab = _fresh(config)
+            runtime = Runtime.from_parts(lm, hasher, vocab, raw_vocab_size=config.vocab_size,
+                                         eos_id=getattr(config, "eos_token_id", None))
+        self.runtime = runtime  # the one path: hashing, id maps, unseen tokens (serving/runtime.py)
+        self.lm, self.hasher, self.vocab_map = runtime.model, runtime.hasher, runtime.ids
         self.post_init()
 
     @classmethod
@@ -182,8 +183,7 @@ class EngramLMForCausalLM(PreTrainedModel, GenerationMixin):
                 rows = torch.tensor(rows)
                 group = None
                 if use_cache:
-                    stream = None if self.hasher is None else self.hasher.stream(rows.numel())
-                    group = _Group(rows, self.lm.new_cache(rows.numel()), stream)
+                    group = _Group(rows, *self.runtime.new_decode(rows.numel()))
                     groups.append(group)
                 out = self.run_ids(raw[rows, a:a + s], group)
                 hidden[rows.to(self.device), a:a + s] = out.hidden
@@ -196,35 +196,23 @@ class EngramLMForCausalLM(PreTrainedModel, GenerationMixin):
             if cache.batch_size != b:
                 raise ValueError(f"{b} rows given, the cache holds {cache.batch_size}")
             for group in cache.groups:
-                out = self.run_ids(raw[group.rows], group)
+                out = self.run_ids(raw[group.rows], group, warn=False)  # ids it generated
                 hidden[group.rows.to(self.device)] = out.hidden
                 aux.append(out.aux_loss)
             cache.seen += t
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) and \
             logits_to_keep > 0 else (logits_to_keep if isinstance(logits_to_keep, torch.Tensor)
                                      else slice(None))
-        logits = self.vocab_map.scatter(self.lm.logits(hidden[:, keep]).float())  # [b, k, W]
+        logits = self.runtime.raw_logits(hidden[:, keep])  # [b, k, W]
         loss = None if labels is None else self._loss(hidden, labels, mask, aux)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
 
-    def run_ids(self, raw: torch.Tensor, group: _Group | None = None) -> ModelOutput:
+    def run_ids(self, raw: torch.Tensor, group: _Group | None = None,
+                warn: bool = True) -> ModelOutput:
         """Raw (tokenizer) ids [g, s], unpadded -> EngramLM's output (hidden [g, s, d]); with
-        ``group``, continuing its cache and n-gram history. Hashing stays on the CPU; only the
-        model's inputs move to its device."""
-        local = self.vocab_map.to_local(raw)  # [g, s], -1 where unseen
-        unknown = local < 0
-        if bool(unknown.any()) and not self._warned:
-            warnings.warn(f"token ids {sorted(set(raw[unknown].tolist()))[:10]} never occurred in "
-                          "training: they read as the mean input embedding", stacklevel=3)
-            self._warned = True
-        ids = None
-        if self.hasher is not None:
-            ids = self.hasher.hash(raw) if group is None else group.stream.step(raw)
-            ids = {k: v.to(self.device) for k, v in ids.items()}  # {layer: [g, s, H]}
-            prefetch_batch(self.lm, ids)  # a prefetching tier starts gathering now
-        with unknown_inputs(self.lm, unknown):
-            return self.lm(local.clamp_min(0).to(self.device), ids,
-                           cache=None if group is None else group.cache)
+        ``group``, continuing its cache and n-gram history (the runtime's one hash-then-step)."""
+        return self.runtime.forward(raw, cache=None if group is None else group.cache,
+                                    stream=None if group is None else group.stream, warn=warn)
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
               aux: list[torch.Tensor]) -> torch.Tensor:
@@ -242,6 +230,20 @@ class EngramLMForCausalLM(PreTrainedModel, GenerationMixin):
         return nll.sum() / keep.sum().clamp(min=1) + sum(aux) / max(len(aux), 1)
 
     # -- generation --------------------------------------------------------------------------------
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: Any = None,
+                 **kwargs: Any) -> Any:
+        """transformers' generate(), after the one context check (``Runtime.fit_prompts``): a
+        request longer than the model's context is refused before any work, in one line."""
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 0:
+            gc = generation_config if generation_config is not None else self.generation_config
+            new = kwargs.get("max_new_tokens", getattr(gc, "max_new_tokens", None))
+            if new is None:
+                new = kwargs.get("max_length", getattr(gc, "max_length", 20)) - ids.shape[1]
+            # the widest (left-padded) row decides; its prompt is never cut here
+            self.runtime.fit_prompts([[0] * ids.shape[1]], max(int(new), 0))
+        return super().generate(inputs, generation_config, **kwargs)
+
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs: Any
                                       ) -> dict[str, Any]:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))

@@ -1,124 +1,170 @@
-"""Serving a trained run: its newest checkpoint as a model whose tables live on a chosen tier.
-
-memory (the checkpoint's own tables) or any tier of ``engram.tables.registry`` (file, pinned,
-shared, pool, mooncake, sharded, ...: table files exported from the checkpoint when missing or
-stale, opened on that tier); optionally behind a hot cache and prefetch.
+"""Opening a trained model: a run folder, an ``engram export-hf`` folder, or a run with a V4.1 layer
+set, as one :class:`~engram.serving.runtime.Runtime` (see there). Opening reads only the folder and
+writes nothing; the table files a run's file tiers read are written by :func:`write_tables`
+(``engram export-tables``), and an export by :func:`export_hf`.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
+from typing import Any, Callable
 
 from ..errors import InputNotFound, UserError
-from ..models.model import EngramLM
+from ..models.run_files import load_dense_state
 from ..retrieval.hashing import Hasher
-from ..tables.registry import TIERS, open_tier  # TIERS: the command line's --tier choices
+from ..tables.registry import TIERS, open_tier
+from ..training.precision import check_names, resolve
+from .runtime import Runtime
+from .vocab import VocabMap
 
 
-@dataclass
-class Served:
-    model: EngramLM
-    hasher: Hasher | None  # a NgramHasher, or a NineHasher for an Engram-Nine run
-    vocab: np.ndarray  # [V] model id -> raw id
-    checkpoint: Path
-    tokenizer: Any  # the tokenizers.Tokenizer the corpus and the hasher were built with
-    tables: dict[int, Any] = field(default_factory=dict)  # the stores, outermost first
-    train_tokens: np.ndarray | None = None  # the run's training stream (raw ids): row counts
-
-
-def load_run(run_dir: str | Path, *, tier: str = "memory", table_dir: str | Path | None = None,
-             table_dtype: str = "fp32", cache_fraction: float = 0.0, prefetch: bool = False,
-             verify: bool = True, engram_layers: str | Path | None = None,
-             **options: Any) -> Served:
-    """The newest checkpoint of a ``engram train --out_dir`` folder, ready to generate.
-
-    ``tier="memory"`` serves the checkpoint's own tables. Any other tier (``TIERS``) serves them
-    from table files in ``table_dir`` (default ``run_dir/tables``), exported from the checkpoint
-    when missing or stale, opened on that tier (``options``: the tier's own, e.g. ``pool_path``);
-    optionally behind a hot cache of ``cache_fraction`` of each table
-    (``engram.tables.cache.build_cache``: mostly static top-k by the training text's n-gram
-    frequencies, the rest LRU) and background prefetch. ``engram_layers``: a DeepSeek-V4.1 layer
-    set (``engram import-v41``) replacing the Engram weights and tables of a v4.1 run of the same
-    shape; its table files are served on the tier.
-    """
-    from ..retrieval.hot import checkpoint_hasher
-    from ..tables.hotcold import check_index_files, index_paths
-    from ..tables.tablefile import read_header, table_paths
-    from ..training.checkpoint import latest_checkpoint, load_checkpoint
-    from ..training.corpus import build_corpus
-    from ..training.export import export_tables
-    from ..training.train import TrainConfig, build_model, check_same_data
-
+def open_model(path: str | Path, *, tier: str = "memory", table_dir: str | Path | None = None,
+               table_dtype: str | None = None, cache_fraction: float = 0.0,
+               prefetch: bool = False, verify: bool = True, device: str | None = None,
+               precision: str = "fp32", engram_layers: str | Path | None = None,
+               **options: Any) -> Runtime:
+    """A run folder (its newest checkpoint), an ``engram export-hf`` folder, or a run with a V4.1
+    layer set (``engram_layers``), ready to serve, with tables on ``tier`` (``TIERS``); any other
+    option of the tier in ``options`` (e.g. ``pool_path``). Opening reads only the folder and
+    writes nothing: a run's table files for a file tier come from :func:`write_tables`."""
+    check_names(device or "cpu", precision)
     if tier not in TIERS:
         raise UserError(f"tier must be one of {TIERS}, got {tier!r}")
-    run_dir = Path(run_dir)
+    if not 0 <= cache_fraction < 1:
+        raise UserError(f"cache_fraction must be in [0, 1), got {cache_fraction}")
+    if tier == "memory" and (cache_fraction > 0 or prefetch):
+        raise UserError("--cache_fraction and --prefetch put a cache or background reads in "
+                        "front of table files: on the memory tier they would do nothing (choose "
+                        "a tier such as file, or leave them out)")
+    if device is not None:
+        resolve(device, precision)  # this machine can run it: before loading
+    path = Path(path)
+    if (path / "config.json").is_file() and not (path / "checkpoints").is_dir():
+        from .hf_export import open_export
+
+        if engram_layers is not None:
+            raise UserError(f"{path} is an export: --engram_layers applies to a run folder")
+        rt = open_export(path, {"tier": tier, "cache_fraction": cache_fraction,
+                                "prefetch": prefetch, "verify": verify}, **options)
+    else:
+        rt = _open_run(path, tier=tier, table_dir=table_dir, table_dtype=table_dtype,
+                       cache_fraction=cache_fraction, prefetch=prefetch, verify=verify,
+                       engram_layers=engram_layers, **options)
+    rt.precision = precision
+    if device is not None:
+        rt.to(device)
+    return rt
+
+
+def _open_run(run_dir: Path, *, tier: str, table_dir: str | Path | None, table_dtype: str | None,
+              cache_fraction: float, prefetch: bool, verify: bool,
+              engram_layers: str | Path | None, **options: Any) -> Runtime:
+    from ..models.nine_model import build_lm
+    from ..models.run_files import read_run_files
+    from ..tables.hotcold import check_index_files
+    from ..training.checkpoint import latest_checkpoint, load_checkpoint
+
     ckpt = latest_checkpoint(run_dir / "checkpoints") if run_dir.is_dir() else None
     if ckpt is None:
         raise InputNotFound(f"no checkpoint under {run_dir}/checkpoints (train one with "
-                                f"`engram train --out_dir={run_dir}`)")
-    state, meta, step = load_checkpoint(ckpt)
-    cfg = TrainConfig(**meta["config"])
-    corpus = build_corpus(cfg.data_config())
-    check_same_data(corpus, meta, ckpt)  # the data the checkpoint was trained on, tokens and all
-    tok = corpus.tokenizer()  # the one the data was made with: hasher and decoding share it
-    ecfg = cfg.engram_config()
-    hasher = cfg.hasher(compression=corpus.compression())
-    if hasher is not None:  # the one training used: Engram-Nine's carries the saved hot index
-        hasher = checkpoint_hasher(hasher, state, cfg.shared_tables)
+                            f"`engram train --out_dir={run_dir}`)")
+    files = read_run_files(run_dir)
+    state, _, _ = load_checkpoint(ckpt)
+    hasher = files.hasher(state)  # Engram-Nine's carries the checkpoint's hot index
+    ecfg = files.config.engram
+    counts = files.row_counts if cache_fraction > 0 else None
+    if cache_fraction > 0 and counts is None:
+        raise UserError(f"{run_dir} has no row counts for a hot cache (a run without Engram)")
     tables: dict[int, Any] = {}
     layer_set = None
     if engram_layers is not None:
         from ..models.v41_layers import check_fits, read_layer_set
 
         layer_set = read_layer_set(engram_layers)
-        check_fits(cfg.model_config(corpus.vocab_size), layer_set, hasher.parts)
+        check_fits(files.config, layer_set, hasher.parts)
         if tier != "memory":
-            counts = hasher.count_reads(corpus.train) if cache_fraction > 0 else None
             tables = open_tier(tier, layer_set.table_dir, layer_set.config, hasher, counts=counts,
                                cache_fraction=cache_fraction, prefetch=prefetch, verify=verify,
                                **options)
-    if tier != "memory" and ecfg is not None and layer_set is None:
-        table_dir = Path(table_dir) if table_dir is not None else run_dir / "tables"
-        stale = [p for p in table_paths(table_dir, hasher) if not p.exists()
-                 or (h := read_header(p)).tag != ckpt.name or h.dtype != table_dtype]
-        stale += [p for p in index_paths(table_dir, hasher) if not p.exists()]
+    elif tier != "memory" and ecfg is not None:
+        folder = Path(table_dir) if table_dir is not None else run_dir / "tables"
+        stale = stale_tables(folder, hasher, ckpt.name, table_dtype)
         if stale:
-            print(f"engram: exporting tables of {ckpt.name} to {table_dir}", file=sys.stderr)
-            export_tables(ckpt, table_dir, dtype=table_dtype, hasher=hasher, tag=ckpt.name)
-        check_index_files(table_dir, ecfg, hasher)  # the hot index the checkpoint trained
-        counts = hasher.count_reads(corpus.train) if cache_fraction > 0 else None
-        tables = open_tier(tier, table_dir, ecfg, hasher, counts=counts,
+            raise UserError(f"{folder} holds no current table files of {ckpt.name} ({stale}); "
+                            f"write them with `engram export-tables {run_dir}`")
+        check_index_files(folder, ecfg, hasher)  # the hot index the checkpoint trained
+        tables = open_tier(tier, folder, ecfg, hasher, counts=counts,
                            cache_fraction=cache_fraction, prefetch=prefetch, verify=verify,
                            **options)
-    model = build_model(cfg, corpus, tables or None)
+    model = build_lm(files.config, hasher, tables or None)
     load_dense_state(model, state["model"], outside=tables)
     if layer_set is not None:
         from ..models.v41_layers import load_layer_set
 
         load_layer_set(model, layer_set, hasher, memory_tables=tier == "memory", verify=verify)
     model.eval()
-    return Served(model, hasher, corpus.vocab, ckpt, tok, tables, corpus.train)
+    tok = files.tokenizer()
+    return Runtime(model, hasher, VocabMap(files.vocab, tok.get_vocab_size(with_added_tokens=True)),
+                   tok, files.eos_id, run_dir, ckpt.name, tier, tables, files.row_counts,
+                   tokenizer_file=files.tokenizer_file, checkpoint_file=ckpt)
 
 
-def load_dense_state(model: EngramLM, state: dict[str, torch.Tensor],
-                     outside: Iterable[int] = ()) -> None:
-    """Load a full state dict into a model whose tables may live in outside stores: their rows
-    come from the stores, so the checkpoint's table entries are skipped for those layers
-    (``outside``: layers whose tables came from a tier, which keep their rows even when the store
-    is a module with parameters of its own, e.g. the memory or sharded tier)."""
-    own = model.state_dict()
-    kept = tuple(f"blocks.{lid}.engram.table." for lid in outside)
-    keep = {k: v for k, v in own.items() if k.startswith(kept)}
-    skip = {k for k in state if ".engram.table." in k and (k not in own or k in keep)}
-    missing = set(own) - set(state) - set(keep)
-    if missing:
-        raise ValueError(f"checkpoint lacks {sorted(missing)[:5]}")
-    model.load_state_dict({**{k: v for k, v in state.items() if k not in skip}, **keep},
-                          strict=True)
+def stale_tables(folder: Path, hasher: Hasher, tag: str, dtype: str | None) -> str:
+    """Why ``folder`` cannot serve checkpoint ``tag`` (``dtype``: None takes any): "" when it can."""
+    from ..tables.hotcold import index_paths
+    from ..tables.tablefile import read_header, table_paths
+
+    for p in table_paths(folder, hasher):
+        if not p.exists():
+            return f"{p.name} is missing"
+        h = read_header(p)
+        if h.tag != tag:
+            return f"{p.name} is of {h.tag or 'another checkpoint'}"
+        if dtype is not None and h.dtype != dtype:
+            return f"{p.name} holds {h.dtype} rows, {dtype} asked"
+    missing = [p.name for p in index_paths(folder, hasher) if not p.exists()]
+    return f"{missing[0]} is missing" if missing else ""
+
+
+def write_tables(run_dir: str | Path, table_dir: str | Path | None = None, dtype: str = "fp32",
+                 say: Callable[[str], None] | None = None) -> Path:
+    """The table files of a run's newest checkpoint in ``table_dir`` (default RUN/tables), for the
+    file tiers; nothing is written when they are current. The folder must be new, empty or one of
+    ours (a "tables" folder)."""
+    from ..outputs import claim_folder
+    from ..training.export import export_tables
+
+    run_dir = Path(run_dir)
+    folder = Path(table_dir) if table_dir is not None else run_dir / "tables"
+    rt = open_model(run_dir)
+    if rt.hasher is None:
+        raise UserError(f"{run_dir} has no Engram layers: it has no tables to write")
+    if not stale_tables(folder, rt.hasher, rt.checkpoint, dtype):
+        return folder
+    claim_folder(folder, "tables", "engram export-tables", "table_dir")
+    if say is not None:
+        say(f"writing the table files of {rt.checkpoint} ({dtype}) to {folder}")
+    export_tables(rt.model, folder, dtype=dtype, hasher=rt.hasher, tag=rt.checkpoint)
+    return folder
+
+
+def export_hf(run_dir: str | Path, out_dir: str | Path, *, tier: str = "memory",
+              table_dtype: str = "fp32", cache_fraction: float = 0.0,
+              prefetch: bool = False, engram_layers: str | Path | None = None) -> Path:
+    """Write an export (serving/hf_export.py) of the newest checkpoint of ``run_dir``;
+    ``engram_layers``: a V4.1 layer set replacing its Engram layers (fp8 tables keep E8M0 scales,
+    so the served rows equal the layer set's bit for bit)."""
+    from .hf_export import check_serving, export_model
+
+    check_serving({"tier": tier, "cache_fraction": cache_fraction})
+    rt = open_model(run_dir, engram_layers=engram_layers)
+    return export_model(rt.model, rt.hasher, rt.vocab, out_dir, counts=rt.row_counts,
+                        tier=tier, table_dtype=table_dtype, cache_fraction=cache_fraction,
+                        prefetch=prefetch, tag=rt.checkpoint,
+                        scale_format="fp32" if engram_layers is None else "e8m0",
+                        tokenizer_file=rt.tokenizer_file, eos_id=rt.eos_id)
+
+
+def load_run(run_dir: str | Path, **kw: Any) -> Runtime:
+    """:func:`open_model` of a run folder (its older name)."""
+    return open_model(run_dir, **kw)

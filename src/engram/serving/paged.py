@@ -11,8 +11,9 @@ tested without an engine), and the Engram read, per request group with the short
 from the slots.
 
 Vocabulary: the engine samples tokenizer ids, the model was trained on a restricted vocabulary;
-inputs are mapped raw -> model ids and the logits are scattered back to the tokenizer's ids (-inf
-for ids the model cannot produce).
+the runtime (serving/runtime.py) maps inputs raw -> model ids (unseen ids read as the mean input
+embedding, as through every other front door) and scatters the logits back to the tokenizer's ids
+(-inf for ids the model cannot produce).
 
 Shape legend: n tokens of the step, R requests, d width, m branches, h heads, e head dim,
 H hash heads per layer, N max n-gram order, V model vocabulary, W tokenizer vocabulary.
@@ -20,7 +21,6 @@ H hash heads per layer, N max n-gram order, V model vocabulary, W tokenizer voca
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import torch
@@ -32,7 +32,9 @@ from ..models.model import EngramLM
 from ..module import Engram, EngramState
 from ..retrieval.hashing import NgramHasher
 from ..tables.prefetch import prefetch_batch
+from .runtime import Runtime
 from .slots import SlotHistory, StepLayout
+from .vocab import unknown_inputs
 
 # The engine's attention: attend(layer, q, k, v, layout) with q, k, v [n, h, e] -> [n, h, e]
 PagedAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "StepLayout | None"],
@@ -40,25 +42,18 @@ PagedAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "StepLayo
 
 
 class PagedLM(nn.Module):
-    def __init__(self, lm: EngramLM, hasher: NgramHasher | None, vocab: torch.Tensor,
-                 raw_vocab_size: int, unknown_id: int):
+    """``PagedLM(runtime)``, or ``PagedLM(model, hasher, vocab, raw_vocab_size)`` from parts."""
+
+    def __init__(self, lm: Runtime | EngramLM, hasher: NgramHasher | None = None,
+                 vocab: torch.Tensor | None = None, raw_vocab_size: int | None = None):
         super().__init__()
-        if lm.config.engram is not None and hasher is None:
-            raise ValueError("this model has Engram layers: it needs the hasher it was trained with")
-        self.lm, self.hasher = lm, hasher
-        vocab = torch.as_tensor(vocab, dtype=torch.long)  # [V] model id -> raw id
-        if vocab.numel() != lm.config.vocab_size or int(vocab.max()) >= raw_vocab_size:
-            raise ValueError(f"vocab maps {vocab.numel()} ids (max {int(vocab.max())}); the model "
-                             f"has {lm.config.vocab_size}, the tokenizer {raw_vocab_size}")
-        local = torch.full((raw_vocab_size,), -1, dtype=torch.long)  # [W] raw -> model id
-        local[vocab] = torch.arange(vocab.numel())
-        self.register_buffer("vocab", vocab, persistent=False)
-        self.register_buffer("local", local, persistent=False)
-        self.raw_vocab_size, self.unknown_id = raw_vocab_size, unknown_id
+        rt = lm if isinstance(lm, Runtime) else Runtime.from_parts(lm, hasher, vocab,
+                                                                    raw_vocab_size)
+        self.runtime = rt
+        self.lm, self.hasher = rt.model, rt.hasher
         self.tokens = SlotHistory(None, torch.long, fill=-1)  # raw id per slot (DEAD if unset)
         self.conv = {i: SlotHistory(e.hc_mult * e.hidden_size, torch.float32)
-                     for i, e in lm.engrams().items() if e.short_conv is not None}
-        self._warned = False
+                     for i, e in self.lm.engrams().items() if e.short_conv is not None}
 
     def ensure_slots(self, num_slots: int) -> None:
         """Size the history to the engine's KV cache (once it exists)."""
@@ -84,27 +79,32 @@ class PagedLM(nn.Module):
         def memory(i: int) -> Memory:  # Engram per request group, its conv context from the slots
             return lambda engram, h: (self._engram(i, engram, h[0], ids[i], layout)[None], None)
 
-        hidden, _, _ = lm.trunk(self.to_local(raw)[None], cos, sin, attention, memory)  # [1, n, d]
+        local, unknown = self.to_local(raw)
+        with unknown_inputs(lm, unknown[None]):  # the runtime's policy for unseen ids
+            hidden, _, _ = lm.trunk(local[None], cos, sin, attention, memory)  # [1, n, d]
         return hidden[0]
 
+    def embed(self, raw: torch.Tensor) -> torch.Tensor:
+        """Input embeddings [n, d] of raw ids [n] (unseen ids: the mean embedding)."""
+        local, unknown = self.to_local(raw)
+        with unknown_inputs(self.lm, unknown):
+            return self.lm.embed(local)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [k, d] -> logits over the tokenizer's ids [k, W]."""
-        local = self.lm.logits(hidden).float()  # [k, V] (log-probs with the adaptive head)
-        out = local.new_full((hidden.shape[0], self.raw_vocab_size), float("-inf"))
-        out[:, self.vocab] = local
-        return out
+        """hidden [k, d] -> logits over the tokenizer's ids [k, W] (-inf where unseen)."""
+        return self.runtime.raw_logits(hidden)
 
     # -- pieces ------------------------------------------------------------------------------------
-    def to_local(self, raw: torch.Tensor) -> torch.Tensor:
-        loc = self.local[raw.long().clamp(0, self.raw_vocab_size - 1)]
+    def to_local(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(model ids [n] with unseen ones at 0, the unseen mask [n]); a request with unseen ids
+        is told once (the runtime's policy)."""
+        loc = self.runtime.ids.to_local(raw)
         unknown = loc < 0
         if bool(unknown.any()):
-            if not self._warned:
-                warnings.warn(f"token ids {sorted(set(raw[unknown].tolist()))[:10]} never occurred "
-                              "in training; the model reads them as its unknown id", stacklevel=2)
-                self._warned = True
-            loc = torch.where(unknown, self.unknown_id, loc)
-        return loc
+            self.runtime.on_unseen(f"token ids {sorted(set(raw[unknown.to(raw.device)].tolist()))[:10]}"
+                                   " never occurred in training: they read as the mean input "
+                                   "embedding")
+        return loc.clamp_min(0).to(raw.device), unknown.to(raw.device)
 
     def hash(self, raw: torch.Tensor, layout: StepLayout | None) -> dict[int, torch.Tensor]:
         """Each token's row ids from its own request's last N tokens: {layer: [n, H]}."""

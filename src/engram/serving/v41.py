@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 from ..models.v41_layers import META, export_v41, write_layer_set
-from .loader import load_run
+from .loader import open_model
 
 
 def export_v41_checkpoint(source: str | Path, out_dir: str | Path, *,
@@ -17,9 +17,9 @@ def export_v41_checkpoint(source: str | Path, out_dir: str | Path, *,
     source = Path(source)
     if (source / META).exists():
         return export_v41(source, out_dir, progress=progress)
-    served = load_run(source, engram_layers=engram_layers)
+    served = open_model(source, engram_layers=engram_layers)
     Path(out_dir).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".engram-v41-", dir=Path(out_dir).parent) as tmp:
         layers = write_layer_set(served.model, served.hasher, Path(tmp) / "layers",
-                                 tag=served.checkpoint.name, progress=progress)
+                                 tag=served.checkpoint, progress=progress)
         return export_v41(layers, out_dir, progress=progress)

@@ -17,13 +17,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import get_attention_context
 
-from .hf_export import build_export_model, load_dense, read_export
+from ..models.run_files import load_dense_state
+from .hf_export import open_export
 from .paged import PagedLM
 from .slots import StepLayout
 
@@ -33,14 +33,10 @@ class EngramLMForCausalLM(nn.Module):
         super().__init__()
         out_dir = Path(vllm_config.model_config.model)
         hf = vllm_config.model_config.hf_config
-        config = read_export(out_dir, getattr(hf, "engram_serving", None))
-        model, hasher, raw_vocab = build_export_model(out_dir, config)
-        with safe_open(str(out_dir / "model.safetensors"), "pt") as f:
-            vocab = f.get_tensor("engram.vocab")  # [V] model id -> tokenizer id
-        eos = config.get("eos_token_id")
-        local = {int(r): i for i, r in enumerate(vocab.tolist())}
-        self.paged = PagedLM(model, hasher, vocab, raw_vocab, unknown_id=local.get(eos, 0))
-        mc = model.config
+        # the one runtime: tables on their tier, dense weights, id maps, unseen-token policy
+        runtime = open_export(out_dir, getattr(hf, "engram_serving", None))
+        self.paged = PagedLM(runtime)
+        mc = runtime.model.config
         cache = vllm_config.cache_config
         self.block_size = cache.block_size
         self.attn = nn.ModuleList([
@@ -51,7 +47,7 @@ class EngramLMForCausalLM(nn.Module):
 
     # -- vLLM's model interface --------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.paged.lm.embed(self.paged.to_local(input_ids))
+        return self.paged.embed(input_ids)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors=None, inputs_embeds: torch.Tensor | None = None):
@@ -67,7 +63,11 @@ class EngramLMForCausalLM(nn.Module):
         return self.paged.logits(hidden_states)  # [k, W]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        load_dense(self.paged.lm, dict(weights))
+        # the runtime loaded them when it opened the export; loaded again, since the engine may
+        # have moved or re-initialised parameters after __init__ (its loader's contract)
+        lm = self.paged.lm
+        dense = {k: v for k, v in weights if not k.startswith("engram.")}
+        load_dense_state(lm, dense, outside=lm.config.engram_layers)
         return {name for name, _ in self.named_parameters()}
 
     # -- glue --------------------------------------------------------------------------------------

@@ -50,6 +50,10 @@ class VocabMap:
 @contextmanager
 def unknown_inputs(model: torch.nn.Module, unknown: torch.Tensor) -> Iterator[None]:
     """Inside the block the input embedding at ``unknown`` [b, t] positions is the mean embedding."""
+    if not bool(unknown.any()):  # the common case costs nothing (no V x d mean per step)
+        yield
+        return
+
     def hook(_module, _args, out):  # out [b, t, d]
         mean = _module.weight.mean(0).to(out.dtype)  # [d]
         return torch.where(unknown.to(out.device).unsqueeze(-1), mean, out)

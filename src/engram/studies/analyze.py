@@ -167,21 +167,21 @@ def run_analyze(run_dir: str, baseline: str | None, ac: AnalyzeConfig,
                 progress: bool = True) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    from ..serving.loader import load_run
+    from ..serving.loader import open_model
     from ..training.corpus import build_corpus
     from ..training.train import TrainConfig
     from .analysis_report import write_analysis
 
     out = Path(ac.out_dir) if ac.out_dir else Path(run_dir) / "analysis"
     out.mkdir(parents=True, exist_ok=True)
-    served = load_run(run_dir)
+    served = open_model(run_dir)
     model, hasher, vocab, tok = served.model, served.hasher, served.vocab, served.tokenizer
     if not model.config.engram_layers:
         raise UserError(f"{run_dir} has no Engram layers: analyze the Engram run, and pass the "
                          "dense one as --baseline")
     cfg = TrainConfig(**json.loads((Path(run_dir) / "config.json").read_text()))
     corpus = build_corpus(cfg.data_config(), tok)
-    base = load_run(baseline) if baseline else None
+    base = open_model(baseline) if baseline else None
     if base is not None and not np.array_equal(base.vocab, vocab):
         raise UserError(f"{baseline} was trained on another vocabulary than {run_dir}")
     steps = tqdm(total=7, desc="analyze", disable=not progress)
@@ -192,7 +192,7 @@ def run_analyze(run_dir: str, baseline: str | None, ac: AnalyzeConfig,
     lens_b = batches[::max(1, len(batches) // max(1, ac.lens_batches))][:ac.lens_batches]
     lens = read_layers(model, lens_b, ac.cka_tokens)
     res: dict[str, Any] = {"run": str(run_dir), "baseline": baseline,
-                           "checkpoint": served.checkpoint.name,
+                           "checkpoint": served.checkpoint,
                            "engram_layers": model.config.engram_layers,
                            "lens": {"engram": lens["kl"]}}
     steps.update()

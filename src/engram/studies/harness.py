@@ -34,7 +34,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from ..serving.hf_model import EngramLMForCausalLM
-from .evaluate import IGNORE, score_documents
+from ..serving.runtime import IGNORE
 
 
 @register_model("engram")
@@ -44,7 +44,6 @@ class EngramHarnessLM(TemplateLM):
                  batch_size: int | str = 16, max_length: int | None = None,
                  device: str | None = None, max_gen_toks: int = 256, **kwargs: Any):
         super().__init__()
-        from tokenizers import Tokenizer
 
         unknown = sorted(k for k in kwargs if k not in ("max_batch_size", "trust_remote_code"))
         if unknown:
@@ -55,18 +54,18 @@ class EngramHarnessLM(TemplateLM):
         serving = {k: v for k, v in (("tier", tier), ("cache_fraction", cache_fraction),
                                      ("prefetch", prefetch)) if v is not None}
         self.model = EngramLMForCausalLM.from_pretrained(pretrained, engram_serving=serving)
+        self.runtime = self.model.runtime  # the one path every request goes through
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
             device = None  # lm-eval's default device; its hf model falls back the same way
         if device not in (None, "cpu"):
             self.model.to(device)
-        self.tokenizer = Tokenizer.from_file(str(Path(pretrained) / "tokenizer.json"))
+        self.tokenizer = self.runtime.tokenizer
         self.batch_size = 16 if batch_size in (None, "auto") else int(batch_size)
         self.max_length = int(max_length or self.model.config.max_position_embeddings)
         if self.max_length > self.model.lm.config.max_seq_len:
             raise ValueError(f"max_length={self.max_length} exceeds the model's max_seq_len="
                              f"{self.model.lm.config.max_seq_len}")
         self.max_gen_toks = int(max_gen_toks)
-        self.vocab = self.model.vocab_map.vocab.numpy()  # [V] sorted raw ids
 
     # -- tokens ------------------------------------------------------------------------------------
     @property
@@ -84,14 +83,14 @@ class EngramHarnessLM(TemplateLM):
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False
                               ) -> list[float]:
         docs = [self.tok_encode(r.args[0]) for r in requests]
-        out = score_documents(self.model.lm, self.model.hasher, self.vocab, docs,
-                              self.eot_token_id, self.max_length, self.batch_size)
+        out = self.runtime.score_documents(docs, self.eot_token_id, self.max_length,
+                                           self.batch_size)
         return [d["loglikelihood"] for d in out]
 
     @torch.no_grad()
     def _loglikelihood_tokens(self, requests: list[Any], disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
-        lm = self.model.lm
+        rt = self.runtime
         rows = []  # (input ids, number of continuation tokens)
         for _, context, continuation in requests:
             whole = (list(context) + list(continuation))[-(self.max_length + 1):]
@@ -104,13 +103,13 @@ class EngramHarnessLM(TemplateLM):
             for a in range(0, len(idx), self.batch_size):
                 batch = idx[a:a + self.batch_size]
                 whole = torch.tensor([rows[i][0] for i in batch])  # [b, t+1] raw ids
-                target = self.model.vocab_map.to_local(whole[:, 1:])  # [b, t], -1 unseen
+                target = rt.ids.to_local(whole[:, 1:])  # [b, t], -1 unseen
                 n_cont = torch.tensor([rows[i][1] for i in batch])
                 cont = torch.arange(t)[None, :] >= (t - n_cont)[:, None]  # [b, t]
-                res = self.model.run_ids(whole[:, :-1])
-                y = torch.where(cont & (target >= 0), target, IGNORE).to(self.model.device)
-                nll = lm.token_nll(res, y, ignore_index=IGNORE).double().cpu()  # [b, t]
-                greedy = lm.logits(res.hidden).argmax(-1).cpu() == target  # [b, t]
+                res = rt.forward(whole[:, :-1])
+                y = torch.where(cont & (target >= 0), target, IGNORE)
+                nll = rt.token_nll(res, y).double().cpu()  # [b, t]
+                greedy = rt.model.logits(res.hidden).argmax(-1).cpu() == target  # [b, t]
                 for j, i in enumerate(batch):
                     c = cont[j]
                     if bool((target[j][c] < 0).any()):  # the run cannot write this continuation

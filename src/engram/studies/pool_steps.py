@@ -41,12 +41,12 @@ def build_setup(run_dir: str | None, tc: Any, seed: int = 0) -> Setup:
     from ..training.train import TrainConfig, build_model
 
     if run_dir is not None:
-        from ..serving.loader import load_run
+        from ..serving.loader import open_model
 
         saved = json.loads((Path(run_dir) / "config.json").read_text())
         names = {f.name for f in dataclasses.fields(TrainConfig)}
         tc = TrainConfig(**{k: v for k, v in saved.items() if k in names})
-        served = load_run(run_dir, tier="memory")
+        served = open_model(run_dir)
         return Setup(served.model, served.hasher, build_corpus(tc.data_config()), tc)
     if not tc.engram:
         raise UserError("the model has no Engram layer (--engram=false): nothing to budget")

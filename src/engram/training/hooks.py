@@ -46,6 +46,7 @@ class LogMetrics:
             out.mkdir(parents=True, exist_ok=True)
             mark(out, "run", "engram train")
             (out / "config.json").write_text(json.dumps(self.config or cfg.to_dict(), indent=2))
+            write_model_files(run, out)
             # Records past a resumed checkpoint are dropped: they will be written again, identically.
             (out / "metrics.jsonl").write_text("".join(_line(r) for r in run.history))
             if run.step and self.progress:
@@ -103,3 +104,23 @@ class SaveCheckpoints:
         if run.step > self.saved:  # stopped early (a signal): keep the steps done
             self.checkpoints.save(run)
             self.saved = run.step
+
+
+def write_model_files(run: Run, out: Path) -> None:
+    """``out/model/`` (models/run_files.py): what opening the run needs besides a checkpoint, so
+    it opens with its data gone. Written at every start: the same bytes, as the data may not change
+    under a run (a resume on other data is refused before this)."""
+    from ..models.run_files import write_run_files
+
+    corpus, hasher, cfg = run.corpus, run.hasher, run.cfg
+    counts = None
+    if hasher is not None:  # the hot cache's; a shared table set once, under its owner
+        reads = hasher.count_reads(corpus.train)
+        counts = {lid: reads[lid] for lid in hasher.owners}
+    comp = hasher.compression if hasher is not None else corpus.compression()
+    write_run_files(out, config=run.model.config, vocab=corpus.vocab, compression=comp,
+                    tokenizer_file=corpus.folder / "tokenizer.json", eos_id=corpus.eos_id,
+                    nine_shared=cfg.shared_tables if getattr(cfg, "nine", False) else None,
+                    data={"fingerprint": corpus.fingerprint,
+                          "tokenizer": corpus.tokenizer_fingerprint},
+                    row_counts=counts)

@@ -231,14 +231,11 @@ class TrainConfig:
 def build_model(cfg: TrainConfig, corpus: Corpus,
                 tables: dict[int, Any] | None = None) -> EngramLM:
     """The model of ``cfg`` for ``corpus``; an adaptive head gets the training set's id counts."""
-    if cfg.nine:
-        from ..models.nine_model import build_nine_lm
+    from ..models.nine_model import build_lm
 
-        model = build_nine_lm(cfg.model_config(corpus.vocab_size),
-                              (cfg.max_ngram_size - 1) * cfg.hot_rows, shared=cfg.shared_tables,
-                              tables=tables)
-    else:
-        model = EngramLM(cfg.model_config(corpus.vocab_size), tables=tables)
+    model = build_lm(cfg.model_config(corpus.vocab_size), tables=tables,
+                     hot_slots=(cfg.max_ngram_size - 1) * cfg.hot_rows if cfg.nine else 0,
+                     shared=cfg.nine and cfg.shared_tables)
     if isinstance(model.head, AdaptiveHead):
         model.head.set_frequencies(torch.from_numpy(corpus.frequencies()))
     return model
