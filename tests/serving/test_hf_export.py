@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from engram import EngramConfig, EngramLM, ModelConfig, NgramHasher
 from engram.serving.generate import GenerationConfig, Generator
-from engram.serving.hf_export import build_export_model, export_model, load_dense, read_export
+from engram.serving.hf_export import export_model, open_export, read_export
 from engram.serving.paged import PagedLM
 from engram.tables.registry import REGISTRY, TIERS
 from engram.tables.tablefile import TableFileError
@@ -58,10 +58,7 @@ def exported(tmp_path_factory, deepseek):
 
 
 def load(out, **serving):
-    config = read_export(out, serving)
-    model, hasher, raw_vocab = build_export_model(out, config)
-    vocab = load_dense(model, load_file(str(out / "model.safetensors")))
-    return PagedLM(model, hasher, vocab, raw_vocab)
+    return PagedLM(open_export(out, serving))  # the one runtime, as the vLLM model opens it
 
 
 @pytest.mark.parametrize("serving", [{}] + [{"tier": t} for t in TIERS]

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 from engine_sim import MiniEngine
-from safetensors.torch import load_file
 from v41_ckpt import engram_tensors, make_checkpoint, same_tensor
 
 from engram.models.v41_layers import import_v41
 from engram.cli import main
 from engram.serving.generate import GenerationConfig, Generator
-from engram.serving.hf_export import build_export_model, export_hf, load_dense, read_export
+from engram.serving.hf_export import open_export
+from engram.serving.loader import export_hf
 from engram.serving.loader import load_run
 from engram.serving.paged import PagedLM
 from engram.serving.v41 import export_v41_checkpoint
@@ -103,13 +103,11 @@ def test_export_hf_serves_the_layer_set_on_every_tier(setup, tmp_path):
     want = _tokens(served, prompts)
     for serving in ({}, {"tier": "file", "cache_fraction": 0.05, "prefetch": True},
                     {"tier": "pinned"}, {"tier": "shared"}):
-        config = read_export(out, serving)
-        model, hasher, raw_vocab = build_export_model(out, config)
-        vocab = load_dense(model, load_file(str(out / "model.safetensors")))
-        table = model.engrams()[1].table
+        rt = open_export(out, serving)
+        table = rt.model.engrams()[1].table
         rows = torch.arange(0, table.num_rows, 7)
         assert torch.equal(table.lookup(rows), served.model.engrams()[1].table.lookup(rows))
-        eng = MiniEngine(PagedLM(model, hasher, vocab, raw_vocab), block_size=8,
+        eng = MiniEngine(PagedLM(rt), block_size=8,
                          chunk=5)
         for p in prompts:
             eng.add(p, 8)

@@ -87,7 +87,7 @@ def test_vllm_serves_an_imported_v41_layer_set(tmp_path):
 
     from engram.models.v41_layers import import_v41
     from engram.serving.generate import GenerationConfig, Generator
-    from engram.serving.hf_export import export_hf
+    from engram.serving.loader import export_hf
     from engram.serving.loader import load_run
     from engram.training.train import TrainConfig, train
 

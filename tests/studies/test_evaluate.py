@@ -8,7 +8,7 @@ import torch
 
 from engram.cli import main
 from engram.serving.loader import load_run
-from engram.studies.evaluate import local_ids, score_stream, windows
+from engram.studies.evaluate import score_stream, windows
 from engram.training.batches import val_batches
 from engram.training.train import TrainConfig, train
 
@@ -60,7 +60,7 @@ def test_unseen_tokens_are_context_not_targets(run_dir, tmp_path):
     assert main(["eval", str(run_dir), "--text", str(text), "--json", str(js)]) == 0
     res = json.loads(js.read_text())
     raw = served.tokenizer.encode("In the beginning ᚠᛇᚻ God created ☃ the heaven.").ids
-    unseen = local_ids(np.asarray(raw), served.vocab) < 0
+    unseen = served.ids.to_local(torch.tensor(raw)).numpy() < 0
     assert unseen.any()  # the runes and the snowman are not in the run's vocabulary
     assert res["left_out"] >= int(unseen.sum()) and res["scored"] + res["left_out"] == \
         res["targets"] == res["tokens"] - 1 and res["documents"] == 2

