@@ -135,6 +135,12 @@ CASES = [
     ("eval {root}/run --source kjv --batch_size 0", "batch_size must be >= 1, got 0"),
     ("generate {root}/run --prompt God --temperature nan", "temperature must be a finite number"),
     ("generate {root}/run --prompt God --cache_fraction 2", "cache_fraction must be in [0, 1)"),
+    ("generate {root}/run --prompt God --cache_fraction 0.1", "on the memory tier they would do "
+     "nothing"),
+    ("generate {root}/run --prompt God --max_new_tokens 100", "max_new_tokens=100 leaves no room "
+     "for a prompt"),
+    ("export-tables {root}/run --table_dir {root}/foreign", "not a tables folder"),
+    ("export-tables {root}/nope", "RUN_DIR {root}/nope: no such file"),
     ("generate {root}/run --prompt God --cache_fraction -1", "cache_fraction must be in [0, 1)"),
     ("generate {root}/run --prompt God --threads 0", "threads must be >= 1"),
     ("generate {root}/run --prompt ''", "every --prompt must hold text"),

@@ -20,6 +20,7 @@ from engram.serving.loader import load_run
 from engram.serving.paged import PagedLM
 from engram.serving.v41 import export_v41_checkpoint
 from engram.tables.tablefile import read_header
+from engram.training.corpus import build_corpus
 from engram.training.train import TrainConfig, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,7 +51,7 @@ def _tokens(served, prompts):
 
 @torch.no_grad()
 def _logits(served):
-    raw = torch.from_numpy(np.asarray(served.train_tokens[:64], dtype=np.int64)).view(2, 32)
+    raw = torch.from_numpy(np.asarray(build_corpus(TrainConfig(**RUN).data_config()).train[:64], dtype=np.int64)).view(2, 32)
     local = torch.from_numpy(np.searchsorted(served.vocab, raw.numpy()))
     return served.model(local, served.hasher.hash(raw)).logits
 

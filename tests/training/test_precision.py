@@ -250,7 +250,7 @@ def test_a_bf16_checkpoint_serves_in_fp32_and_bf16(bf16_run_dir):
     assert np.isfinite(fp32["loss"]) and abs(fp32["loss"] - bf16["loss"]) < BF16_TOL
     served = load_run(bf16_run_dir)
     # The tables were saved in bf16 and load into the float32 model as they are (exactly).
-    saved = load_checkpoint(served.checkpoint)[0]["model"]
+    saved = load_checkpoint(served.checkpoint_file)[0]["model"]
     tables = [k for k in saved if ".engram.table." in k]
     assert tables and all(saved[k].dtype == torch.bfloat16 for k in tables)
     own = served.model.state_dict()
