@@ -82,6 +82,20 @@ def test_same_batches_for_every_method():
     assert not torch.equal(train_batch(stream, 5, cfg), train_batch(stream, 6, cfg))
 
 
+def test_both_methods_follow_train_s_schedule():
+    """One schedule: finetune's rates are engram train's for the same steps, warmup and floor."""
+    from engram.studies.finetune import MIN_LR_RATIO, loop_config
+    from engram.training.loop import lr_at
+    from engram.training.train import TrainConfig
+
+    cfg = FinetuneConfig(steps=40, warmup=5)
+    for lr in (cfg.engram_lr, cfg.lora_lr):
+        train = TrainConfig(steps=40, warmup=5, lr=lr, min_lr_ratio=MIN_LR_RATIO)
+        assert [lr_at(s, loop_config(cfg, lr)) for s in range(41)] == \
+            [lr_at(s, train) for s in range(41)]
+    assert lr_at(39, loop_config(cfg, 1.0)) == pytest.approx(MIN_LR_RATIO, abs=2e-3)
+
+
 def test_cli_errors_and_help(capsys):
     for argv in (["--no_such_option=1"], ["--lora_rnak", "8"]):
         with pytest.raises(SystemExit) as e:  # argparse's usage error

@@ -1,4 +1,5 @@
-"""The concept-binding loop: only the given parameters move, and bad input is refused."""
+"""The concept-binding loop: only the given parameters move, it is the plain AdamW loop it always
+was (now loop.fit's), and bad input is refused."""
 
 import pytest
 import torch
@@ -16,6 +17,34 @@ def test_fits_a_target_and_leaves_frozen_weights():
                         progress=False)
     assert len(curve) == 60 and curve[-1] < curve[0]
     assert torch.equal(frozen.weight, before)
+
+
+def test_is_the_plain_adamw_loop():
+    """Through loop.fit: constant lr, no clipping, the same curve and weights bit for bit as the
+    hand-written loop fit_concept used to be."""
+    x, target = torch.randn(16, 6, generator=torch.Generator().manual_seed(3)), torch.randn(16, 6)
+
+    def start():
+        torch.manual_seed(1)
+        return torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(6, 6))
+
+    def loss_fn(a, w):
+        return lambda step: (x[step % 4::4] @ w + a - target[step % 4::4]).pow(2).mean()
+
+    a, w = start()
+    curve = fit_concept([a, w], loss_fn(a, w), steps=30, lr=0.05, progress=False,
+                        weight_decay=0.01)
+    ra, rw = start()
+    opt = torch.optim.AdamW([ra, rw], lr=0.05, weight_decay=0.01)
+    ref = []
+    for step in range(30):
+        loss = loss_fn(ra, rw)(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        ref.append(float(loss.detach()))
+    assert curve == ref and curve[-1] < curve[0]
+    assert torch.equal(a, ra) and torch.equal(w, rw)
 
 
 def test_refuses_nothing_to_train_and_bad_steps():

@@ -11,7 +11,6 @@ Shape legend: b batch, t prompt tokens, d MiniLM width (384), s image side (16).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -20,6 +19,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..training.hooks import LossCurve
+from ..training.loop import LoopConfig, fit, loss_run
+from ..training.optim import Optimizers
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 STYLES = {"plain": "a handwritten {}", "bold": "a bold handwritten {}"}
@@ -153,42 +156,41 @@ def diffusion_loss(unet: nn.Module, sched: Any, images: torch.Tensor, embeds: to
     return F.mse_loss(pred, noise)
 
 
+BASE_WARMUP = 50  # steps of the base model's linear warmup
+
+
 def train_base(unet: nn.Module, encode: Encode, data: Digits, steps: int, batch: int = 64,
                lr: float = 2e-3, null_prob: float = 0.1, seed: int = 0, bold: int = 2,
                progress: bool = True) -> list[float]:
-    """Train the UNet on captioned digits (text encoder frozen, embeddings cached per caption)."""
-    from tqdm import tqdm
-
+    """Train the UNet on captioned digits (text encoder frozen, embeddings cached per caption)
+    through :func:`loop.fit`: AdamW, warmup then cosine to 10% of ``lr``, gradients clipped at 1."""
     sched, _ = schedulers()
     captions = [""] + [tpl.format(w) for tpl in STYLES.values() for w in WORDS]
     with torch.no_grad():
         table, masks = encode(captions)  # [P, t, d], [P, t]
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)  # the batches' draws, then the loss's noise
     opt = torch.optim.AdamW(unet.parameters(), lr=lr, weight_decay=0.0)
-    lr_at = lambda s: lr * min(1.0, (s + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * s / steps)))
-    unet.train()
-    curve = []
-    bar = tqdm(range(steps), desc="base model", file=sys.stderr, disable=not progress,
-               mininterval=2.0, dynamic_ncols=True)
-    for step in bar:
+
+    def make(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(images [b, 1, s, s], caption index [b]; 0 is the empty prompt)."""
         idx = torch.randint(0, len(data.labels), (batch,), generator=gen)
         st = torch.randint(0, len(STYLES), (batch,), generator=gen)
         imgs = torch.stack([style(data.images[i:i + 1], list(STYLES)[s], bold)[0]
                             for i, s in zip(idx.tolist(), st.tolist())])
         cap = 1 + st * 10 + data.labels[idx]
         cap = torch.where(torch.rand(batch, generator=gen) < null_prob, torch.zeros_like(cap), cap)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        loss = diffusion_loss(unet, sched, imgs, table[cap], masks[cap], gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
-        opt.step()
-        curve.append(float(loss.detach()))
-        if step % 25 == 0:
-            bar.set_postfix(loss=f"{np.mean(curve[-25:]):.4f}")
+        return imgs, cap
+
+    def loss(module: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        imgs, cap = b
+        return diffusion_loss(module, sched, imgs, table[cap], masks[cap], gen)
+
+    cfg = LoopConfig(steps=steps, lr=lr, warmup=BASE_WARMUP, min_lr_ratio=0.1, grad_clip=1.0)
+    curve = LossCurve("base model", progress, every=25)
+    unet.train()
+    fit(loss_run(cfg, unet, Optimizers(opt, None, 1.0), make, loss), [curve])
     unet.eval()
-    return curve
+    return curve.losses
 
 
 @torch.no_grad()

@@ -19,8 +19,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +34,9 @@ from ..ranges import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Range, check_ranges
 from ..models.hf import eject, engram_runtime, freeze_base, inject
 from ..retrieval.config import EngramConfig
 from ..training.corpus import _in_val, load_documents
-from ..training.optim import build_optimizers, clip_grad_norm_
+from ..training.hooks import LossCurve
+from ..training.loop import LoopConfig, fit, loss_run
+from ..training.optim import Optimizers, build_optimizers
 from ..training.precision import (
     PRECISIONS,
     LossScaler,
@@ -49,6 +49,7 @@ from ..training.precision import (
 
 METHODS = ("engram", "lora")
 SMOLLM2 = "smollm2"
+MIN_LR_RATIO = 0.1  # the schedule's floor, a fraction of either method's lr
 
 
 @dataclass
@@ -211,14 +212,6 @@ def evaluate(model: nn.Module, sets: dict[str, torch.Tensor], batch_size: int,
     return out
 
 
-def lr_factor(step: int, cfg: FinetuneConfig) -> float:
-    """Linear warmup, then cosine decay to 10%."""
-    if step < cfg.warmup:
-        return (step + 1) / cfg.warmup
-    frac = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
-
-
 class _Clock:
     """Wall and CPU seconds: on a shared machine the wall time depends on the neighbours, the CPU
     time (all threads of this process) much less."""
@@ -233,28 +226,23 @@ class _Clock:
 
 # -- the two methods ----------------------------------------------------------------------------
 
-def _loop(model: nn.Module, params: list[nn.Parameter], opt: Any, set_lr, stream: np.ndarray,
-          cfg: FinetuneConfig, desc: str) -> list[dict[str, float]]:
-    from tqdm import tqdm
+def loop_config(cfg: FinetuneConfig, lr: float) -> LoopConfig:
+    """The schedule and clipping of either method: warmup, then cosine decay to 10% of ``lr``."""
+    return LoopConfig(steps=cfg.steps, lr=lr, warmup=cfg.warmup, min_lr_ratio=MIN_LR_RATIO,
+                      grad_clip=cfg.grad_clip)
 
-    curve = []
-    scaler = LossScaler() if cfg.precision == "fp16" else None
-    bar = tqdm(range(cfg.steps), desc=desc, file=sys.stderr, dynamic_ncols=True)
-    for step in bar:
-        set_lr(lr_factor(step, cfg))
-        loss = window_loss(model, train_batch(stream, step, cfg), cfg.precision)
-        opt.zero_grad(set_to_none=True)
-        (loss if scaler is None else scaler.scale_loss(loss)).backward()
-        finite = scaler is None or scaler.unscale_(params)  # fp16: skip a non-finite step
-        if finite:
-            clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-        if scaler is not None:
-            scaler.update(finite)
-        curve.append({"step": step + 1, "loss": loss.item()})
-        if (step + 1) % cfg.log_every == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-    return curve
+
+def _loop(model: nn.Module, opt: Optimizers, lr: float, stream: np.ndarray,
+          cfg: FinetuneConfig, desc: str) -> list[dict[str, float]]:
+    """Train ``opt``'s parameters of ``model`` through :func:`loop.fit`; the per-step curve."""
+    if cfg.precision == "fp16":
+        opt.scaler = LossScaler()  # a step whose scaled gradient overflows is skipped
+    # window_loss puts the forward under the precision's autocast itself, the loss in float32.
+    run = loss_run(loop_config(cfg, lr), model, opt, lambda step: train_batch(stream, step, cfg),
+                   lambda module, windows: window_loss(module, windows, cfg.precision))
+    curve = LossCurve(desc, every=cfg.log_every)
+    fit(run, [curve])
+    return [{"step": i + 1, "loss": loss} for i, loss in enumerate(curve.losses)]
 
 
 def train_engram(model: nn.Module, tokenizer: Any, stream: np.ndarray,
@@ -268,8 +256,7 @@ def train_engram(model: nn.Module, tokenizer: Any, stream: np.ndarray,
     rt = engram_runtime(model)
     tables = [e.table.weight for e in rt.engrams.values()]
     clock = _Clock()
-    curve = _loop(model, params, opt, lambda f: opt.set_lr(cfg.engram_lr * f), stream, cfg,
-                  "engram")
+    curve = _loop(model, opt, cfg.engram_lr, stream, cfg, "engram")
     n_table = sum(t.numel() for t in tables)
     touched = sum(int(opt.tables.touched_rows(t).numel()) for t in tables) if opt.tables else 0
     return {"curve": curve, **clock.read(),
@@ -303,12 +290,8 @@ def train_lora(model: nn.Module, stream: np.ndarray, cfg: FinetuneConfig,
     peft_model = get_peft_model(model, lcfg)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lora_lr, betas=(0.9, 0.95), weight_decay=0.0)
-
-    def set_lr(f: float) -> None:
-        for g in opt.param_groups:
-            g["lr"] = cfg.lora_lr * f
     clock = _Clock()
-    curve = _loop(peft_model, params, opt, set_lr, stream, cfg, "lora")
+    curve = _loop(peft_model, Optimizers(opt, None, 1.0), cfg.lora_lr, stream, cfg, "lora")
     return peft_model, {"curve": curve, **clock.read(), "rank": rank,
                         "trainable_params": sum(p.numel() for p in params),
                         "targets": list(cfg.lora_targets), "lr": cfg.lora_lr}

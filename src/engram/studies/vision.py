@@ -185,7 +185,10 @@ def _base_model(cfg: VisionConfig, tok, minilm, train: D.Digits, out: Path):
     """Train the base model, or reuse the one a previous run of the same settings saved."""
     from safetensors.torch import load_file, save_file
 
-    key = f"w{cfg.width}-s{cfg.base_steps}-b{cfg.base_batch}-u{cfg.unseen}-k{cfg.bold_kernel}"
+    # "-warm": trained on loop.schedule (warmup, then cosine); a file saved before that (warmup
+    # times a cosine over all steps) is another model and is not reused.
+    key = (f"w{cfg.width}-s{cfg.base_steps}-b{cfg.base_batch}-u{cfg.unseen}-k{cfg.bold_kernel}"
+           f"-warm{D.BASE_WARMUP}")
     path = out / f"base_unet_{key}.safetensors"
     unet = D.build_unet(cfg.width)
     if path.is_file() and not cfg.small:

@@ -1,4 +1,5 @@
-"""The stock hooks of :func:`loop.fit`: metrics records with a progress bar, and checkpoints.
+"""The stock hooks of :func:`loop.fit`: metrics records with a progress bar, checkpoints, and a
+study's loss curve with a progress bar.
 
 A run's folder carries the marker of a run (engram/outputs.py), so `engram train` may continue it
 and no other command writes into it; metrics.jsonl holds JSON only (a non-finite value is null).
@@ -83,9 +84,35 @@ def _line(rec: dict[str, Any]) -> str:
     return json.dumps(finite(rec), allow_nan=False) + "\n"
 
 
+class LossCurve:
+    """Every step's loss in ``losses`` (a study's curve: fine-tuning, concept binding, the digits'
+    UNet), and a tqdm bar showing the mean of the last ``every`` each ``every`` steps."""
+
+    def __init__(self, desc: str, progress: bool = True, every: int = 20):
+        self.desc, self.progress, self.every = desc, progress, every
+        self.losses: list[float] = []
+
+    def start(self, run: Run) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=run.cfg.steps, initial=run.step, desc=self.desc, file=sys.stderr,
+                        disable=not self.progress, dynamic_ncols=True, mininterval=2.0)
+
+    def after_step(self, run: Run, lr: float, loss: float) -> None:
+        self.losses.append(loss)
+        self.bar.update(1)
+        if run.step % self.every == 0:
+            recent = self.losses[-self.every:]
+            self.bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}")
+
+    def end(self, run: Run) -> None:
+        self.bar.close()
+
+
 class SaveCheckpoints:
     """A checkpoint every ``every`` steps and at the last, and of the step reached when a signal
     stops the loop early (``end`` saves what is not saved yet)."""
+    saves = True
 
     def __init__(self, checkpoints: Checkpoints, every: int):
         if every < 1:

@@ -4,6 +4,11 @@
     restore(run, FileCheckpoints(cfg.out_dir))  # the newest checkpoint, if any
     fit(run, [LogMetrics(...), SaveCheckpoints(...)], ranks=ONE_PROCESS)
 
+A study that trains something other than an EngramLM on a corpus (memory-only fine-tuning, concept
+binding, the digits' UNet) gives fit its own loss: ``loss_run(LoopConfig(...), model, optim, batch,
+loss)``, with ``hooks.LossCurve`` for its curve and progress bar. Its learning rate follows the same
+:func:`schedule` (warmup + cosine) as every other run.
+
 What differs between ways of training is passed in as small objects, not subclasses:
 
 - ``ranks`` (:class:`Ranks`): how a global batch is cut for this process, how sums are reduced over
@@ -43,14 +48,13 @@ import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
 
 from .. import interrupts
 from ..errors import Interrupted, NonFinite
-from ..models.model import EngramLM
 from ..retrieval.hashing import NgramHasher
 from .batches import Batch, val_batches
 from .checkpoint import CheckpointError
@@ -60,6 +64,7 @@ from .precision import autocast, model_device
 
 STOPPING = ("engram: stopping after this step and saving a checkpoint (Ctrl-C again: stop now, "
             "without saving)")
+STOPPING_UNSAVED = "engram: stopping after this step (Ctrl-C again: stop now)"
 
 
 class BatchSource(Protocol):
@@ -72,18 +77,55 @@ class BatchSource(Protocol):
 
 
 @dataclass
+class LoopConfig:
+    """What :func:`fit` and :func:`train_step` read of a run's config (``train.TrainConfig`` has
+    all of it, and more); a study training its own loss builds one."""
+    steps: int
+    lr: float  # the peak of the schedule; Optimizers.set_lr applies it (tables: x table_lr_mult)
+    warmup: int = 0
+    min_lr_ratio: float = 1.0  # 1 with warmup 0: a constant lr
+    grad_accum: int = 1
+    grad_clip: float = math.inf  # inf: the norm is still checked (NonFinite), nothing is scaled
+    # The autocast fit puts around the loss; a loss that places its own (finetune's keeps the
+    # cross entropy in float32 outside it) leaves this fp32.
+    precision: str = "fp32"
+
+
+@dataclass
 class Run:
     """Everything one training run holds."""
-    cfg: Any  # train.TrainConfig: the loop reads steps, grad_accum, grad_clip, the schedule, eval_*
-    corpus: Corpus
+    cfg: Any  # train.TrainConfig or a LoopConfig: steps, grad_accum, grad_clip, the schedule, eval_*
+    corpus: Corpus | None  # validation (evaluate); None for a study's own loss
     hasher: NgramHasher | None
-    model: EngramLM
+    model: nn.Module  # an EngramLM unless ``loss`` is given
     batches: BatchSource
     optim: Optimizers
     step: int = 0
     history: list[dict] = field(default_factory=list)
     window: tuple[int, float] = (0, 0.0)  # steps and summed loss since the last record
     hook_state: dict[str, Any] = field(default_factory=dict)  # JSON; hooks' own, in checkpoints
+    # loss(module, batch): the mean loss of one micro-batch of ``batches`` through ``module`` (the
+    # model, or DDP around it); None: the EngramLM's next-token loss on a Batch.
+    loss: Callable[[nn.Module, Any], torch.Tensor] | None = None
+
+
+class StepBatches:
+    """A :class:`BatchSource` for a custom loss: micro-batch i is ``make(i)`` (unlike
+    TokenBatches this may draw from the caller's generator: such runs are not resumed)."""
+    hasher = None
+
+    def __init__(self, make: Callable[[int], Any]):
+        self.make = make
+
+    def batch(self, i: int) -> Any:
+        return self.make(i)
+
+
+def loss_run(cfg: LoopConfig, model: nn.Module, optim: Optimizers, batch: Callable[[int], Any],
+             loss: Callable[[nn.Module, Any], torch.Tensor]) -> Run:
+    """A run of a study's own loss for :func:`fit`: ``batch(i)`` is micro-batch i, ``loss(module,
+    batch)`` its mean loss; ``model`` holds the parameters clipped (those with a grad)."""
+    return Run(cfg, None, None, model, StepBatches(batch), optim, loss=loss)
 
 
 class Ranks(Protocol):
@@ -123,6 +165,9 @@ class OneProcess:
 
     def cut(self, batch: Batch, model: nn.Module) -> Batch:
         # Batches (and their hash ids) are made on the CPU; a model moved to a GPU gets them there.
+        # A custom loss's batches (Run.loss) are its own to place.
+        if not isinstance(batch, Batch):
+            return batch
         device = next(model.parameters()).device
         return batch if device.type == "cpu" else batch.to(device)
 
@@ -163,7 +208,9 @@ class Checkpoints(Protocol):
 
 
 class Hook(Protocol):
-    """Something :func:`fit` calls; state a hook needs back on resume goes in run.hook_state."""
+    """Something :func:`fit` calls; state a hook needs back on resume goes in run.hook_state.
+    A hook that keeps the step reached when a signal stops the loop sets ``saves = True`` (the
+    stop message says so)."""
 
     def start(self, run: Run) -> None:
         """Before the first step (of this process: a resumed run starts at its checkpoint)."""
@@ -178,13 +225,21 @@ class Hook(Protocol):
         ...
 
 
+def schedule(step: int, steps: int, warmup: int, min_ratio: float, peak: float = 1.0) -> float:
+    """The learning rate of every run at ``step`` (0-based) of ``steps``: linear warmup to
+    ``peak`` over ``warmup`` steps, then cosine decay to ``min_ratio * peak`` at the last step.
+    ``peak`` is multiplied in here, in this order, so ``engram train``'s rates stay bit for bit
+    those of the formula it always had."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    span = max(1, steps - warmup)
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / span)))
+    return peak * (min_ratio + (1 - min_ratio) * cos)
+
+
 def lr_at(step: int, cfg: Any) -> float:
-    """Linear warmup, then cosine decay to min_lr_ratio * lr at the last step."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    span = max(1, cfg.steps - cfg.warmup)
-    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup) / span)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
+    """:func:`schedule` of a run's config (cfg.lr, warmup, min_lr_ratio, steps)."""
+    return schedule(step, cfg.steps, cfg.warmup, cfg.min_lr_ratio, cfg.lr)
 
 
 def restore(run: Run, checkpoints: Checkpoints, resume: bool = True) -> bool:
@@ -215,7 +270,8 @@ def train_step(run: Run, ranks: Ranks = ONE_PROCESS) -> float:
         b = ranks.cut(run.batches.batch(run.step * cfg.grad_accum + micro), run.model)
         with ranks.sync_grads(last=micro == cfg.grad_accum - 1):
             with _autocast(run):  # the forward and loss only: backward runs as autocast recorded
-                loss = run.model.loss(module(b.inputs, b.hash_ids), b.targets) / cfg.grad_accum
+                loss = (run.loss(module, b) if run.loss is not None else
+                        run.model.loss(module(b.inputs, b.hash_ids), b.targets)) / cfg.grad_accum
             (loss if scaler is None else scaler.scale_loss(loss)).backward()
         loss_sum += float(loss.detach())
     # fp16: a gradient that overflowed at a loss scale above 1 is the scale's doing (skip the step,
@@ -270,7 +326,8 @@ def fit(run: Run, hooks: Sequence[Hook] = (), ranks: Ranks = ONE_PROCESS) -> Run
 
     SIGINT / SIGTERM stop it at the head of the next step (on every rank at the same one); the
     hooks' ``end`` still runs (the checkpoint hook saves the step reached), then Interrupted."""
-    with interrupts.stop_requests(STOPPING if ranks.logs else None):
+    say = STOPPING if any(getattr(h, "saves", False) for h in hooks) else STOPPING_UNSAVED
+    with interrupts.stop_requests(say if ranks.logs else None):
         stopped = _fit(run, hooks, ranks)
     if stopped:
         interrupts.clear()
@@ -281,6 +338,7 @@ def fit(run: Run, hooks: Sequence[Hook] = (), ranks: Ranks = ONE_PROCESS) -> Run
 def _fit(run: Run, hooks: Sequence[Hook], ranks: Ranks) -> bool:
     """:func:`fit`'s loop; True when a signal stopped it."""
     stopped = False
+    run.optim.zero_grad(set_to_none=True)  # a grad left on a parameter would join the first step
     for h in hooks:
         h.start(run)
     while run.step < run.cfg.steps:
