@@ -2,9 +2,9 @@
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from engram.serving.paged import TorchPagedAttention
-from engram.serving.slots import StepLayout
+from engram.serving.slots import SlotHistory, StepLayout
 
 
 class MiniEngine:
@@ -73,3 +73,37 @@ class MiniEngine:
                 r["tokens"].append(tok)
                 r["out"].append(tok)
         return True
+
+
+class TorchPagedAttention:
+    """Paged causal attention in plain torch: K and V per slot, each request attends to its own
+    positions 0..p through the block table. The engine-free stand-in for vLLM's Attention."""
+
+    def __init__(self, n_layer: int, n_head: int, head_dim: int):
+        self.keys = [SlotHistory(n_head * head_dim, torch.float32) for _ in range(n_layer)]
+        self.values = [SlotHistory(n_head * head_dim, torch.float32) for _ in range(n_layer)]
+        self.n_head, self.head_dim = n_head, head_dim
+
+    def ensure_slots(self, num_slots: int) -> None:
+        for hist in self.keys + self.values:
+            hist.ensure(num_slots)
+
+    def __call__(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 layout: StepLayout | None) -> torch.Tensor:
+        n, h, e = q.shape
+        if layout is None:  # every token alone: attends to itself
+            return v
+        self.keys[i].write(layout.slot_mapping, k.reshape(n, h * e))
+        self.values[i].write(layout.slot_mapping, v.reshape(n, h * e))
+        out = torch.empty_like(q)
+        for r in range(layout.lengths.numel()):
+            a, b = int(layout.query_start[r]), int(layout.query_start[r + 1])
+            last = int(layout.positions[b - 1])
+            slots = layout.slot_of(torch.full((last + 1,), r), torch.arange(last + 1))  # [L]
+            keys = self.keys[i].read(slots).view(-1, h, e).transpose(0, 1)  # [h, L, e]
+            vals = self.values[i].read(slots).view(-1, h, e).transpose(0, 1)
+            qr = q[a:b].transpose(0, 1)  # [h, t, e]
+            mask = torch.arange(last + 1)[None, :] <= layout.positions[a:b, None]  # [t, L]
+            out[a:b] = F.scaled_dot_product_attention(qr, keys.to(q.dtype), vals.to(q.dtype),
+                                                      attn_mask=mask).transpose(0, 1)
+        return out

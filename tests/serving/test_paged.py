@@ -6,11 +6,11 @@ history of one request never reaches another."""
 import numpy as np
 import pytest
 import torch
-from engine_sim import MiniEngine
+from engine_sim import MiniEngine, TorchPagedAttention
 
 from engram import EngramConfig, EngramLM, ModelConfig, NgramHasher
 from engram.serving.generate import GenerationConfig, Generator
-from engram.serving.paged import PagedLM, TorchPagedAttention
+from engram.serving.paged import PagedLM
 from engram.serving.slots import SlotHistory, StepLayout
 
 LOOKUP = np.arange(300) % 250

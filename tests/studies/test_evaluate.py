@@ -8,7 +8,7 @@ import torch
 
 from engram.cli import main
 from engram.serving.loader import load_run
-from engram.studies.evaluate import score_stream, windows
+from engram.serving.runtime import windows
 from engram.training.batches import val_batches
 from engram.training.train import TrainConfig, train
 
@@ -41,7 +41,7 @@ def test_known_text_equals_the_validation_loss(run_dir):
     corpus = build_corpus(TrainConfig(**TINY).data_config())
     seq = TINY["seq_len"]
     raw = corpus.val[: 9 * seq + 1].astype(np.int64)  # whole windows: the sweeps coincide
-    res = score_stream(served.model, served.hasher, served.vocab, raw, seq, batch_size=4)
+    res = served.score(raw, seq, batch_size=4)
     total = n = 0
     with torch.no_grad():
         for b in val_batches(raw, 4, seq, corpus, served.hasher):
@@ -68,8 +68,8 @@ def test_unseen_tokens_are_context_not_targets(run_dir, tmp_path):
     # An unseen token leaves the loss of the targets before it untouched (causal context only).
     first = int(np.argmax(unseen))
     prefix = np.asarray(raw[:first + 1])
-    a = score_stream(served.model, served.hasher, served.vocab, prefix, 32)
-    b = score_stream(served.model, served.hasher, served.vocab, np.asarray(raw[:first]), 32)
+    a = served.score(prefix, 32)
+    b = served.score(np.asarray(raw[:first]), 32)
     assert a["left_out"] == 1 and a["scored"] == b["scored"]
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
 

@@ -113,7 +113,7 @@ def test_unknown_tier_is_a_clear_error(run_and_export, capsys):
 
 
 def test_rolling_windows_score_each_target_once():
-    from engram.studies.evaluate import rolling_windows
+    from engram.serving.runtime import rolling_windows
 
     for n in range(2, 40):
         for seq_len in (1, 3, 8):

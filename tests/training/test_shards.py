@@ -86,7 +86,7 @@ def test_sharded_corpus_equals_one_stream_and_trains_the_same(tmp_path, many, on
 
 
 def test_full_vocab_scores_any_text(tmp_path, many):
-    from engram.studies.evaluate import score_stream
+    from engram.serving.runtime import Runtime
 
     corpus = open_corpus(many, vocab="full")
     tok = corpus.tokenizer()
@@ -101,12 +101,12 @@ def test_full_vocab_scores_any_text(tmp_path, many):
     seen = int((corpus.counts[0] > 0).sum())
     assert int(rank[int(np.argmax(corpus.counts[0]))]) == 0
     assert all(int(rank[i]) >= seen for i in unseen)
-    res = score_stream(run.model, run.hasher, corpus.vocab, raw, 16)
+    res = Runtime.from_parts(run.model, run.hasher, corpus.vocab).score(raw, 16)
     assert res["left_out"] == 0 and np.isfinite(res["loss"])
     small = train(TrainConfig(out_dir=str(tmp_path / "r"), data=many, **{**TINY, "steps": 2}),
                   progress=False)  # the corpus's ids only: unseen tokens are context, not scored
     assert small.corpus.vocab_size < corpus.vocab_size
-    res = score_stream(small.model, small.hasher, small.corpus.vocab, raw, 16)
+    res = Runtime.from_parts(small.model, small.hasher, small.corpus.vocab).score(raw, 16)
     assert res["left_out"] == int(np.isin(raw[1:], small.corpus.vocab, invert=True).sum()) > 0
 
 

@@ -28,7 +28,7 @@ from ..errors import UserError
 from ..models.model import DecodeCache, EngramLM
 from ..module import EngramState
 from ..ranges import check_ranges
-from ..retrieval.hashing import Hasher, HashStream
+from ..retrieval.hashing import Hasher
 from ..training.precision import (
     PRECISIONS,
     autocast,
@@ -37,7 +37,7 @@ from ..training.precision import (
     model_device,
     resolve,
 )
-from .runtime import Runtime
+from .runtime import DecodeGroup, Runtime
 
 
 @dataclass
@@ -90,14 +90,6 @@ class GenerationOutput:
         return self.decode_tokens / self.decode_s if self.decode_s else 0.0
 
 
-@dataclass
-class _Group:
-    rows: list[int]  # indices into the prompts
-    cache: DecodeCache
-    stream: HashStream | None
-    pending: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # [g]
-
-
 class Generator:
     """Decode a batch of prompts on a :class:`~engram.serving.runtime.Runtime`; prompts and outputs
     are raw tokenizer ids. ``Generator(model, hasher, vocab, config)`` builds the runtime from
@@ -130,14 +122,14 @@ class Generator:
         by_len: dict[int, list[int]] = {}
         for i, s in enumerate(seqs):
             by_len.setdefault(len(s), []).append(i)
-        active: _Group | None = None
+        active: DecodeGroup | None = None
         for length in sorted(by_len):
             while active is not None and active.cache.pos < length:
                 active = self._step(active, out)
             rows = by_len[length]
             raw = torch.tensor([seqs[i] for i in rows], dtype=torch.long)  # [g, L]
             t0 = time.perf_counter()
-            group = _Group(rows, *self.runtime.new_decode(len(rows), max_len))
+            group = self.runtime.new_group(rows, max_len)
             group.pending = self._choose(self._forward(group, raw, warn=True))
             out.prefill_s += time.perf_counter() - t0
             out.prefill_tokens += raw.numel()
@@ -147,14 +139,13 @@ class Generator:
             active = self._step(active, out)
         return out
 
-    def _forward(self, group: _Group, raw: torch.Tensor, warn: bool = False) -> torch.Tensor:
+    def _forward(self, group: DecodeGroup, raw: torch.Tensor, warn: bool = False) -> torch.Tensor:
         """Feed raw ids [g, s] (CPU) at the group's position; logits of the last one [g, V]."""
-        out = self.runtime.forward(raw, cache=group.cache, stream=group.stream, warn=warn,
-                                   announce=self.config.prefetch)
+        out = self.runtime.forward(raw, group, warn=warn, announce=self.config.prefetch)
         with autocast(self.config.precision, model_device(self.model)):
             return self.model.logits(out.hidden[:, -1])  # [g, V]: only the last position is sampled
 
-    def _step(self, group: _Group, out: GenerationOutput) -> _Group | None:
+    def _step(self, group: DecodeGroup, out: GenerationOutput) -> DecodeGroup | None:
         t0 = time.perf_counter()
         logits = self._forward(group, self.runtime.ids.to_raw(group.pending)[:, None])
         group.pending = self._choose(logits)
@@ -173,7 +164,7 @@ class Generator:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         return torch.multinomial(logits.softmax(-1).cpu(), 1, generator=self._rng)[:, 0]
 
-    def _record(self, group: _Group, out: GenerationOutput) -> _Group | None:
+    def _record(self, group: DecodeGroup, out: GenerationOutput) -> DecodeGroup | None:
         """Append the pending tokens; drop rows that are done. None when no row is left."""
         raw = self.runtime.ids.to_raw(group.pending).tolist()
         keep = []
@@ -185,15 +176,13 @@ class Generator:
             return None
         if len(keep) < len(group.rows):
             index = torch.tensor(keep)
-            group.cache.reorder(index)
-            if group.stream is not None:
-                group.stream.reorder(index)
+            group.keep(index)
             group.rows = [group.rows[j] for j in keep]
             group.pending = group.pending[index]
         return group
 
 
-def _merge(a: _Group | None, b: _Group | None) -> _Group | None:
+def _merge(a: DecodeGroup | None, b: DecodeGroup | None) -> DecodeGroup | None:
     """One group of both (same position): caches, n-gram histories and pending tokens stacked."""
     if a is None or b is None:
         return a or b
@@ -209,7 +198,7 @@ def _merge(a: _Group | None, b: _Group | None) -> _Group | None:
     if a.stream is not None:
         stream = a.stream.hasher.stream(len(a.rows) + len(b.rows))
         stream.history = torch.cat([a.stream.history, b.stream.history])  # [g, N-1]
-    return _Group(a.rows + b.rows, cache, stream, torch.cat([a.pending, b.pending]))
+    return DecodeGroup(a.rows + b.rows, cache, stream, torch.cat([a.pending, b.pending]))
 
 
 def _prompt_lists(prompts: Any, attention_mask: Any) -> list[list[int]]:

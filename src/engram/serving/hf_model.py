@@ -25,7 +25,6 @@ positions, d model width, V model vocabulary, W tokenizer vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,21 +32,14 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..models.model import DecodeCache, EngramLM, ModelOutput
-from ..retrieval.hashing import HashStream, NgramHasher
+from ..models.model import EngramLM, ModelOutput
+from ..retrieval.hashing import NgramHasher
 from .hf_config import EngramLMConfig
 from .hf_export import MODEL_TYPE
 from .hf_load import check_config, load_export, save_export
-from .runtime import Runtime
+from .runtime import DecodeGroup, Runtime
 
 IGNORE = -100  # label left out of the loss (transformers' convention)
-
-
-@dataclass
-class _Group:
-    rows: torch.Tensor  # [g] rows of the batch
-    cache: DecodeCache
-    stream: HashStream | None  # None without Engram
 
 
 class EngramCache:
@@ -57,7 +49,7 @@ class EngramCache:
     is_compileable = False
     is_linear = (False,)
 
-    def __init__(self, groups: list[_Group], seen: int):
+    def __init__(self, groups: list[DecodeGroup], seen: int):
         self.groups, self.seen = groups, seen
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -78,10 +70,7 @@ class EngramCache:
         for gi, g in enumerate(self.groups):
             new = torch.nonzero(where[src, 0] == gi).flatten()  # new rows drawn from this group
             if new.numel():
-                index = where[src[new], 1]
-                g.cache.reorder(index)
-                if g.stream is not None:
-                    g.stream.reorder(index)
+                g.keep(where[src[new], 1])
                 g.rows = new
                 kept.append(g)
         self.groups = kept
@@ -183,7 +172,7 @@ class EngramLMForCausalLM(PreTrainedModel, GenerationMixin):
                 rows = torch.tensor(rows)
                 group = None
                 if use_cache:
-                    group = _Group(rows, *self.runtime.new_decode(rows.numel()))
+                    group = self.runtime.new_group(rows)
                     groups.append(group)
                 out = self.run_ids(raw[rows, a:a + s], group)
                 hidden[rows.to(self.device), a:a + s] = out.hidden
@@ -207,12 +196,11 @@ class EngramLMForCausalLM(PreTrainedModel, GenerationMixin):
         loss = None if labels is None else self._loss(hidden, labels, mask, aux)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
 
-    def run_ids(self, raw: torch.Tensor, group: _Group | None = None,
+    def run_ids(self, raw: torch.Tensor, group: DecodeGroup | None = None,
                 warn: bool = True) -> ModelOutput:
         """Raw (tokenizer) ids [g, s], unpadded -> EngramLM's output (hidden [g, s, d]); with
         ``group``, continuing its cache and n-gram history (the runtime's one hash-then-step)."""
-        return self.runtime.forward(raw, cache=None if group is None else group.cache,
-                                    stream=None if group is None else group.stream, warn=warn)
+        return self.runtime.forward(raw, group, warn=warn)
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
               aux: list[torch.Tensor]) -> torch.Tensor:

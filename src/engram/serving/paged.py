@@ -6,7 +6,7 @@ hashes every token's suffix n-grams from the slot history before the first layer
 prefetch starts gathering all layers' rows at once), then runs the reference model's own layers
 (``EngramLM.trunk``: embedding, blocks, final norm) on the flat batch as one [1, n] sequence,
 passing in what differs: the attention proper, the engine's paged attention (vLLM's ``Attention``
-in the plugin, :class:`TorchPagedAttention`, a plain torch paged KV, in tests, so everything here is
+in the plugin; in tests a plain torch paged KV, tests/serving/engine_sim.py, so everything here is
 tested without an engine), and the Engram read, per request group with the short conv continued
 from the slots.
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..models.layers import Attend, Memory
@@ -140,38 +139,4 @@ class PagedLM(nn.Module):
             out[idx] = y.reshape(idx.numel(), *h.shape[1:])
             if state is not None:
                 self.conv[i].write(layout.slot_mapping[idx], state.inputs.reshape(idx.numel(), -1))
-        return out
-
-
-class TorchPagedAttention:
-    """Paged causal attention in plain torch: K and V per slot, each request attends to its own
-    positions 0..p through the block table. The engine-free stand-in for vLLM's Attention."""
-
-    def __init__(self, n_layer: int, n_head: int, head_dim: int):
-        self.keys = [SlotHistory(n_head * head_dim, torch.float32) for _ in range(n_layer)]
-        self.values = [SlotHistory(n_head * head_dim, torch.float32) for _ in range(n_layer)]
-        self.n_head, self.head_dim = n_head, head_dim
-
-    def ensure_slots(self, num_slots: int) -> None:
-        for hist in self.keys + self.values:
-            hist.ensure(num_slots)
-
-    def __call__(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 layout: StepLayout | None) -> torch.Tensor:
-        n, h, e = q.shape
-        if layout is None:  # every token alone: attends to itself
-            return v
-        self.keys[i].write(layout.slot_mapping, k.reshape(n, h * e))
-        self.values[i].write(layout.slot_mapping, v.reshape(n, h * e))
-        out = torch.empty_like(q)
-        for r in range(layout.lengths.numel()):
-            a, b = int(layout.query_start[r]), int(layout.query_start[r + 1])
-            last = int(layout.positions[b - 1])
-            slots = layout.slot_of(torch.full((last + 1,), r), torch.arange(last + 1))  # [L]
-            keys = self.keys[i].read(slots).view(-1, h, e).transpose(0, 1)  # [h, L, e]
-            vals = self.values[i].read(slots).view(-1, h, e).transpose(0, 1)
-            qr = q[a:b].transpose(0, 1)  # [h, t, e]
-            mask = torch.arange(last + 1)[None, :] <= layout.positions[a:b, None]  # [t, L]
-            out[a:b] = F.scaled_dot_product_attention(qr, keys.to(q.dtype), vals.to(q.dtype),
-                                                      attn_mask=mask).transpose(0, 1)
         return out

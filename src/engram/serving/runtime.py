@@ -10,7 +10,7 @@ vocabulary map, the tokenizer and the policies, and the few operations every ent
                                      move to the device, announce rows to the tables (prefetch),
                                      unseen ids -> the mean input embedding, autocast, the model
     score(stream) / score_documents  next-token NLL over windows (``engram eval``, lm-eval)
-    new_decode(rows)                 a KV / conv cache and n-gram history for decoding;
+    new_group(rows)                  a KV / conv cache and n-gram history for decoding;
                                      serving/generate.py's ``Generator(runtime)`` decodes batches
     fit_prompts(prompts, max_new)    the context check every front door shares
 
@@ -51,6 +51,23 @@ IGNORE = -100  # target id left out of the loss (torch's cross-entropy conventio
 
 def _warn(message: str) -> None:
     warnings.warn(message, stacklevel=4)
+
+
+@dataclass
+class DecodeGroup:
+    """Rows decoded together from one position: their KV / conv cache and n-gram history (the
+    one decode bookkeeping of our Generator and of transformers' EngramCache)."""
+
+    rows: Any  # the caller's row indices (a list, or a tensor [g])
+    cache: DecodeCache
+    stream: HashStream | None  # None without Engram
+    pending: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # [g]
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Row i continues old row ``index[i]`` (dropped rows, beam reordering)."""
+        self.cache.reorder(index)
+        if self.stream is not None:
+            self.stream.reorder(index)
 
 
 @dataclass
@@ -113,11 +130,10 @@ class Runtime:
         return {"lookups": lookups, "hits": hits, "hit_rate": hits / lookups if lookups else 0.0}
 
     # -- the one hash-then-step --------------------------------------------------------------------
-    def forward(self, raw: torch.Tensor, *, cache: DecodeCache | None = None,
-                stream: HashStream | None = None, warn: bool = True,
+    def forward(self, raw: torch.Tensor, group: DecodeGroup | None = None, *, warn: bool = True,
                 announce: bool = True) -> ModelOutput:
-        """Raw ids [b, t] (CPU) -> the model's output (hidden [b, t, d]); with ``cache`` and
-        ``stream``, continuing a decode; ``announce``: tell the tables the rows first (a
+        """Raw ids [b, t] (CPU) -> the model's output (hidden [b, t, d]); with ``group``,
+        continuing its decode; ``announce``: tell the tables the rows first (a
         prefetching tier starts gathering them). Hashing and id bookkeeping stay on the CPU (the engine's
         side); only the model's inputs move to its device."""
         raw = torch.as_tensor(raw).long().cpu()
@@ -129,22 +145,23 @@ class Runtime:
         dev = self.device
         ids = None
         if self.hasher is not None:
-            ids = self.hasher.hash(raw) if stream is None else stream.step(raw)  # {layer: [b,t,H]}
+            ids = self.hasher.hash(raw) if group is None else group.stream.step(raw)  # [b, t, H]
             ids = {k: v.to(dev) for k, v in ids.items()}
             if announce:
                 prefetch_batch(self.model, ids)  # a prefetching tier starts gathering now
         with unknown_inputs(self.model, unknown), autocast(self.precision, dev):
-            return self.model(local.clamp_min(0).to(dev), ids, cache=cache)
+            return self.model(local.clamp_min(0).to(dev), ids,
+                              cache=None if group is None else group.cache)
 
     def raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> logits over the tokenizer's ids [..., W] (-inf where unseen)."""
         return self.ids.scatter(self.model.logits(hidden).float())
 
-    def new_decode(self, rows: int, max_len: int | None = None
-                   ) -> tuple[DecodeCache, HashStream | None]:
-        """A KV / conv cache and an n-gram history for ``rows`` sequences decoded together."""
-        return (self.model.new_cache(rows, max_len),
-                None if self.hasher is None else self.hasher.stream(rows))
+    def new_group(self, rows: Any, max_len: int | None = None) -> DecodeGroup:
+        """A :class:`DecodeGroup` for ``rows`` (a list or tensor of the caller's row indices)."""
+        n = len(rows)
+        return DecodeGroup(rows, self.model.new_cache(n, max_len),
+                           None if self.hasher is None else self.hasher.stream(n))
 
     # -- requests ----------------------------------------------------------------------------------
     def fit_prompts(self, prompts: list[list[int]], max_new_tokens: int,

@@ -17,12 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..errors import UserError
 from ..outputs import read_text, write_json
 from ..ranges import AT_LEAST_1, check_ranges
-from ..serving.runtime import IGNORE, Runtime, rolling_windows, windows  # noqa: F401
 from ..training.precision import PRECISIONS, check_names
 
 
@@ -82,24 +80,6 @@ def held_out(folder: str, tokenizer: Any) -> tuple[np.ndarray, int]:
         raise DataError(f"--data {folder} was tokenised with another tokenizer than the run's: "
                         "prepare it with the run's --tokenizer")
     return np.asarray(corpus.val, dtype=np.int64), corpus.manifest["stats"]["total"]["val"]["docs"]
-
-
-@torch.no_grad()
-def score_stream(model: torch.nn.Module, hasher: Any, vocab: np.ndarray, raw: np.ndarray,
-                 seq_len: int, batch_size: int = 16, progress: bool = False,
-                 precision: str = "fp32") -> dict[str, Any]:
-    """:meth:`Runtime.score` of a model in hand (``vocab`` [V] model id -> raw id)."""
-    rt = Runtime.from_parts(model, hasher, vocab, precision=precision)
-    return rt.score(raw, seq_len, batch_size, progress)
-
-
-@torch.no_grad()
-def score_documents(model: torch.nn.Module, hasher: Any, vocab: np.ndarray,
-                    docs: list[list[int]], start_id: int, seq_len: int, batch_size: int = 16,
-                    precision: str = "fp32") -> list[dict[str, Any]]:
-    """:meth:`Runtime.score_documents` of a model in hand."""
-    rt = Runtime.from_parts(model, hasher, vocab, precision=precision)
-    return rt.score_documents(docs, start_id, seq_len, batch_size)
 
 
 def run_eval(run_dir: str, ec: EvalConfig, progress: bool = True) -> dict[str, Any]:

@@ -17,8 +17,8 @@ How each request type is scored (the model is EngramLMForCausalLM, serving/hf_mo
 - ``loglikelihood``: context + continuation cut to the last ``max_length + 1`` tokens, one forward;
   a continuation token the run never saw has probability 0 (log-likelihood -inf), since leaving
   it out would favour continuations the model cannot write.
-- ``generate_until``: ``generate()`` on left-padded batches (greedy unless the task samples), cut
-  at the first stop string.
+- ``generate_until``: the runtime's Generator (``engram generate``'s decoding; greedy unless the
+  task samples), cut at the first stop string.
 Rows are never padded into one tensor for scoring: batches hold requests of one length.
 """
 
@@ -140,23 +140,18 @@ class EngramHarnessLM(TemplateLM):
 
     def _generate(self, contexts: list[str], max_new: int, sample: bool,
                   kw: dict[str, Any]) -> list[str]:
+        from ..serving.generate import GenerationConfig, Generator
+
         room = self.max_length - max_new
         if room < 1:
             raise ValueError(f"max_gen_toks={max_new} leaves no room for a prompt in "
                              f"max_length={self.max_length}")
-        prompts = [(self.tok_encode(c) or [self.eot_token_id])[-room:] for c in contexts]
-        width = max(map(len, prompts))
         eos = self.eot_token_id
-        ids = torch.full((len(prompts), width), eos, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)
-        for j, p in enumerate(prompts):  # left padding
-            ids[j, width - len(p):] = torch.tensor(p)
-            mask[j, width - len(p):] = 1
-        args = {"temperature": float(kw["temperature"])} if sample and "temperature" in kw else {}
-        gen = self.model.generate(ids.to(self.model.device), attention_mask=mask,
-                                  max_new_tokens=max_new, do_sample=sample, eos_token_id=eos,
-                                  pad_token_id=eos, **args)
-        return [self.tok_decode(g[width:].tolist()) for g in gen]
+        prompts = [(self.tok_encode(c) or [eos])[-room:] for c in contexts]
+        temperature = float(kw.get("temperature") or 1.0) if sample else 0.0
+        cfg = GenerationConfig(max_new_tokens=max_new, temperature=temperature, stop_ids=(eos,))
+        return [self.tok_decode(t) for t in Generator(self.runtime, config=cfg).generate(
+            prompts).tokens]
 
 
 def cli_lm_eval(argv: list[str]) -> int:
