@@ -199,70 +199,71 @@ class Runtime:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # -- scoring -----------------------------------------------------------------------------------
-    @torch.no_grad()
     def score(self, raw: np.ndarray, seq_len: int, batch_size: int = 16,
               progress: bool = False) -> dict[str, Any]:
         """Next-token loss on the raw-id stream [n] in consecutive windows of ``seq_len``; unseen
         ids are context only (left out as targets, counted)."""
-        from tqdm.auto import tqdm
-
         raw = np.asarray(raw, dtype=np.int64)
         if len(raw) < 2:
             raise UserError("need at least two tokens to score")
-        self._check_len(seq_len)
-        loc = self.ids.to_local(torch.from_numpy(raw)).numpy()  # [n]
-        spans = windows(len(raw), seq_len)
-        groups: dict[int, list[int]] = {}  # window length -> starts: one batch shape per length
-        for s, t in spans:
-            groups.setdefault(t, []).append(s)
-        total, scored = 0.0, 0
-        self.model.eval()
-        bar = tqdm(total=len(spans), disable=not progress, desc="eval windows")
-        for t, starts in groups.items():
-            for i in range(0, len(starts), batch_size):
-                idx = np.asarray(starts[i:i + batch_size])[:, None] + np.arange(t + 1)  # [b, t+1]
-                y = torch.from_numpy(loc[idx[:, 1:]])  # [b, t]
-                nll = self._nll(torch.from_numpy(raw[idx[:, :-1]]), torch.where(y < 0, IGNORE, y))
-                total += float(nll.sum())
-                scored += int((y >= 0).sum())
-                bar.update(len(idx))
-        bar.close()
+        plan = [(0, s, t, t) for s, t in windows(len(raw), seq_len)]
+        (total,), (scored,) = self._score([raw], plan, seq_len, batch_size, per_row=False,
+                                          progress=progress)
         targets = len(raw) - 1
-        unseen = loc < 0
+        unseen = self.ids.to_local(torch.from_numpy(raw)).numpy() < 0
         return {"loss": total / max(scored, 1), "tokens": int(len(raw)), "targets": targets,
                 "scored": scored, "left_out": targets - scored,
                 "left_out_fraction": (targets - scored) / targets,
                 "unseen_positions": int(unseen.sum()),
                 "unseen_ids": int(len(np.unique(raw[unseen])))}
 
-    @torch.no_grad()
     def score_documents(self, docs: list[list[int]], start_id: int, seq_len: int,
                         batch_size: int = 16) -> list[dict[str, Any]]:
         """Each document (raw ids, no EOS) scored alone as ``[start_id] + doc`` in rolling windows
         (lm-evaluation-harness's loglikelihood_rolling): per document the log-likelihood in nats of
         its scored tokens, unseen ids context only, as in :meth:`score`."""
-        self._check_len(seq_len)
         streams = [np.asarray([start_id, *d], dtype=np.int64) for d in docs]
+        plan = sorted(((i, *w) for i, s in enumerate(streams)
+                       for w in rolling_windows(len(s), seq_len)), key=lambda w: w[2])
+        total, scored = self._score(streams, plan, seq_len, batch_size, per_row=True)
+        return [{"loglikelihood": -total[i], "targets": len(d), "scored": scored[i]}
+                for i, d in enumerate(docs)]
+
+    @torch.no_grad()
+    def _score(self, streams: list[np.ndarray], plan: list[tuple[int, int, int, int]],
+               seq_len: int, batch_size: int, per_row: bool, progress: bool = False
+               ) -> tuple[list[float], list[int]]:
+        """Summed NLL and scored targets per stream over ``plan``'s windows (stream, start, length
+        t, scored k): inputs ``stream[start:start + t]``, the last k targets count. Windows of one
+        length run as one batch shape; ``per_row`` sums each window in float64 (per document),
+        else each batch in float32 (a stream's loss, as it has always been summed)."""
+        from tqdm.auto import tqdm
+
+        self._check_len(seq_len)
         locs = [self.ids.to_local(torch.from_numpy(s)).numpy() for s in streams]
-        groups: dict[int, list[tuple[int, int, int]]] = {}  # window length -> (doc, start, scored)
-        for i, s in enumerate(streams):
-            for start, t, k in rolling_windows(len(s), seq_len):
-                groups.setdefault(t, []).append((i, start, k))
-        ll, scored = [0.0] * len(docs), [0] * len(docs)
+        groups: dict[int, list[tuple[int, int, int, int]]] = {}
+        for w in plan:
+            groups.setdefault(w[2], []).append(w)
+        total, scored = [0.0] * len(streams), [0] * len(streams)
         self.model.eval()
-        for t, wins in sorted(groups.items()):
+        bar = tqdm(total=len(plan), disable=not progress, desc="eval windows")
+        for t, wins in groups.items():
             for a in range(0, len(wins), batch_size):
                 batch = wins[a:a + batch_size]
-                x = torch.stack([torch.from_numpy(streams[i][s:s + t]) for i, s, _ in batch])
-                y = torch.stack([torch.from_numpy(locs[i][s + 1:s + t + 1]) for i, s, _ in batch])
-                keep = torch.arange(t)[None, :] >= torch.tensor([t - k for _, _, k in batch])[:, None]
-                y = torch.where((y < 0) | ~keep, IGNORE, y)  # [b, t]
-                nll = self._nll(x, y).double()  # [b, t]
-                for j, (i, _, _) in enumerate(batch):
-                    ll[i] -= float(nll[j].sum())
+                x = torch.stack([torch.from_numpy(streams[i][s:s + t]) for i, s, _, _ in batch])
+                y = torch.stack([torch.from_numpy(locs[i][s + 1:s + t + 1])
+                                 for i, s, _, _ in batch])  # [b, t]
+                keep = torch.arange(t)[None, :] >= torch.tensor([t - k for *_, k in batch])[:, None]
+                y = torch.where((y < 0) | ~keep, IGNORE, y)
+                nll = self._nll(x, y)  # [b, t]
+                if not per_row:
+                    total[batch[0][0]] += float(nll.sum())
+                for j, (i, *_) in enumerate(batch):
+                    total[i] += float(nll[j].double().sum()) if per_row else 0.0
                     scored[i] += int((y[j] != IGNORE).sum())
-        return [{"loglikelihood": ll[i], "targets": len(d), "scored": scored[i]}
-                for i, d in enumerate(docs)]
+                bar.update(len(batch))
+        bar.close()
+        return total, scored
 
     def token_nll(self, out: ModelOutput, targets: torch.Tensor) -> torch.Tensor:
         """NLL [b, t] of model-id targets (IGNORE: 0) under an output of :meth:`forward`."""
