@@ -137,3 +137,26 @@ def test_engram_gemm_overrides_the_record_and_the_record_says_so(tmp_path, corpu
     for key in routes:  # e.g. '1t 512x32x96': every product went to torch all the same
         n, i, o = map(int, key.split()[1].split("x"))
         assert gemm.route(n, i, o) == "torch"
+
+
+def test_recorded_reads_a_sharded_checkpoint_and_prefers_it_to_settings_json(tmp_path):
+    """A torchrun run's record sits in its checkpoint's dense part (dist_checkpoint.py's layout);
+    settings.json adds buckets decided since, when it is of the same machine."""
+    from engram.training.checkpoint import save_checkpoint
+
+    here = gemm._machine()
+    ckpt = {"gemm": {"backend": "auto", "machine": here, "routes": {"1t 64x8x8": "onednn"}},
+            "threads": 2}
+    step = tmp_path / "run" / "checkpoints" / "step_00000002"
+    save_checkpoint(step / "dense", 2, {"x": torch.zeros(1)}, {"settings": ckpt}, keep=0)
+    (step.parent / "latest.json").write_text(json.dumps({"step": 2, "dir": step.name}))
+    assert settings.recorded(tmp_path / "run") == ckpt
+    later = {"gemm": {"backend": "auto", "machine": here,
+                      "routes": {"1t 64x8x8": "torch", "1t 128x8x8": "torch"}}, "threads": 2}
+    (tmp_path / "run" / settings.SETTINGS).write_text(json.dumps(later))
+    assert settings.recorded(tmp_path / "run")["gemm"]["routes"] == {"1t 64x8x8": "onednn",
+                                                                      "1t 128x8x8": "torch"}
+    later["gemm"]["machine"] = "another CPU | torch 0"
+    (tmp_path / "run" / settings.SETTINGS).write_text(json.dumps(later))
+    assert settings.recorded(tmp_path / "run") == ckpt
+    assert settings.recorded(tmp_path / "nothing") == {}

@@ -6,17 +6,22 @@ Recorded (:func:`record`): the GEMM route of each shape bucket the run's product
 product's summation order follows it too) and the allocator environment. A bucket's route is timed
 on its first use on a machine and kept in the user's cache, where a later measurement may replace
 it (one made on a busy machine is measured again once it is quiet): the same command on the same
-machine could then take the other backend. So a run writes its record to out_dir/settings.json (at
-its start and with its metrics records, when it changed) and into every checkpoint's meta, and a resumed run, or one repeated in the same folder
-(killed before its first checkpoint, say), installs the recorded routes before any product runs
-(:func:`reuse`), whatever the cache holds then. ``ENGRAM_GEMM`` = torch / onednn still decides
+machine could then take the other backend. So a run writes its record to out_dir/settings.json
+(at its start, then with its metrics records when it changed) and into every checkpoint's meta,
+and a resumed run, or one repeated in the same folder (killed before its first checkpoint, say),
+installs the recorded routes before any product runs (:func:`reuse`), whatever the cache holds
+then. ``ENGRAM_GEMM`` = torch / onednn still decides
 every product it names (the record then says so); buckets the record lacks (another batch size)
 are decided as before and join the record. A record from another machine (CPU or torch version)
 is not installed: its timings say nothing there, and the bits differ anyway.
 
-Threads are set where a process starts (``engram train`` through ``TrainConfig.threads``, study
-workers, benchmark mains), never by a library call in the middle of a run; the record keeps the
-count so a resumed run's can be compared (the routes are keyed by it: another count is measured).
+Process-wide settings are made where a process starts, never by a library call in the middle of
+a run: torch's thread count by ``engram train`` (``TrainConfig.threads``, applied once as the run is
+built: ``train.resolve_machine``), the studies' worker initialiser (studies/common.py), the study
+commands (cli/) and benchmark mains; the allocator environment (:func:`allocator_env`) by what
+starts training processes; the tokenizer's pool by ``engram prepare``
+(``prepare.tokenizer_threads``). The record keeps the thread count (GEMM routes are keyed by it:
+under another count a bucket is decided afresh).
 """
 
 from __future__ import annotations
@@ -82,10 +87,14 @@ def recorded(out_dir: str | Path) -> dict[str, Any]:
     out = Path(out_dir)
     rec = _json(out / SETTINGS)
     ckpt = _checkpoint_record(out / "checkpoints")
-    if ckpt:
-        routes = {**rec.get("gemm", {}).get("routes", {}), **ckpt.get("gemm", {}).get("routes", {})}
-        rec = {**ckpt, "gemm": {**ckpt.get("gemm", {}), "routes": routes}}
-    return rec
+    if not ckpt:
+        return rec
+    ours, theirs = rec.get("gemm") or {}, ckpt.get("gemm") or {}
+    if ours.get("machine") != theirs.get("machine"):
+        return ckpt
+    # settings.json may have routes decided after the checkpoint (a run killed before the next)
+    return {**ckpt, "gemm": {**theirs, "routes": {**ours.get("routes", {}),
+                                                  **theirs.get("routes", {})}}}
 
 
 def reuse(out_dir: str | Path) -> dict[str, Any]:
