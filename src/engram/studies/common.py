@@ -5,8 +5,8 @@ Runs. A study lists its runs as :class:`Job` s (name, seed, config; the seed is 
 back from a folder name) and hands them with a work function to :func:`run_jobs`. Every study's
 runs get the same worker processes (spawned; one torch thread and one numba thread each, on 2 cores
 that beats one process with 2 threads for these small matmuls; glibc keeping freed memory, see
-``training.settings.allocator_env``) and the same resumption: a run whose ``result.json`` matches its
-job is read back instead of trained again, and one interrupted mid-way resumes from its checkpoint
+``training.settings.allocator_env``) and the same resumption: a run whose ``result.json`` matches
+its job is read back instead of trained again, and one interrupted mid-way resumes from its checkpoint
 (``train()`` does that, for the studies that train through it).
 
 Resolved. One rule, :data:`RULE`, for every report: a difference between configurations is resolved
