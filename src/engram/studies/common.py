@@ -6,8 +6,8 @@ back from a folder name) and hands them with a work function to :func:`run_jobs`
 runs get the same worker processes (spawned; one torch thread and one numba thread each, on 2 cores
 that beats one process with 2 threads for these small matmuls; glibc keeping freed memory, see
 ``training.settings.allocator_env``) and the same resumption: a run whose ``result.json`` matches
-its job is read back instead of trained again, and one interrupted mid-way resumes from its checkpoint
-(``train()`` does that, for the studies that train through it).
+its job is read back instead of trained again, and one interrupted mid-way resumes from its
+checkpoint (``train()`` does that, for the studies that train through it).
 
 Resolved. One rule, :data:`RULE`, for every report: a difference between configurations is resolved
 when it exceeds 2x the largest seed spread. Rounding alone moves a compare run by ~0.02 nats
