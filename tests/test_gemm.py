@@ -27,6 +27,7 @@ def fresh(monkeypatch, tmp_path):
     """A process that has decided nothing yet, its decisions file in tmp_path (and the temp-dir
     fallback there too), ENGRAM_GEMM unset."""
     monkeypatch.setattr(gemm, "_table", {})
+    monkeypatch.setattr(gemm, "_mine", set())
     monkeypatch.setattr(gemm, "_loaded", False)
     monkeypatch.setattr(gemm, "_chosen", None)
     monkeypatch.setenv("ENGRAM_GEMM_CACHE", str(tmp_path / "cache" / "gemm_routes.json"))
@@ -213,6 +214,30 @@ def test_the_parents_decisions_beat_the_file_and_reach_spawned_workers(fresh, tm
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["onednn"]
     assert not child_cache.exists()
+
+
+@needs_onednn
+def test_installed_routes_beat_the_cache_until_pinned_ends(fresh):
+    """A run's recorded routes (training/settings.py) over the cache's; ENGRAM_GEMM over both."""
+    key = gemm.bucket(512, 256, 256)
+    fresh.parent.mkdir(parents=True)
+    fresh.write_text(json.dumps({"version": 1, "machines": {gemm._machine(): {
+        key: {"route": "torch"}}}}))
+    assert gemm.route(512, 256, 256) == "torch" and gemm.used() == {key: "torch"}
+    with gemm.pinned({key: "onednn"}):
+        assert gemm.route(512, 256, 256) == "onednn" and gemm.used() == {key: "onednn"}
+        assert json.loads(os.environ[gemm.ROUTES_ENV])["routes"][key] == "onednn"  # to workers
+        with gemm.using("torch"):
+            assert gemm.route(512, 256, 256) == "torch"
+            assert gemm.record()["backend"] == "torch"
+    assert gemm.route(512, 256, 256) == "torch" and gemm.used() == {key: "torch"}
+    assert json.loads(fresh.read_text())["machines"][gemm._machine()][key]["route"] == "torch"
+    assert not gemm.reuse({"machine": "another CPU | torch 0", "routes": {key: "onednn"}})
+    assert gemm.route(512, 256, 256) == "torch"
+    assert gemm.reuse({**gemm.record(), "routes": {key: "onednn"}})
+    assert gemm.route(512, 256, 256) == "onednn"
+    with pytest.raises(ValueError, match="'torch' or 'onednn'"):
+        gemm.install({key: "mkl"})
 
 
 @needs_onednn

@@ -22,6 +22,12 @@ it. A decision measured while the machine was busy (load average above its cores
 marked: the first process that finds the machine quiet measures it again. With no writable cache
 (nor temp dir) the decisions live in the process.
 
+So the cache's decisions change with the machine's history, and with them a product's summation
+order. A training run therefore keeps the routes its products took (:func:`record`: the buckets this
+process routed, bucket -> route) and puts them back on resume before any product runs
+(:func:`install`, or :func:`pinned` for a block; training/settings.py): those buckets then take the
+recorded route whatever the cache now says. ``ENGRAM_GEMM`` = torch / onednn still overrides them.
+
 Results agree with MKL's to float32 rounding (summation order differs), not to the bit; oneDNN's
 are bit-identical from call to call, and on 1 or 2 threads on the AMD EPYC measured (tested).
 
@@ -63,6 +69,7 @@ _VERSION = 1  # the cache file's format
 _chosen: str | None = None  # set_backend's choice or ENGRAM_GEMM's, read once
 _table: dict[str, str] = {}  # bucket key -> 'torch' / 'onednn', fixed once decided
 _loaded = False  # _table holds ENGRAM_GEMM_ROUTES' and the cache file's decisions
+_mine: set[str] = set()  # buckets this process's products took under 'auto', or installed: record()
 
 
 def _cpuinfo(field: str, text: str | None = None) -> str:
@@ -335,6 +342,7 @@ def _decide(n: int, i: int, o: int) -> str:
                         _write(path, key, rec)
         _table[key] = rec["route"]
         _export()
+    _mine.add(key)
     return _table[key]
 
 
@@ -351,6 +359,56 @@ def routes() -> dict[str, str]:
     """The decisions this process knows, bucket -> route (recorded beside results)."""
     _load()
     return dict(sorted(_table.items()))
+
+
+def used() -> dict[str, str]:
+    """The routes this process's products took under 'auto' (bucket -> route, :func:`prepare`'s
+    included) and those :func:`install` fixed: what a run records to take them again."""
+    return {k: _table[k] for k in sorted(_mine) if k in _table}
+
+
+def record() -> dict:
+    """A run's record of its products' routes: the backend in force, this machine, :func:`used`."""
+    return {"backend": backend(), "machine": _machine(), "routes": used()}
+
+
+def install(routes: dict[str, str]) -> None:
+    """Fix the route of each bucket in ``routes`` (bucket -> 'torch' / 'onednn') for this process,
+    whatever the cache file or a parent process decided: a run's recorded routes, put back so a
+    resumed run takes the summation order it took before. Handed on to workers like a measured
+    decision; the cache file is left as it is. Other buckets are decided as before."""
+    bad = {k: v for k, v in routes.items() if v not in ("torch", "onednn")}
+    if bad:
+        raise ValueError(f"GEMM routes must be 'torch' or 'onednn', got {bad}")
+    _load()  # later loads would not override these: _load runs once
+    _table.update(routes)
+    _mine.update(routes)
+    _export()
+
+
+def reuse(rec: dict | None) -> bool:
+    """:func:`install` a run's :func:`record` when it was made on this machine (CPU and torch
+    version: elsewhere its timings say nothing, and the bits differ anyway); returns whether."""
+    if not rec or rec.get("machine") != _machine() or not isinstance(rec.get("routes"), dict):
+        return False
+    install(rec["routes"])
+    return True
+
+
+@contextlib.contextmanager
+def pinned(routes: dict[str, str]):
+    """:func:`install` ``routes`` inside the block; the process's decisions as they were after."""
+    _load()
+    table, mine = dict(_table), set(_mine)
+    install(routes)
+    try:
+        yield
+    finally:
+        _table.clear()
+        _table.update(table)
+        _mine.clear()
+        _mine.update(mine)
+        _export()
 
 
 def prepare(module: nn.Module, rows: Iterable[int]) -> dict[str, str]:

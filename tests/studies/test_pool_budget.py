@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from engram.cli import main
 from engram.studies.pool_budget import PoolBudgetConfig, run_pool_budget
@@ -21,7 +22,14 @@ def summary(tmp_path_factory):
                           batch=2, prefill_len=64, decode_context=16, cache_fraction=0.0,
                           inject_us=(0.0, 100_000.0), inflight=1_000_000,  # one round trip
                           pool_path=str(out / "pool"))
-    s = run_pool_budget(pc, TrainConfig(max_chars=30_000, engram_layers=(1, 2), table_size=3000))
+    n = torch.get_num_threads()
+    torch.set_num_threads(pc.threads)  # the entry point's setting (`engram pool-budget`)
+    try:
+        s = run_pool_budget(pc, TrainConfig(max_chars=30_000, engram_layers=(1, 2),
+                                            table_size=3000))
+    finally:
+        torch.set_num_threads(n)
+    assert s["threads"] == pc.threads  # the count in force, recorded
     return s, out
 
 

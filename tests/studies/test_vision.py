@@ -22,6 +22,7 @@ def test_config_refuses_bad_values():
 
 def test_small_study_writes_results_and_tables_leave_controls_untouched(tmp_path):
     n = torch.get_num_threads()
+    torch.set_num_threads(1)  # the entry point's setting (VisionConfig.threads)
     try:
         res = run_vision(VisionConfig(out_dir=str(tmp_path), small=True,
                                       methods=("trigger-plain", "trigger-engram", "lora-unet")))

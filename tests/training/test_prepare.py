@@ -17,7 +17,7 @@ import pytest
 
 from engram.errors import InputNotFound, OutputExists, UserError
 from engram.training.corpus import open_corpus
-from engram.training.prepare import PrepareConfig, load_tokenizer, prepare
+from engram.training.prepare import PrepareConfig, load_tokenizer, prepare, tokenizer_threads
 from engram.training.sources import load_documents
 
 EOS = 1
@@ -159,7 +159,16 @@ def test_many_shards_and_workers_give_the_same_tokens(tmp_path, chapters):
     had = os.environ.pop("RAYON_NUM_THREADS", None)
     try:
         par = run(tmp_path, [folder], out="par", shard_mb=0.01, workers=2)
-        assert "RAYON_NUM_THREADS" not in os.environ  # the tokenizer's pool size is set, then unset
+        assert "RAYON_NUM_THREADS" not in os.environ  # prepare() sets no process-wide setting
+        with tokenizer_threads(2):  # the entry point's (engram prepare): set, then unset
+            assert os.environ["RAYON_NUM_THREADS"] == "2"
+        with tokenizer_threads(0):
+            assert "RAYON_NUM_THREADS" not in os.environ
+        assert "RAYON_NUM_THREADS" not in os.environ
+        os.environ["RAYON_NUM_THREADS"] = "3"
+        with tokenizer_threads(2):  # the user's own setting stays
+            assert os.environ["RAYON_NUM_THREADS"] == "3"
+        assert os.environ.pop("RAYON_NUM_THREADS") == "3"
     finally:
         if had is not None:
             os.environ["RAYON_NUM_THREADS"] = had

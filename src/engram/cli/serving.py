@@ -131,9 +131,12 @@ def _export_hf(run_dir: str, out_dir: str, t: Tables) -> None:
 def _pool_budget(run_dir: str | None, pc, tc) -> None:
     import dataclasses
 
+    import torch
+
     from ..studies.pool_budget import run_pool_budget, v41_lines
     from ..studies.pool_report import verdict
 
+    torch.set_num_threads(pc.threads)  # process-wide: set here, not inside the study
     summary = run_pool_budget(dataclasses.replace(pc, run_dir=run_dir), tc)
     print("\n".join(verdict(summary) + v41_lines(summary["v41_tables"])))
     print(f"wrote {pc.out_dir}/budget.json, budget.png, report.md ({summary['wall_s']:.0f} s)")

@@ -78,8 +78,11 @@ def _study_nine(sc, base) -> None:
          interrupted="a base model already trained is kept and reused by a rerun; the binding "
          "runs start over")
 def _study_vision(cfg) -> None:
+    import torch
+
     from ..studies.vision import run_vision
 
+    torch.set_num_threads(cfg.threads)  # process-wide: set here, not inside the study
     res = run_vision(cfg)
     for name, c in res["concepts"].items():
         print(name, " ".join(f"{m}: bind {v['summary']['binding']['mean']:.2f}"

@@ -89,12 +89,13 @@ def _train(cfg, launch: Launch) -> None:
          writes=(Out("out", "corpus"),),
          about="Rerunning the same command resumes: finished shards are kept, changed ones redone.")
 def _prepare(cfg) -> None:
-    from ..training.prepare import prepare, release_large_blocks, summary_lines
+    from ..training.prepare import prepare, release_large_blocks, summary_lines, tokenizer_threads
 
-    if cfg.workers != 0:  # this process only prepares, on worker threads
+    # Process-wide settings, here rather than inside prepare(): this process only prepares.
+    if cfg.workers != 0:  # on worker threads
         release_large_blocks()
-
-    print("\n".join(summary_lines(prepare(cfg), cfg.out)))
+    with tokenizer_threads(cfg.workers):
+        print("\n".join(summary_lines(prepare(cfg), cfg.out)))
 
 
 @command("finetune", "memory-only training of Engram injected into SmolLM2 vs LoRA",

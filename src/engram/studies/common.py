@@ -5,9 +5,9 @@ Runs. A study lists its runs as :class:`Job` s (name, seed, config; the seed is 
 back from a folder name) and hands them with a work function to :func:`run_jobs`. Every study's
 runs get the same worker processes (spawned; one torch thread and one numba thread each, on 2 cores
 that beats one process with 2 threads for these small matmuls; glibc keeping freed memory, see
-``training.train.allocator_env``) and the same resumption: a run whose ``result.json`` matches its
-job is read back instead of trained again, and one interrupted mid-way resumes from its checkpoint
-(``train()`` does that, for the studies that train through it).
+``training.settings.allocator_env``) and the same resumption: a run whose ``result.json`` matches
+its job is read back instead of trained again, and one interrupted mid-way resumes from its
+checkpoint (``train()`` does that, for the studies that train through it).
 
 Resolved. One rule, :data:`RULE`, for every report: a difference between configurations is resolved
 when it exceeds 2x the largest seed spread. Rounding alone moves a compare run by ~0.02 nats
@@ -35,7 +35,8 @@ import torch
 from .. import interrupts
 from ..errors import Interrupted
 from ..files import publish_text
-from ..training.train import TrainConfig, allocator_env, train
+from ..training.settings import allocator_env
+from ..training.train import TrainConfig, train
 
 RESULT = "result.json"  # in each run's out_dir once it finished: its job and its result
 STOPPING = ("engram: stopping: each run in progress saves a checkpoint after its current step "

@@ -94,7 +94,6 @@ def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
     from ..tables.cache import count_rows
     from ..tables.registry import get_tier
 
-    torch.set_num_threads(pc.threads)
     t_start = time.time()
     out_dir = Path(pc.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -120,7 +119,8 @@ def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
         "table_rows": {lid: e.table.num_rows for lid, e in eng.items()},
         "mooncake": missing.get(remote[0], "used") if remote else "not requested",
         "left_out": missing,
-        "threads": pc.threads, "load_avg_start": os.getloadavg()[0], "modes": {}}
+        # pc.threads is set by the entry point (`engram pool-budget`): the count in force here.
+        "threads": torch.get_num_threads(), "load_avg_start": os.getloadavg()[0], "modes": {}}
     tiers: dict[str, Tier] = {}
     table_dir = Path(pc.table_dir or tempfile.mkdtemp(prefix=".tables-", dir=out_dir))
     try:

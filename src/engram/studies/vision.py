@@ -211,7 +211,6 @@ def _base_model(cfg: VisionConfig, tok, minilm, train: D.Digits, out: Path):
 def run_vision(cfg: VisionConfig) -> dict[str, Any]:
     from .vision_report import save_grid, write_report
 
-    torch.set_num_threads(cfg.threads)
     t_start = time.perf_counter()
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -223,7 +222,9 @@ def run_vision(cfg: VisionConfig) -> dict[str, Any]:
     known = sorted(set(train.labels.tolist()))
     unet, base = _base_model(cfg, tok, minilm, train, out)
     # The judge is scored on the base split: real digits it never saw in training.
-    result: dict[str, Any] = {"config": asdict(cfg), "judge_accuracy": judge.accuracy(base_data),
+    # cfg.threads is set by the entry point (`engram study-vision`); the count in force is recorded.
+    result: dict[str, Any] = {"config": asdict(cfg), "torch_threads": torch.get_num_threads(),
+                              "judge_accuracy": judge.accuracy(base_data),
                               "base": base, "concepts": {}}
     base_enc = D.text_encoder(tok, minilm)
     concepts = [("seen", cfg.concept)] + ([("unseen", cfg.unseen)] if cfg.unseen >= 0 else [])

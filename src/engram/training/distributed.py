@@ -43,6 +43,7 @@ from ..models.model import EngramLM
 from ..retrieval.hashing import NgramHasher
 from ..retrieval.primes import rows_per_layer
 from ..tables.sharded import ShardedTable
+from . import settings as run_settings
 from .batches import Batch, TokenBatches
 from .checkpoint import CheckpointError
 from .corpus import Corpus, build_corpus
@@ -115,6 +116,7 @@ def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = Non
         shard_tables(run.model, d.tables)
     elif table_init == "sharded":
         resolve_machine(cfg.threads, str(d.device), cfg.precision, cfg.compile)
+        run_settings.reuse(cfg.out_dir)  # routes decided on first use: the recorded ones first
         ecfg = cfg.engram_config()
         torch.manual_seed(cfg.seed)
         tables = {} if ecfg is None else {

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..outputs import finite, mark
+from . import settings
 from .loop import ONE_PROCESS, Checkpoints, Ranks, Run, evaluate
 
 
@@ -35,7 +36,7 @@ def log_record(run: Run, lr: float, last_loss: float, tokens_per_step: int, t_la
 class LogMetrics:
     """A record every cfg.log_every steps and at the last (validation loss every cfg.eval_every),
     kept in run.history and, on the logging process, in out_dir/metrics.jsonl beside
-    out_dir/config.json; a tqdm bar when ``progress``."""
+    out_dir/config.json and out_dir/settings.json (settings.py); a tqdm bar when ``progress``."""
 
     def __init__(self, ranks: Ranks = ONE_PROCESS, progress: bool = True,
                  config: dict[str, Any] | None = None):
@@ -48,6 +49,7 @@ class LogMetrics:
             mark(out, "run", "engram train")
             (out / "config.json").write_text(json.dumps(self.config or cfg.to_dict(), indent=2))
             write_model_files(run, out)
+            self.settings = settings.write(out)  # GEMM routes and threads: a repeat reuses them
             # Records past a resumed checkpoint are dropped: they will be written again, identically.
             (out / "metrics.jsonl").write_text("".join(_line(r) for r in run.history))
             if run.step and self.progress:
@@ -71,6 +73,7 @@ class LogMetrics:
             if self.ranks.logs:
                 with open(Path(cfg.out_dir) / "metrics.jsonl", "a") as f:
                     f.write(_line(rec))
+                self.settings = settings.write(cfg.out_dir, self.settings)  # new buckets, if any
             run.window, self.t_last = (0, 0.0), time.perf_counter()  # eval is not training time
             self.bar.set_postfix(loss=f"{loss:.3f}", **({"val": f"{rec['val_loss']:.3f}"}
                                                         if "val_loss" in rec else {}))

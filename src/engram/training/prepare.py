@@ -275,21 +275,32 @@ def _tokenisers(workers: int | None) -> Iterator[tuple[ThreadPoolExecutor | None
     """(``workers`` threads, and how many), or (None, 0): tokenise in the calling thread.
 
     Threads, not processes: the tokenizer lets go of the GIL while it encodes, one copy of it serves
-    every thread, and nothing is pickled. Its own thread pool (Rust's rayon, sized at its first use
-    in a process, which in ``engram prepare`` is here) gets as many threads, so a batch's documents
-    spread over the cores too. Measured against spawned processes with a single-threaded tokenizer
-    each (the design before), 2 workers, 64 MB, five alternated pairs on a 2-core AMD EPYC Zen 5:
-    1.11-1.40x the MB/s (median 1.20x) for 0.68-0.87x the CPU seconds (median 0.80x)."""
+    every thread, and nothing is pickled. Its own thread pool (Rust's rayon) is sized by the
+    process that prepares (:func:`tokenizer_threads`, ``engram prepare``'s entry point), so a
+    batch's documents spread over the cores too. Measured against spawned processes with a
+    single-threaded tokenizer each (the design before), 2 workers, 64 MB, five alternated pairs on
+    a 2-core AMD EPYC Zen 5: 1.11-1.40x the MB/s (median 1.20x) for 0.68-0.87x the CPU seconds
+    (median 0.80x)."""
     n = (os.cpu_count() or 1) if workers is None else workers
     if n == 0:
         yield None, 0
         return
-    sized = "RAYON_NUM_THREADS" not in os.environ
+    with ThreadPoolExecutor(n, thread_name_prefix="tokenise") as pool:
+        yield pool, n
+
+
+@contextmanager
+def tokenizer_threads(workers: int | None) -> Iterator[None]:
+    """For the entry point of a process that prepares: the tokenizer's own thread pool (rayon,
+    sized once, at its first use in a process) gets as many threads as :func:`prepare`'s
+    ``workers`` (None: the cores; 0: left alone), unless RAYON_NUM_THREADS is set already; unset
+    again after. Ids do not depend on it, only speed."""
+    n = (os.cpu_count() or 1) if workers is None else workers
+    sized = n > 0 and "RAYON_NUM_THREADS" not in os.environ
     if sized:
         os.environ["RAYON_NUM_THREADS"] = str(n)
     try:
-        with ThreadPoolExecutor(n, thread_name_prefix="tokenise") as pool:
-            yield pool, n
+        yield
     finally:
         if sized:
             os.environ.pop("RAYON_NUM_THREADS", None)

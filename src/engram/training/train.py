@@ -10,8 +10,6 @@ resumed reaches the same losses as one that was never interrupted. The loop itse
 from __future__ import annotations
 
 import dataclasses
-import os
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from ..retrieval.compress import Compression, build_compression
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
 from . import precision as precision_
+from . import settings as run_settings
 from .batches import TokenBatches
 from .checkpoint import (
     CheckpointError,
@@ -41,29 +40,7 @@ from .hooks import LogMetrics, SaveCheckpoints, log_record  # noqa: F401  (log_r
 from .loop import ONE_PROCESS, Run, evaluate, fit, lr_at, restore, train_step  # noqa: F401
 from .optim import build_optimizers
 from .precision import PRECISIONS, LossScaler, check_names
-
-# glibc gives every freed block above its mmap / trim thresholds back to the kernel, so each step's
-# large activations (logits, attention, the FFN's hidden) page-fault in again, zeroed: ~20k minor
-# faults and ~12% more CPU time per step of the compare models (benchmarks/train.py, "faults").
-# Training processes keep freed memory for the next step instead; peak RSS stays what it was.
-# glibc reads these at process start, so they apply to processes started while they are set.
-ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
-
-
-@contextmanager
-def allocator_env():
-    """Processes started inside keep freed memory (``ALLOCATOR_ENV``, unless already set)."""
-    old = {k: os.environ.get(k) for k in ALLOCATOR_ENV}
-    for k, v in ALLOCATOR_ENV.items():
-        os.environ.setdefault(k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+from .settings import ALLOCATOR_ENV, allocator_env  # noqa: F401  (their old home)
 
 
 @dataclass
@@ -282,6 +259,7 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None,
     torch.manual_seed(cfg.seed)
     model = place(build_model(cfg, corpus), cfg, device)
     if device.type == "cpu" and cfg.precision == "fp32":  # the only products gemm.py routes
+        run_settings.reuse(cfg.out_dir)  # the routes this run took before, whatever the cache says
         gemm.prepare(model, [cfg.batch_size * cfg.seq_len])  # routes measured now, not in a step
     batches = TokenBatches(corpus.streams["train"], cfg.batch_size, cfg.seq_len, corpus, hasher,
                            seed=cfg.seed)
@@ -302,7 +280,8 @@ def _state(run: Run) -> dict[str, Any]:
 def checkpoint_meta(run: Run) -> dict[str, Any]:
     """What a checkpoint keeps beside the tensors: config and the loop's position."""
     return {"config": run.cfg.to_dict(), "history": run.history, "window": list(run.window),
-            "hook_state": run.hook_state, "data": data_identity(run.corpus)}
+            "hook_state": run.hook_state, "data": data_identity(run.corpus),
+            "settings": run_settings.record()}  # GEMM routes, threads: put back on resume
 
 
 def data_identity(corpus: Corpus) -> dict[str, str]:
