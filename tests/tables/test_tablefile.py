@@ -99,7 +99,7 @@ def test_export_from_model_and_checkpoint(tmp_path, hasher):
         for lid, t in tables.items():
             assert torch.equal(t.lookup(torch.arange(t.num_rows)),
                                model.engrams()[lid].table.weight.detach())
-    assert read_header(table_path(tmp_path / "b", 0)).tag == "run"
+    assert read_header(table_path(tmp_path / "b", 0)).tag == "step_00000007.safetensors"  # the file
 
 
 def _flip(path, offset):

@@ -100,7 +100,7 @@ def _tables_of(source: Any, hasher: Hasher | None
         found = {_STATE_PARTS[k[len(prefix):]]: v for k, v in state["model"].items()
                  if k.startswith(prefix)}
         sets[lid] = {part: found[part] for part in hasher.parts}
-    return config, sets, hasher, Path(str(source)).name  # the source as given
+    return config, sets, hasher, path.name  # the checkpoint file, as the runtime stamps it
 
 
 def _rows(table: Any) -> Any:
