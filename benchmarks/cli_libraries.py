@@ -13,7 +13,8 @@ comments) in a module that imports nothing: what the library itself costs if eve
 a torch-free module of its own. Per CLI: min and median wall seconds (and median CPU seconds) over
 ``reps`` fresh processes, the runs interleaved, whether torch was imported, and whether --help shows
 the fields' comments (TrainConfig.seed's "model init and batch order"); ratios against ours on the
-same config and against ``python -c "import torch"``, measured the same way in the same run. A
+same config (the median over reps of each run over ours' run beside it, wall and CPU) and against
+``python -c "import torch"``, measured the same way in the same run. A
 library that is not installed is skipped and said so in the JSON.
 """
 
@@ -25,6 +26,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -134,17 +136,20 @@ def main() -> None:
     torch_s = res["timings"]["import torch"]["wall_median_s"]
     for k, t in res["timings"].items():
         t["vs_import_torch"] = t["wall_median_s"] / torch_s
-        if " / " in k:
-            ours = res["timings"]["ours / " + k.split(" / ")[1]]["wall_median_s"]
-            t["vs_ours"] = t["wall_median_s"] / ours
-        print(f"{k:<34} min {t['wall_min_s']:.3f} s, median {t['wall_median_s']:.3f} s wall "
-              f"({t.get('vs_ours', 0):.2f}x ours, {t['vs_import_torch']:.2f}x import torch)"
+        if " / " in k:  # ratio of each rep's run to ours of the same rep, which ran beside it
+            ours = runs["ours / " + k.split(" / ")[1]]
+            t["vs_ours_wall"] = statistics.median(a[0] / b[0] for a, b in zip(runs[k], ours))
+            t["vs_ours_cpu"] = statistics.median(a[1] / b[1] for a, b in zip(runs[k], ours))
+        print(f"{k:<34} wall min {t['wall_min_s']:.3f} s, median {t['wall_median_s']:.3f} s; CPU "
+              f"median {t['cpu_median_s']:.3f} s ({t.get('vs_ours_wall', 0):.2f}x ours wall, "
+              f"{t.get('vs_ours_cpu', 0):.2f}x CPU; {t['vs_import_torch']:.2f}x import torch)"
               + (f"; torch imported: {t['imports_torch']}; comments in --help: "
                  f"{t['help_shows_comments']}" if "imports_torch" in t else "")
               + (f"; --help FAILED: {t['error']}" if "error" in t else ""))
     for name, why in res["skipped"].items():
         print(f"{name}: skipped, {why}")
     res["load_avg_end"] = os.getloadavg()[0]
+    shutil.rmtree(tmp)
     from engram import gemm  # imports torch: after the timings
 
     res["cpu"] = gemm.cpu_model()
