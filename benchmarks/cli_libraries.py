@@ -6,16 +6,16 @@ tiny CLI (TrainConfig's options) built with ours, tyro, jsonargparse and simple-
 
 Each CLI is the library's shortest way to a command line for a dataclass (``tyro.cli(C)``,
 ``jsonargparse.auto_cli(C)``, ``simple_parsing.parse(C, add_config_path_arg=True)``; ours:
-``add_config(parser, "module:C", 0)``), run as ``CLI --help`` in a fresh interpreter. Each runs on two
-configs: the real ``engram.training.train:TrainConfig`` (its module imports torch, as do most of
+``add_config(parser, "module:C", 0)``), run as ``CLI --help`` in a fresh interpreter. Each runs on
+two configs: the real ``engram.training.train:TrainConfig`` (its module imports torch, as do most of
 our configs' modules), and a copy of it written from its source (same fields, types, defaults,
 comments) in a module that imports nothing: what the library itself costs if every config moved to
 a torch-free module of its own. Per CLI: min and median wall seconds (and median CPU seconds) over
 ``reps`` fresh processes, the runs interleaved, whether torch was imported, and whether --help shows
 the fields' comments (TrainConfig.seed's "model init and batch order"); ratios against ours on the
 same config (the median over reps of each run over ours' run beside it, wall and CPU) and against
-``python -c "import torch"``, measured the same way in the same run. A
-library that is not installed is skipped and said so in the JSON.
+``python -c "import torch"``, measured the same way in the same run. A library that is not
+installed is skipped and said so in the JSON.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ CASES = [
     ("eval {root}/run --config {root}/bad.json", "bad.json is not valid JSON (line 1, column 13"),
     ("generate {root}/run --config {root}/list.yaml", "holds a list, not a mapping"),
     ("train --config {root}/prior.json", "prior.json: unknown option 'mine'"),
-    ("compare --config {root}/typo.yaml", "typo.yaml: unknown option 'stepz'; did you mean 'steps'"),
+    ("compare --config {root}/typo.yaml", "unknown option 'stepz'; did you mean 'steps'"),
     ("train --config {root}/types.yaml", "bad value for --steps: 'three' (expected int)"),
     ("demo --config {root}/nulls.yaml", "bad value for --table_size: null (expected int)"),
     ("train --print_config xml", "invalid choice: 'xml' (choose from 'yaml', 'json')"),

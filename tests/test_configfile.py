@@ -13,7 +13,8 @@ from engram.cli import COMMANDS, main
 from engram.errors import UserError
 
 # What each command needs besides options to get as far as building its configs.
-POSITIONALS = {"eval": ["RUN"], "analyze": ["RUN"], "generate": ["RUN"], "export-hf": ["RUN", "OUT"]}
+POSITIONALS = {"eval": ["RUN"], "analyze": ["RUN"], "generate": ["RUN"],
+               "export-hf": ["RUN", "OUT"]}
 REQUIRED = {"generate": ["--prompt", "hi"], "prepare": ["--out", "corpus", "--source", "kjv"]}
 
 

@@ -318,11 +318,11 @@ class Command:
                 outputs.release(created, path)
             raise
 
-    # -- config files --------------------------------------------------------------------------------
+    # -- config files ------------------------------------------------------------------------------
     def _owners(self, p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
         """Option name (both spellings, no dashes) -> its action, for every config field shown."""
-        return {o[2:]: a for a in p._actions if a.dest.startswith(_SET) and a.help != argparse.SUPPRESS
-                for o in a.option_strings}
+        return {o[2:]: a for a in p._actions
+                if a.dest.startswith(_SET) and a.help != argparse.SUPPRESS for o in a.option_strings}
 
     def _config_file(self, p: ConfigParser, argv: list[str]) -> list[dict[str, Any]]:
         """Per config, the fields ``--config FILE`` in ``argv`` sets (typed); an option the file
