@@ -36,7 +36,7 @@ TINY = ["--n_layer=2", "--d_model=32", "--n_head=2", "--seq_len=32", "--batch_si
 def tree(tmp_path_factory):
     """root/: run (2 steps), other (a copy of it elsewhere), export (of run), text.txt, binary.bin,
     prior.json (a JSON file of the user's), plain.txt, foreign/ (config.json and metrics.jsonl
-    that are not a run's), analysis-free."""
+    that are not a run's), analysis-free; bad config files (--config)."""
     root = tmp_path_factory.mktemp("bad_input")
     assert main(["train", f"--out_dir={root / 'run'}", "--steps=2", "--ckpt_every=2", *TINY]) == 0
     assert main(["export-hf", str(root / "run"), str(root / "export")]) == 0
@@ -48,6 +48,12 @@ def tree(tmp_path_factory):
     (root / "foreign").mkdir()
     (root / "foreign" / "config.json").write_text('{"model_type": "llama"}\n')
     (root / "foreign" / "metrics.jsonl").write_text('{"accuracy": 0.9}\n')
+    (root / "bad.yaml").write_text("steps: [1, 2\n")
+    (root / "bad.json").write_text('{"steps": 3,}\n')
+    (root / "list.yaml").write_text("- steps\n- 3\n")
+    (root / "typo.yaml").write_text("stepz: 3\n")
+    (root / "types.yaml").write_text("steps: three\n")
+    (root / "nulls.yaml").write_text("table_size: null\n")
     return root
 
 
@@ -118,6 +124,21 @@ CASES = [
     ("prepare --input {root}/text.txt --out {root}/late --non_utf8 drop", "bad value for "
      "--non_utf8: drop"),
     ("generate {root}/nope --prompt God", "RUN_DIR {root}/nope: no such file"),
+    # config files (--config): missing, not a file, not text, bad syntax, keys and values
+    ("train --config {root}/nope.yaml", "--config {root}/nope.yaml: no such file"),
+    ("train --config {root}/run", "is a folder; name a YAML or JSON file (a run's options: "
+     "{root}/run/config.json)"),
+    ("train --config {root}/binary.bin", "binary.bin is not UTF-8 text"),
+    ("train --config {root}/bad.yaml", "bad.yaml is not valid YAML (line 2, column 1"),
+    ("eval {root}/run --config {root}/bad.json", "bad.json is not valid JSON (line 1, column 13"),
+    ("generate {root}/run --config {root}/list.yaml", "holds a list, not a mapping"),
+    ("train --config {root}/prior.json", "prior.json: unknown option 'mine'"),
+    ("compare --config {root}/typo.yaml", "unknown option 'stepz'; did you mean 'steps'"),
+    ("train --config {root}/types.yaml", "bad value for --steps: 'three' (expected int)"),
+    ("demo --config {root}/nulls.yaml", "bad value for --table_size: null (expected int)"),
+    ("train --print_config xml", "invalid choice: 'xml' (choose from 'yaml', 'json')"),
+    # a run's own config.json is a config file: its out_dir, so this resumes that run
+    ("train --config {root}/run/config.json --steps 1", "past steps=1: pass --steps 2"),
     # numbers: range and finiteness, checked by each config
     ("train --lr inf", "lr must be a finite number, got inf"),
     ("train --grad_clip nan", "grad_clip must be a finite number, got nan"),

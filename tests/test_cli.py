@@ -85,18 +85,24 @@ def test_version(capsys):
     assert e.value.code == 0 and capsys.readouterr().out.startswith("engram ")
 
 
-def test_train_space_and_equals_spellings_run_the_same(tmp_path, capsys, one_thread):
+def test_train_spellings_and_a_config_file_run_the_same(tmp_path, capsys, one_thread):
+    """`--key value`, `--key=value`, and the first run's own config.json as --config (its out_dir
+    overridden) train the same run."""
     common = ["--n_layer", "2", "--d_model", "32", "--n_head", "2", "--seq_len", "32",
               "--batch_size", "2", "--table_size", "500", "--max_chars", "20000",
               "--eval_every", "5", "--eval_batches", "1", "--warmup", "1", "--log_every", "1"]
     equals = [f"{k}={v}" for k, v in zip(common[::2], common[1::2])]
     outs = []
     for args in (["--steps", "5", "--out_dir", str(tmp_path / "a"), *common],
-                 ["--steps=5", f"--out_dir={tmp_path / 'b'}", *equals]):
+                 ["--steps=5", f"--out_dir={tmp_path / 'b'}", *equals],
+                 ["--config", str(tmp_path / "a" / "config.json"), f"--out_dir={tmp_path / 'c'}"]):
         assert main(["train", *args]) == 0
         outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
-    assert outs[0]["step"] == outs[1]["step"] == 5
-    assert outs[0]["loss"] == outs[1]["loss"] and outs[0]["val_loss"] == outs[1]["val_loss"]
+    assert outs[0]["step"] == outs[1]["step"] == outs[2]["step"] == 5
+    assert outs[0]["loss"] == outs[1]["loss"] == outs[2]["loss"]
+    assert outs[0]["val_loss"] == outs[1]["val_loss"] == outs[2]["val_loss"]
+    a, c = (json.loads((tmp_path / x / "config.json").read_text()) for x in "ac")
+    assert {**a, "out_dir": None} == {**c, "out_dir": None}
 
 
 # -- the registry ----------------------------------------------------------------------------------

@@ -6,7 +6,10 @@ Every field of a config becomes ``--field`` (also spelled ``--field-with-dashes`
 shows each field's comment from the dataclass source, its type, valid values
 (``field(metadata={"choices": ...})``) and default, or "required" for a field without one, so the
 config stays the one place an option is documented. An unknown option names the closest known one;
-every parse error is one line and exit status 2.
+every parse error is one line and exit status 2. A command with configs also takes ``--config FILE``
+(YAML or JSON, :mod:`engram.configfile`: the same options as a mapping, ``steps: 300``; the command
+line overrides it) and ``--print_config [yaml|json]`` (the effective options as such a file; no work
+is done).
 
 Configs are read from their source (:mod:`engram.schema`), so a config may be named by
 ``"module:Class"`` and its module is imported only when :func:`build` makes the instance.
@@ -32,11 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from . import outputs
+from . import configfile, outputs
 from .errors import UserError
 from .schema import Field, fields_of, resolve, split_ref
 
 _SET = "_engram_set_"  # namespace prefix of values the user gave: dest = f"{_SET}{index}.{field}"
+_FILE, _PRINT = "_engram_config_file", "_engram_print_config"  # dests of --config, --print_config
 
 
 # -- values ----------------------------------------------------------------------------------------
@@ -74,6 +78,30 @@ def _bool(raw: str) -> bool:
     if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
         raise ValueError(raw)
     return raw.lower() in ("true", "1", "yes")
+
+
+def file_value(f: Field, value: Any, key: str) -> Any:
+    """Field ``f``'s value from a config file (JSON / YAML types): a string is read as the command
+    line reads its text (so YAML's ``lr: 1e-3``, a string to YAML 1.1, is a float here); numbers,
+    booleans and lists must be what the field's type holds."""
+    if value is None:
+        if "None" in f.type:
+            return None
+        raise UserError(f"bad value for --{key}: null (expected {f.type})")
+    if f.type.startswith("list"):  # one value per item, as the repeated option
+        items = value if isinstance(value, list) else [value]
+        return [parse_value(f.type, _text(f, v, key), key, f.choices) for v in items]
+    if isinstance(value, list) and f.type.startswith("tuple"):
+        text = ",".join(_text(f, v, key) for v in value)
+    else:
+        text = _text(f, value, key)
+    return parse_value(f.type, text, key, f.choices)
+
+
+def _text(f: Field, value: Any, key: str) -> str:
+    if isinstance(value, (dict, list)):
+        raise UserError(f"bad value for --{key}: {value!r} (expected {f.type})")
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _show(value: Any) -> str:
@@ -176,10 +204,13 @@ def given(ns: argparse.Namespace, index: int) -> dict[str, Any]:
     return {k[len(prefix):]: v for k, v in vars(ns).items() if k.startswith(prefix)}
 
 
-def build(config: type | str, ns: argparse.Namespace, index: int, base: Any = None) -> Any:
-    """The config instance: ``base`` (or the dataclass's defaults) with what the command line set.
-    Imports the config's module when it is named by ``"module:Class"``."""
+def build(config: type | str, ns: argparse.Namespace, index: int, base: Any = None,
+          filled: dict[str, Any] | None = None) -> Any:
+    """The config instance: ``base`` (or the dataclass's defaults), then ``filled`` (a config
+    file's values), then what the command line set. Imports the config's module when it is named
+    by ``"module:Class"``."""
     values = dataclasses.asdict(base) if base is not None else {}
+    values.update(filled or {})
     values.update(given(ns, index))
     return resolve(config)(**values)
 
@@ -203,6 +234,9 @@ class Config:
     title: str | None = None  # the --help group; None: "<Class> options"
     skip: tuple[str, ...] = ()  # fields left out (another config, or the command, sets them)
     prefix: str = ""  # options spelled --{prefix}{field}
+    # Keys a saved config holds that are records, not options (a torchrun run's config.json has
+    # world_size): a --config file may carry them; they are ignored where no option owns them.
+    records: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -246,6 +280,15 @@ class Command:
             p.add_argument(a.name, metavar=a.name.upper(), nargs=a.nargs, help=a.help
                            + (f" ({a.deprecated} {a.name.upper()} still works, deprecated)"
                               if a.deprecated else ""))
+        if self.configs:
+            files = p.add_argument_group("config file")
+            files.add_argument(*option_names("config"), dest=_FILE, metavar="FILE", help=(
+                "options from a YAML or JSON file (option: value; a run's config.json is one); "
+                "options given here override it [path; default: none]"))
+            files.add_argument(*option_names("print_config"), dest=_PRINT, nargs="?", const="yaml",
+                               choices=configfile.FORMATS, metavar="yaml|json", help=(
+                "print the effective options (file, then command line) as a file --config reads "
+                "back, and exit without doing the work [yaml|json; default: yaml when given]"))
         for i, c in enumerate(self.configs):
             add_config(p, c.ref, i, c.title, c.skip, c.prefix)
         return p
@@ -258,10 +301,15 @@ class Command:
     def __call__(self, argv: Sequence[str]) -> int:
         if self.passthrough:
             return self.run(list(argv)) or 0
+        argv = self._undeprecate(list(argv))
         p = self.parser()
-        ns = p.parse_args(self._undeprecate(list(argv)))
+        filled = self._config_file(p, argv)
+        ns = p.parse_args(argv)
         values = [getattr(ns, a.name) for a in self.args]
-        values += [build(c.ref, ns, i) for i, c in enumerate(self.configs)]
+        values += [build(c.ref, ns, i, filled=filled[i]) for i, c in enumerate(self.configs)]
+        if getattr(ns, _PRINT, None):
+            print(self.effective(values[len(self.args):], getattr(ns, _PRINT)))
+            return 0
         claimed = self.prepare(values)
         try:
             return self.run(*values) or 0
@@ -269,6 +317,58 @@ class Command:
             for created, path in claimed:
                 outputs.release(created, path)
             raise
+
+    # -- config files ------------------------------------------------------------------------------
+    def _owners(self, p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+        """Option name (both spellings, no dashes) -> its action, for every config field shown."""
+        return {o[2:]: a for a in p._actions
+                if a.dest.startswith(_SET) and a.help != argparse.SUPPRESS for o in a.option_strings}
+
+    def _config_file(self, p: ConfigParser, argv: list[str]) -> list[dict[str, Any]]:
+        """Per config, the fields ``--config FILE`` in ``argv`` sets (typed); an option the file
+        gives is no longer required on the command line. UserError for a bad file or key."""
+        filled: list[dict[str, Any]] = [{} for _ in self.configs]
+        if not self.configs:
+            return filled
+        pre = ConfigParser(prog=p.prog, add_help=False, allow_abbrev=False)
+        pre.add_argument(*option_names("config"), dest=_FILE)
+        path = getattr(pre.parse_known_args(argv)[0], _FILE)
+        if path is None:
+            return filled
+        label = f"--config {path}"
+        owners = self._owners(p)
+        records = {r for c in self.configs for r in c.records}
+        for key, value in configfile.read(path).items():
+            action = owners.get(str(key))
+            if action is None:
+                if key in records:
+                    continue
+                close = difflib.get_close_matches(str(key), list(owners), n=1, cutoff=0.6)
+                raise UserError(f"{label}: unknown option {key!r}" + (
+                    f"; did you mean {close[0]!r}?" if close else
+                    f" (`engram {self.name} --print_config` lists the options)"))
+            index, name = action.dest[len(_SET):].split(".", 1)
+            f = next(f for f in fields_of(self.configs[int(index)].ref) if f.name == name)
+            try:
+                filled[int(index)][name] = file_value(f, value, str(key))
+            except UserError as e:
+                raise UserError(f"{label}: {e}") from None
+            action.required = False
+        return filled
+
+    def effective(self, configs: list[Any], fmt: str) -> str:
+        """The options of built ``configs`` as a file ``--config`` reads back (``fmt``: yaml or
+        json): each option under its first spelling, in --help's order."""
+        p = self.parser()
+        groups: dict[int, tuple[str, dict[str, Any]]] = {}
+        for a in self._owners(p).values():
+            index, name = a.dest[len(_SET):].split(".", 1)
+            c = self.configs[int(index)]
+            title, values = groups.setdefault(int(index), (
+                c.title or f"{split_ref(c.ref)[1]} options", {}))
+            values.setdefault(a.option_strings[0][2:], getattr(configs[int(index)], name))
+        return configfile.dump([groups[i] for i in sorted(groups)], fmt,
+                               header=f"engram {self.name} --config FILE reads this back")
 
     # -- the places a command reads and writes -----------------------------------------------------
     def _where(self, name: str) -> tuple[int, str]:
@@ -370,5 +470,5 @@ def field_comments(config: type | str) -> dict[str, str]:
 
 
 __all__ = ["Arg", "Command", "Config", "ConfigParser", "In", "Out", "add_config", "build",
-           "field_comments", "given", "new_parser", "option_names", "parse_overrides",
+           "field_comments", "file_value", "given", "new_parser", "option_names", "parse_overrides",
            "parse_value"]

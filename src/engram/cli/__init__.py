@@ -10,7 +10,7 @@ positional arguments (:class:`Arg`), the config dataclasses whose fields are its
 fields to skip, a prefix), and which arguments and options are places it reads (``reads``: a name,
 or :class:`In` for a text file) and writes (``writes``: :class:`Out`, a file or a folder of a
 kind). The function receives the positional values, then one instance per config, and prints its
-result. Adding a command:
+result. Every command with configs also takes ``--config FILE`` and ``--print_config`` (options.py). Adding a command:
 
     @command("eval", "loss of a trained run on any text", args=(RUN_DIR,),
              configs=("engram.studies.evaluate:EvalConfig",),

@@ -9,6 +9,10 @@ from ..options import Arg, Command, Config, In, Out
 
 TRAIN = "engram.training.train:TrainConfig"
 
+# What a torchrun run's config.json holds besides TrainConfig's fields (training/distributed.py):
+# `--config RUN/config.json` passes over them where no option of the command owns them.
+RUN_RECORDS = ("world_size", "table_init")
+
 
 GENERATION = "engram.serving.generate:GenerationConfig"
 
@@ -39,7 +43,7 @@ RUN_DIR = Arg("run_dir", "a folder written by `engram train --out_dir`")
 
 
 STUDY_BASE = Config(TRAIN, "TrainConfig options (the base of every run; the study's options "
-                    "above set each run's token budget)")
+                    "above set each run's token budget)", records=RUN_RECORDS)
 
 
 RUNS_KEPT = ("finished runs are kept; a run in progress resumes from its checkpoint when the same "

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from ..errors import Interrupted, NonFinite, UserError
 from ..options import Config, In, Out
 from ..ranges import AT_LEAST_1, POSITIVE, Range, check_ranges
-from .registry import TRAIN, command
+from .registry import RUN_RECORDS, TRAIN, command
 
 @dataclass
 class DemoOptions:
@@ -51,7 +51,8 @@ def _demo(o: DemoOptions) -> None:
 
 @command("train", "train one LM (dense, MoE or Engram) on the package corpus or --data; "
          "torchrun for several",
-         configs=(TRAIN, Config(Launch, "run options")), writes=(Out("out_dir", "run"),),
+         configs=(Config(TRAIN, records=RUN_RECORDS), Config(Launch, "run options")),
+         writes=(Out("out_dir", "run"),),
          about="Under torchrun (WORLD_SIZE > 1): DDP and row-sharded tables. Ctrl-C or SIGTERM "
          "saves a checkpoint of the step reached; the same command resumes from it.",
          interrupted="stopped at once (before training began, or a second Ctrl-C): the run "
