@@ -43,6 +43,7 @@ import torch
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import Hasher
 from . import tablefile
+from .fp8 import gather_rows
 from .tablefile import (
     DTYPES,
     SCALE_FORMATS,
@@ -50,7 +51,6 @@ from .tablefile import (
     TableFileError,
     TableHeader,
     check_compatible,
-    dequantize_fp8,
 )
 from .tiers import check_rows
 
@@ -341,10 +341,8 @@ class PoolTable:
         flat = check_rows(rows, self.num_rows)  # [n]
         seq = self.region.seq
         self.region.check(seq)
-        raw = self.data.index_select(0, flat)  # [n, e] stored dtype
-        sc = None if self.scales is None else self.scales.index_select(0, flat)  # [n, nb]
+        out = gather_rows(self.data, self.scales, flat, self.out_dtype)  # [n, e], one pass
         self.region.check(seq)  # seqlock: no row of this copy may come from a rewrite
-        out = raw.to(self.out_dtype) if sc is None else dequantize_fp8(raw, sc).to(self.out_dtype)
         return out.view(*rows.shape, self.dim)
 
     def prefetch(self, rows: torch.Tensor) -> None:

@@ -1,0 +1,121 @@
+"""The numba kernels behind tables/fp8.py's ``gather_rows``: a table read that gathers the asked
+rows and widens them to fp32 in one pass (fp8 E4M3 values times their block scales; bf16), so a
+tier reads the 264 bytes of an FP8 + E8M0 row and writes its 1,024 fp32 bytes with no separate
+fp8 -> fp32 conversion (torch's costs ~3 ns a value on CPU). Compiled on first call, cached on
+disk next to this file (engram/jit.py).
+
+Every value is bit for bit what torch computes (``q.float() * scale``, tables/fp8.py
+``dequantize_fp8``): an E4M3 value is exact in fp32, so its product with the scale, rounded once,
+is the whole dequantisation, and a multiply rounds the exact product whatever the factors' split;
+bf16 -> fp32 is its bits moved up 16 places.
+
+Shape legend: r rows in the table, e row width, nb = e / block scale blocks per row, n rows read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ..jit import kernel
+
+LANES = 32  # values per inner loop: a constant trip count, so LLVM emits whole vectors only
+AHEAD = 8  # rows ahead whose bytes are prefetched (a random row's cache misses overlap the work)
+TWO_120 = np.float32(2.0 ** 120)  # fp32's exponent bias (127) minus E4M3's (7)
+FOLD_MAX = np.float32(2.0 ** 8)  # |scale| below this: scale x 2^120 is finite, so exact
+I32, F32 = ir.IntType(32), ir.FloatType()
+
+
+@intrinsic
+def e4m3_times(typingctx, byte, s):
+    """An E4M3 byte (uint8) times s = scale x 2^120, in 32-bit lanes (numba's integer arithmetic
+    widens to 64 bits, halving the vector). The byte's sign, exponent and mantissa bits put where
+    fp32 keeps them read as its value x 2^-120, exactly (E4M3 subnormals as fp32 subnormals), so
+    the one rounded product is value x scale's. 0x7F / 0xFF (NaN) give torch's NaN, sign | 0x7FF00000,
+    which times a scale stays itself."""
+    def codegen(context, builder, sig, args):
+        c = lambda v: ir.Constant(I32, v)  # noqa: E731
+        b = builder.sext(args[0], I32)  # sign to bits 31..8; << 20 puts the byte at 27..20
+        bits = builder.and_(builder.shl(b, c(20)), c(0x87F00000 - (1 << 32)))  # sign | exp, mant
+        v = builder.fmul(builder.bitcast(bits, F32), args[1])
+        nan = builder.bitcast(builder.or_(bits, c(0x78000000)), F32)  # sign | 0x7FF00000
+        is_nan = builder.icmp_unsigned("==", builder.and_(bits, c(0x7FF00000)), c(0x07F00000))
+        return builder.select(is_nan, nan, v)
+    return types.float32(types.uint8, types.float32), codegen
+
+
+@intrinsic
+def bf16(typingctx, bits):
+    """bf16 bits (uint16) -> fp32: the same bits, 16 places up (exact, NaNs and all)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.shl(builder.zext(args[0], I32), ir.Constant(I32, 16)), F32)
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def prefetch(typingctx, row, k):
+    """Ask for the cache line holding row[k] (1-d array) ahead of its use (llvm.prefetch)."""
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        i8p = ir.IntType(8).as_pointer()
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]),
+            "llvm.prefetch.p0i8")
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(I32, 0), ir.Constant(I32, 3),
+                          ir.Constant(I32, 1)])  # read, keep in all levels, data
+        return context.get_dummy_value()
+    return types.none(row, k), codegen
+
+
+@kernel()
+def gather_fp8(data, scales, scale_lut, ids, out):
+    """out[i] = row ids[i] of data [r, e] (E4M3 bytes as uint8) times its block scales: scales
+    [r, nb] fp32, or E8M0 codes (uint8) read through scale_lut [256] (fp32 2^(code - 127))."""
+    n, e, nb = ids.shape[0], data.shape[1], scales.shape[1]
+    block = e // nb
+    whole = block % LANES == 0
+    for i in range(n):
+        if i + AHEAD < n:
+            ahead = data[ids[i + AHEAD]]
+            for a in range(0, e, 64):  # every cache line of that row, and its scales'
+                prefetch(ahead, a)
+            prefetch(scales[ids[i + AHEAD]], 0)
+        src, sc, dst = data[ids[i]], scales[ids[i]], out[i]  # 1-d views: the loops vectorise
+        for j in range(nb):
+            s = sc[j] if scale_lut is None else scale_lut[sc[j]]
+            a = j * block
+            if abs(s) < FOLD_MAX:  # (NaN is not) s x 2^120 exact: one multiply per value
+                s2 = s * TWO_120
+                if whole:
+                    for _ in range(block // LANES):
+                        x, y = src[a:a + LANES], dst[a:a + LANES]
+                        for c in range(LANES):
+                            y[c] = e4m3_times(x[c], s2)
+                        a += LANES
+                else:
+                    x, y = src[a:a + block], dst[a:a + block]
+                    for c in range(block):
+                        y[c] = e4m3_times(x[c], s2)
+            else:  # the exact value first, then the product torch rounds
+                x, y = src[a:a + block], dst[a:a + block]
+                for c in range(block):
+                    y[c] = e4m3_times(x[c], TWO_120) * s
+
+
+@kernel()
+def gather_bf16(data, ids, out):
+    """out[i] = row ids[i] of data [r, e] (bf16 bits as uint16) in fp32."""
+    n, e = ids.shape[0], data.shape[1]
+    for i in range(n):
+        if i + AHEAD < n:
+            ahead = data[ids[i + AHEAD]]
+            for a in range(0, e, 32):
+                prefetch(ahead, a)
+        src, dst = data[ids[i]], out[i]
+        for c in range(e):
+            dst[c] = bf16(src[c])
