@@ -43,7 +43,7 @@ import torch
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import Hasher
 from . import tablefile
-from .fp8 import gather_rows
+from .fp8 import StoredRows
 from .tablefile import (
     DTYPES,
     SCALE_FORMATS,
@@ -336,12 +336,13 @@ class PoolTable:
         self.scales = (None if not entry["scale_bytes"] else
                        _view(region._mm, SCALE_FORMATS[header.scale_format][0],
                              entry["scale_offset"], self.num_rows, header.scale_width))
+        self.rows = StoredRows(self.data, self.scales)
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         flat = check_rows(rows, self.num_rows)  # [n]
         seq = self.region.seq
         self.region.check(seq)
-        out = gather_rows(self.data, self.scales, flat, self.out_dtype)  # [n, e], one pass
+        out = self.rows.gather(flat, self.out_dtype)  # [n, e], gathered + dequantised at once
         self.region.check(seq)  # seqlock: no row of this copy may come from a rewrite
         return out.view(*rows.shape, self.dim)
 

@@ -1,13 +1,13 @@
-"""The numba kernels behind tables/fp8.py's ``gather_rows``: a table read that gathers the asked
+"""The numba kernels behind tables/fp8.py's ``StoredRows``: a table read that gathers the asked
 rows and widens them to fp32 in one pass (fp8 E4M3 values times their block scales; bf16), so a
 tier reads the 264 bytes of an FP8 + E8M0 row and writes its 1,024 fp32 bytes with no separate
 fp8 -> fp32 conversion (torch's costs ~3 ns a value on CPU). Compiled on first call, cached on
 disk next to this file (engram/jit.py).
 
 Every value is bit for bit what torch computes (``q.float() * scale``, tables/fp8.py
-``dequantize_fp8``): an E4M3 value is exact in fp32, so its product with the scale, rounded once,
-is the whole dequantisation, and a multiply rounds the exact product whatever the factors' split;
-bf16 -> fp32 is its bits moved up 16 places.
+``dequantize_fp8``): an E4M3 value is exact in fp16 and fp32, so its product with the scale,
+rounded once, is the whole dequantisation, and a multiply rounds the exact product whatever the
+split of powers of two between its factors; bf16 -> fp32 is its bits moved up 16 places.
 
 Shape legend: r rows in the table, e row width, nb = e / block scale blocks per row, n rows read.
 """
@@ -24,25 +24,30 @@ from ..jit import kernel
 
 LANES = 32  # values per inner loop: a constant trip count, so LLVM emits whole vectors only
 AHEAD = 8  # rows ahead whose bytes are prefetched (a random row's cache misses overlap the work)
-TWO_120 = np.float32(2.0 ** 120)  # fp32's exponent bias (127) minus E4M3's (7)
-FOLD_MAX = np.float32(2.0 ** 8)  # |scale| below this: scale x 2^120 is finite, so exact
-I32, F32 = ir.IntType(32), ir.FloatType()
+TWO_8 = np.float32(2.0 ** 8)  # fp16's exponent bias (15) minus E4M3's (7)
+FOLD_MAX = np.float32(2.0 ** 120)  # |scale| below this: scale x 2^8 is finite, so exact
+I8, I16, I32, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 
 
 @intrinsic
 def e4m3_times(typingctx, byte, s):
-    """An E4M3 byte (uint8) times s = scale x 2^120, in 32-bit lanes (numba's integer arithmetic
-    widens to 64 bits, halving the vector). The byte's sign, exponent and mantissa bits put where
-    fp32 keeps them read as its value x 2^-120, exactly (E4M3 subnormals as fp32 subnormals), so
-    the one rounded product is value x scale's. 0x7F / 0xFF (NaN) give torch's NaN, sign | 0x7FF00000,
+    """An E4M3 byte (uint8) times s = scale x 2^8. The byte's sign, exponent and mantissa bits put
+    where fp16 keeps them read as its value x 2^-8, exactly (E4M3 subnormals as fp16 ones), which
+    the CPU widens to fp32 (vcvtph2ps), so the one rounded product is value x scale's. Integer
+    work in 16-bit lanes and the NaN test on the byte (numba's own integer arithmetic would widen
+    to 64 bits, a quarter of the vector). 0x7F / 0xFF (NaN) give torch's NaN, sign | 0x7FF00000,
     which times a scale stays itself."""
     def codegen(context, builder, sig, args):
-        c = lambda v: ir.Constant(I32, v)  # noqa: E731
-        b = builder.sext(args[0], I32)  # sign to bits 31..8; << 20 puts the byte at 27..20
-        bits = builder.and_(builder.shl(b, c(20)), c(0x87F00000 - (1 << 32)))  # sign | exp, mant
-        v = builder.fmul(builder.bitcast(bits, F32), args[1])
-        nan = builder.bitcast(builder.or_(bits, c(0x78000000)), F32)  # sign | 0x7FF00000
-        is_nan = builder.icmp_unsigned("==", builder.and_(bits, c(0x7FF00000)), c(0x07F00000))
+        b = args[0]
+        # sign to bit 15 (and 14, cleared), exponent and mantissa to bits 13..7
+        h = builder.and_(builder.shl(builder.sext(b, I16), ir.Constant(I16, 7)),
+                         ir.Constant(I16, 0xBF80 - (1 << 16)))
+        v = builder.fmul(builder.fpext(builder.bitcast(h, ir.HalfType()), F32), args[1])
+        sign = builder.shl(builder.zext(builder.and_(b, ir.Constant(I8, 0x80 - 256)), I32),
+                           ir.Constant(I32, 24))
+        nan = builder.bitcast(builder.or_(sign, ir.Constant(I32, 0x7FF00000)), F32)
+        is_nan = builder.icmp_unsigned("==", builder.and_(b, ir.Constant(I8, 0x7F)),
+                                       ir.Constant(I8, 0x7F))
         return builder.select(is_nan, nan, v)
     return types.float32(types.uint8, types.float32), codegen
 
@@ -89,8 +94,8 @@ def gather_fp8(data, scales, scale_lut, ids, out):
         for j in range(nb):
             s = sc[j] if scale_lut is None else scale_lut[sc[j]]
             a = j * block
-            if abs(s) < FOLD_MAX:  # (NaN is not) s x 2^120 exact: one multiply per value
-                s2 = s * TWO_120
+            if abs(s) < FOLD_MAX:  # (NaN is not) s x 2^8 exact: one multiply per value
+                s2 = s * TWO_8
                 if whole:
                     for _ in range(block // LANES):
                         x, y = src[a:a + LANES], dst[a:a + LANES]
@@ -104,7 +109,7 @@ def gather_fp8(data, scales, scale_lut, ids, out):
             else:  # the exact value first, then the product torch rounds
                 x, y = src[a:a + block], dst[a:a + block]
                 for c in range(block):
-                    y[c] = e4m3_times(x[c], TWO_120) * s
+                    y[c] = e4m3_times(x[c], TWO_8) * s
 
 
 @kernel()

@@ -30,7 +30,7 @@ from .tiers import HostTable, PinnedTable, SharedPool, open_parts
 
 Parts = dict[tuple[str, int], TableStore]  # (part, owner layer) -> store
 # Stored dtypes the memory tier keeps as stored on the CPU (HostTable: every lookup gathers and
-# dequantises in one pass, fp8.gather_rows); other files are read into an fp32 MemoryTable.
+# dequantises in one pass, fp8.StoredRows); other files are read into an fp32 MemoryTable.
 STORED = ("fp8", "bf16")
 
 

@@ -28,7 +28,7 @@ import torch
 
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import Hasher
-from .fp8 import gather_rows
+from .fp8 import StoredRows
 from .tablefile import (
     DTYPES,
     SCALE_FORMATS,
@@ -182,6 +182,7 @@ class FileTable:
         with self._lock:
             self.header, self._fd, self._ino = header, fd, os.fstat(fd).st_ino
             self._data, self._scales = regions
+            self._rows = None  # StoredRows of the whole mapping, made on the first read
             self.num_rows, self.dim = header.num_rows, header.dim
         if old >= 0:
             os.close(old)
@@ -218,6 +219,7 @@ class FileTable:
         (POSIX_FADV_DONTNEED). Pages another table or process still maps stay resident; the next
         lookup maps the file again."""
         with self._lock:
+            self._rows = None  # it holds the mapping too
             for r in (self._data, self._scales):
                 if r is not None:
                     r.close()
@@ -226,6 +228,7 @@ class FileTable:
     def close(self) -> None:
         """Unmap and close (lookups return copies, so no tensor keeps the mapping alive)."""
         with self._lock:
+            self._rows = None
             for r in (self._data, self._scales):
                 if r is not None:
                     r.close()
@@ -256,12 +259,20 @@ class FileTable:
             raise RuntimeError(f"{self.path} was closed")
         out = torch.empty(flat.numel(), self.dim, dtype=self.out_dtype)  # [n, e]
         if data.window_rows >= data.rows:  # one mapping: gathered and dequantised in one pass
-            d, s = data.window(0), None if scales is None else scales.window(0)
-            self._split(lambda f, o: gather_rows(d, s, f, out=o), flat, out)
+            whole = self._whole(data, scales)
+            self._split(lambda f, o: whole.gather(f, out=o), flat, out)
         else:  # windows: the stored rows copied out window by window, then widened
-            raw, sc = self._stored(data, scales, flat)
-            gather_rows(raw, sc, None, out=out)
+            StoredRows(*self._stored(data, scales, flat)).gather(None, out=out)
         return out.view(*rows.shape, self.dim)
+
+    def _whole(self, data: _Region, scales: _Region | None) -> StoredRows:
+        """The whole mapping's rows, made once per mapping (evict and close drop it)."""
+        d = data.window(0)
+        with self._lock:
+            rows = self._rows
+            if rows is None or rows.data is not d:
+                rows = self._rows = StoredRows(d, None if scales is None else scales.window(0))
+        return rows
 
     def stored(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows a..b as the file stores them: values [b-a, e] in the stored dtype, and fp8's
@@ -305,7 +316,7 @@ class FileTable:
 class HostTable:
     """A table in this process's memory, its rows kept as the table file stores them (fp8 values
     and block scales, bf16, ...): an FP8 + E8M0 table takes 264 bytes a row of head dim 256, not
-    the 1,024 of fp32, and every lookup gathers and dequantises in one pass (fp8.gather_rows).
+    the 1,024 of fp32, and every lookup gathers and dequantises in one pass (fp8.StoredRows).
 
     ``source``: a :class:`FileTable` (its stored rows are copied; with ``dtype`` they are read
     as ``dtype`` instead), rows [r, e], a module with a ``weight`` [r, e], or any TableStore (its
@@ -347,11 +358,11 @@ class HostTable:
                 self.host[a:b] = values.to(dtype)
                 if sc is not None:
                     self.host_scales[a:b] = sc
+        self.rows = StoredRows(self.host, self.host_scales)
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         flat = check_rows(rows, self.num_rows)
-        out = gather_rows(self.host, self.host_scales, flat, self.out_dtype)  # [n, e]
-        return out.view(*rows.shape, self.dim)
+        return self.rows.gather(flat, self.out_dtype).view(*rows.shape, self.dim)  # [..., e]
 
     def prefetch(self, rows: torch.Tensor) -> None:
         pass
@@ -390,7 +401,7 @@ class PinnedTable(HostTable):
         # Gather into a pinned staging buffer, then one async DMA on the current stream; the
         # caching host allocator keeps the buffer alive until the copy has run.
         staging = torch.empty(flat.numel(), self.dim, dtype=self.out_dtype, pin_memory=True)
-        gather_rows(self.host, self.host_scales, flat, out=staging)
+        self.rows.gather(flat, out=staging)
         return staging.to(self.device, non_blocking=True).view(*rows.shape, self.dim)
 
     def __repr__(self) -> str:
