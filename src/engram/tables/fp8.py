@@ -60,7 +60,9 @@ class StoredRows:
                 self.kernel = kernels.gather_bf16
                 self.args = (data.view(torch.int16).numpy().view(np.uint16),)
             elif kernels is not None:
-                self.kernel = kernels.gather_fp8
+                block = data.shape[1] // scales.shape[1]
+                self.kernel = (kernels.gather_fp8 if block % kernels.LANES == 0
+                               else kernels.gather_fp8_any)
                 lut = _E8M0_FLOATS if scales.dtype == torch.uint8 else None
                 self.args = (data.view(torch.uint8).numpy(), scales.numpy(), lut)
 

@@ -80,10 +80,10 @@ def prefetch(typingctx, row, k):
 @kernel()
 def gather_fp8(data, scales, scale_lut, ids, out):
     """out[i] = row ids[i] of data [r, e] (E4M3 bytes as uint8) times its block scales: scales
-    [r, nb] fp32, or E8M0 codes (uint8) read through scale_lut [256] (fp32 2^(code - 127))."""
+    [r, nb] fp32, or E8M0 codes (uint8) read through scale_lut [256] (fp32 2^(code - 127)).
+    Blocks of a multiple of LANES values (gather_fp8_any takes any)."""
     n, e, nb = ids.shape[0], data.shape[1], scales.shape[1]
     block = e // nb
-    whole = block % LANES == 0
     for i in range(n):
         if i + AHEAD < n:
             ahead = data[ids[i + AHEAD]]
@@ -91,25 +91,36 @@ def gather_fp8(data, scales, scale_lut, ids, out):
                 prefetch(ahead, a)
             prefetch(scales[ids[i + AHEAD]], 0)
         src, sc, dst = data[ids[i]], scales[ids[i]], out[i]  # 1-d views: the loops vectorise
+        huge, a = False, 0
         for j in range(nb):
             s = sc[j] if scale_lut is None else scale_lut[sc[j]]
-            a = j * block
-            if abs(s) < FOLD_MAX:  # (NaN is not) s x 2^8 exact: one multiply per value
-                s2 = s * TWO_8
-                if whole:
-                    for _ in range(block // LANES):
-                        x, y = src[a:a + LANES], dst[a:a + LANES]
-                        for c in range(LANES):
-                            y[c] = e4m3_times(x[c], s2)
-                        a += LANES
-                else:
-                    x, y = src[a:a + block], dst[a:a + block]
-                    for c in range(block):
-                        y[c] = e4m3_times(x[c], s2)
-            else:  # the exact value first, then the product torch rounds
-                x, y = src[a:a + block], dst[a:a + block]
-                for c in range(block):
-                    y[c] = e4m3_times(x[c], TWO_8) * s
+            huge |= not abs(s) < FOLD_MAX  # (so is NaN) rare: the row is redone below
+            s2 = s * TWO_8
+            for _ in range(block // LANES):  # no branch in here: it is most of the time
+                x, y = src[a:a + LANES], dst[a:a + LANES]
+                for c in range(LANES):
+                    y[c] = e4m3_times(x[c], s2)
+                a += LANES
+        if huge:  # inline: a call to another kernel here slows the loop above by half
+            for j in range(nb):
+                s = sc[j] if scale_lut is None else scale_lut[sc[j]]
+                for c in range(j * block, (j + 1) * block):
+                    dst[c] = e4m3_times(src[c], TWO_8) * s  # exact value, then the product
+
+
+@kernel()
+def gather_fp8_any(data, scales, scale_lut, ids, out):
+    """gather_fp8 for blocks of any width: each value exactly, then its product with the scale
+    (any scale: above 2^120, infinite or NaN too)."""
+    nb = scales.shape[1]
+    block = data.shape[1] // nb
+    for i in range(ids.shape[0]):
+        src, sc, dst = data[ids[i]], scales[ids[i]], out[i]
+        for j in range(nb):
+            s = sc[j] if scale_lut is None else scale_lut[sc[j]]
+            x, y = src[j * block:(j + 1) * block], dst[j * block:(j + 1) * block]
+            for c in range(block):
+                y[c] = e4m3_times(x[c], TWO_8) * s
 
 
 @kernel()
