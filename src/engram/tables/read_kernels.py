@@ -35,20 +35,21 @@ def e4m3_times(typingctx, byte, s):
     where fp16 keeps them read as its value x 2^-8, exactly (E4M3 subnormals as fp16 ones), which
     the CPU widens to fp32 (vcvtph2ps), so the one rounded product is value x scale's. Integer
     work in 16-bit lanes and the NaN test on the byte (numba's own integer arithmetic would widen
-    to 64 bits, a quarter of the vector). 0x7F / 0xFF (NaN) give torch's NaN, sign | 0x7FF00000,
-    which times a scale stays itself."""
+    to 64 bits, a quarter of the vector). 0x7F / 0xFF (NaN) give torch's NaN, sign | 0x7FF00000.
+    """
     def codegen(context, builder, sig, args):
         b = args[0]
         # sign to bit 15 (and 14, cleared), exponent and mantissa to bits 13..7
         h = builder.and_(builder.shl(builder.sext(b, I16), ir.Constant(I16, 7)),
                          ir.Constant(I16, 0xBF80 - (1 << 16)))
-        v = builder.fmul(builder.fpext(builder.bitcast(h, ir.HalfType()), F32), args[1])
-        sign = builder.shl(builder.zext(builder.and_(b, ir.Constant(I8, 0x80 - 256)), I32),
-                           ir.Constant(I32, 24))
-        nan = builder.bitcast(builder.or_(sign, ir.Constant(I32, 0x7FF00000)), F32)
+        v = builder.fpext(builder.bitcast(h, ir.HalfType()), F32)  # value x 2^-8, exact
+        # a NaN byte read so far as +-1.875 x 2^-8 (0x3BF00000): OR-ing in the exponent makes it
+        # torch's NaN, and NaN times a (non-NaN) scale is that NaN again
+        nan = builder.bitcast(builder.or_(builder.bitcast(v, I32), ir.Constant(I32, 0x7FF00000)),
+                              F32)
         is_nan = builder.icmp_unsigned("==", builder.and_(b, ir.Constant(I8, 0x7F)),
                                        ir.Constant(I8, 0x7F))
-        return builder.select(is_nan, nan, v)
+        return builder.fmul(builder.select(is_nan, nan, v), args[1])
     return types.float32(types.uint8, types.float32), codegen
 
 
