@@ -40,6 +40,7 @@ from ..training.train import TrainConfig
 from .pool_report import layer_budget, write_report
 from .pool_steps import build_setup, step_rows, steps, time_layers
 from .pool_tiers import (
+    FP8_POOL,
     TIERS,
     Tier,
     build_tiers,
@@ -71,7 +72,8 @@ class PoolBudgetConfig:
     # behind the hot cache. Tiers that cannot open on this machine (Mooncake) are left out.
     tiers: tuple[str, ...] = DEFAULT_TIERS
     cache_fraction: float = 0.01  # hot cache in front of the slow tiers, share of each table
-    pool_path: str | None = None  # the pool tier's DAX device or mappable file; None: /dev/shm
+    pool_path: str | None = None  # the pool tier's DAX device or mappable file (the fp8 pool
+    # tiers': the same path + ".fp8"); None: /dev/shm
     table_dir: str | None = None  # table files of the file tiers (on disk, so eviction is cold);
     # None: a temporary folder inside out_dir, removed at the end
     # Injected extra latency per round trip of reads, microseconds; a read of u distinct rows
@@ -155,8 +157,9 @@ def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
     finally:
         for tier in tiers.values():
             tier.close()
-        if pc.pool_path is None and os.path.exists(pool_path):
-            os.unlink(pool_path)
+        for path in (pool_path, pool_path + FP8_POOL):
+            if pc.pool_path is None and os.path.exists(path):
+                os.unlink(path)
         if pc.table_dir is None:
             shutil.rmtree(table_dir, ignore_errors=True)
     summary["v41_tables"] = v41_tables()

@@ -36,6 +36,7 @@ TIERS = tuple(f"{t}{fp8}{cold}{cache}" for t in REGISTERED for fp8 in ("", "_fp8
               for cold in ("", "_cold") for cache in ("", "_cache")
               if (not cold or t in COLD) and (not fp8 or t in FP8))
 FP8_BLOCK = 32  # values per E8M0 scale, as DeepSeek-V4.1 stores its tables
+FP8_POOL = ".fp8"  # suffix of the pool region the fp8 pool tiers fill beside pool_path
 
 
 def split_name(name: str) -> tuple[str, bool, bool, bool]:
@@ -87,7 +88,8 @@ def build_tiers(setup: Setup, names: tuple[str, ...], folder: Path, *, pool_path
                 counts: dict[int, torch.Tensor] | None = None) -> dict[str, Tier]:
     """Every requested tier over the same rows, each opened by the registry from its own copy of
     the table files (so evicting one copy's pages leaves the others warm). ``pool_path``: where
-    the pool tier's region lives (a DAX device, a file on /dev/shm, ...)."""
+    the pool tier's region lives (a DAX device, a file on /dev/shm, ...; the fp8 pool tiers' at
+    ``pool_path + FP8_POOL``)."""
     from ..tables.cache import build_cache
     from ..tables.registry import open_parts_on
 
@@ -97,7 +99,9 @@ def build_tiers(setup: Setup, names: tuple[str, ...], folder: Path, *, pool_path
         for name in names:
             base, cold, cache, fp8 = split_name(name)
             export_files(setup, folder / name, fp8)  # written and fsynced: evictable at once
-            options = {"pool_path": pool_path} if base == "pool" else {}
+            # fp8 tiers fill a region of their own (the same tag would pass the fp32 one as
+            # current)
+            options = {"pool_path": pool_path + FP8_POOL * fp8} if base == "pool" else {}
             # verify reads every byte once: a warm tier's page cache is warm
             opened = open_parts_on(base, folder / name, cfg, hasher, verify=not cold, **options)
             stores = {lid: t for (_, lid), t in opened.parts.items()}
