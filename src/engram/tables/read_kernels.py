@@ -127,5 +127,5 @@ def gather_bf16(data, ids, out):
     """out[i] = row ids[i] of data [r, e] (bf16 bits as uint16) in fp32."""
     for i in range(ids.shape[0]):  # no prefetch: the CPU's own is faster here (measured)
         src, dst = data[ids[i]], out[i]
-        for c in range(e):
+        for c in range(src.shape[0]):
             dst[c] = bf16(src[c])
