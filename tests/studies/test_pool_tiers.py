@@ -21,8 +21,8 @@ from engram.studies.pool_tiers import (
     stored_row_bytes,
     time_reads,
 )
-from engram.tables.fp8 import dequantize_fp8, quantize_fp8_e8m0
 from engram.tables.cache import count_rows
+from engram.tables.fp8 import dequantize_fp8, quantize_fp8_e8m0
 from engram.tables.registry import REGISTRY
 from engram.training.train import TrainConfig
 

@@ -211,8 +211,8 @@ def edge_table(request, tmp_path_factory):
     hasher = NgramHasher(CFG, LOOKUP)
     n, e = hasher.num_rows(1), CFG.head_dim
     folder = tmp_path_factory.mktemp(request.param.replace("+", "-"))
-    kw = dict(num_rows=n, dim=e, layer_id=1, config=CFG, profile=hasher.profile(1), dtype=dtype,
-              scale_format=fmt, chunk_rows=97)
+    kw = {"num_rows": n, "dim": e, "layer_id": 1, "config": CFG, "profile": hasher.profile(1),
+          "dtype": dtype, "scale_format": fmt, "chunk_rows": 97}
     if dtype == "bf16":
         x = (torch.arange(n * e) * 7 % 65536 - 32768).to(torch.int16).view(n, e).view(torch.bfloat16)
         write_table(table_path(folder, 1), x, **kw)
@@ -251,7 +251,7 @@ def test_every_tier_reads_edge_rows_bit_for_bit(tier, front, edge_table):
 
 
 def test_file_variants_read_edge_rows_bit_for_bit(edge_table):
-    folder, hasher, want = edge_table
+    folder, _, want = edge_table
     path = table_path(folder, 1)
     rows = torch.randint(0, 890, (3000,), generator=torch.Generator().manual_seed(4))
     for t in (FileTable(path, window_bytes=4096, max_windows=2),

@@ -77,7 +77,7 @@ def export_files(setup: Setup, folder: Path, fp8: bool = False) -> None:
     from ..tables.tablefile import table_path, write_table
 
     cfg = setup.model.config.engram
-    fmt = dict(dtype="fp8", scale_format="e8m0", scale_block=FP8_BLOCK) if fp8 else {}
+    fmt = {"dtype": "fp8", "scale_format": "e8m0", "scale_block": FP8_BLOCK} if fp8 else {}
     for lid, e in setup.model.engrams().items():
         write_table(table_path(folder, lid), e.table.weight.detach(), layer_id=lid, config=cfg,
                     profile=setup.hasher.profile(lid), tag="pool-budget", **fmt)
