@@ -18,7 +18,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory):
     out = tmp_path_factory.mktemp("pool")
-    pc = PoolBudgetConfig(out_dir=str(out), tiers=("memory", "pool", "file_cold"), reps=3,
+    pc = PoolBudgetConfig(out_dir=str(out), tiers=("memory", "pool", "file_cold", "pool_fp8"),
+                          reps=3,
                           batch=2, prefill_len=64, decode_context=16, cache_fraction=0.0,
                           inject_us=(0.0, 100_000.0), inflight=1_000_000,  # one round trip
                           pool_path=str(out / "pool"))
@@ -77,6 +78,27 @@ def test_windows_and_injected_latency_move_the_verdict(summary, mode):
         assert be["measured_us"] <= (lay["window_us"] - lat0) * 1.001
         assert be["model_us"] == pytest.approx(lay["window_us"] - lat0, rel=1e-6)
     assert m["layers"][2]["window_us"] > m["layers"][1]["window_us"]  # deeper: a wider window
+
+
+def test_fp8_tiers_are_timed_and_judged(summary):
+    """An FP8 + E8M0 tier gets its read timed, its verdict and its bandwidth in its own bytes
+    per row (head dim + head dim / 32, against fp32's 4 x head dim)."""
+    s, out = summary
+    head_dim = s["row_bytes"] // 4
+    assert s["tier_row_bytes"]["pool_fp8"] == head_dim + head_dim // 32
+    for m in s["modes"].values():
+        for lay in m["layers"].values():
+            t = lay["tiers"]["pool_fp8"]
+            assert t["latency_us"] > 0 and t["fits"] == (t["latency_us"] < lay["window_us"])
+        bw = m["bandwidth"]
+        assert bw["tier_row_bytes"] == {**{k: 4 * head_dim for k in ("memory", "pool",
+                                                                     "file_cold")},
+                                        "pool_fp8": head_dim + head_dim // 32}
+        fp8_need = bw["required_GBps"] * (head_dim + head_dim // 32) / (4 * head_dim)
+        assert bw["tier_headroom"]["pool_fp8"] == pytest.approx(bw["tier_GBps"]["pool_fp8"]
+                                                                / fp8_need)
+    report = (out / "report.md").read_text()
+    assert "| pool_fp8 |" in report and "least bandwidth headroom" in report
 
 
 def test_help_lists_every_field(capsys):

@@ -1,6 +1,7 @@
 """The pool budget's tiers: every name it offers (each registered tier, the evicted file, the
-caches; Mooncake when it is available) returns the in-memory rows of a step; injected latency adds
-its round trips and changes no row; the break-even is read off a sweep correctly."""
+caches, the FP8 + E8M0 files; Mooncake when it is available) returns the in-memory rows of a step
+(the fp8 tiers: those rows quantised, bit for bit); injected latency adds its round trips and
+changes no row; the break-even is read off a sweep correctly."""
 
 import math
 import time
@@ -17,9 +18,11 @@ from engram.studies.pool_tiers import (
     break_even,
     build_tiers,
     split_name,
+    stored_row_bytes,
     time_reads,
 )
 from engram.tables.cache import count_rows
+from engram.tables.fp8 import dequantize_fp8, quantize_fp8_e8m0
 from engram.tables.registry import REGISTRY
 from engram.training.train import TrainConfig
 
@@ -34,7 +37,10 @@ def setup():
 
 def test_every_tier_returns_memory_rows(setup, tmp_path):
     names = tuple(t for t in TIERS if REGISTRY[split_name(t)[0]].missing() is None)
-    assert {"memory", "pool", "file_cold_cache", "sharded_cache"} <= set(names)
+    assert {"memory", "pool", "file_cold_cache", "sharded_cache", "memory_fp8", "pool_fp8_cache",
+            "file_fp8_cold_cache", "shared_fp8", "pinned_fp8"} <= set(names)
+    tables = {lid: e.table.weight.detach() for lid, e in setup.model.engrams().items()}
+    fp8 = {lid: dequantize_fp8(*quantize_fp8_e8m0(w, 32)) for lid, w in tables.items()}
     counts = count_rows(setup.hasher, setup.corpus.train)
     tiers = build_tiers(setup, names, tmp_path / "t", pool_path=str(tmp_path / "pool"),
                         cache_fraction=0.05, counts=counts)
@@ -47,7 +53,7 @@ def test_every_tier_returns_memory_rows(setup, tmp_path):
                     for f in tier.cold:
                         f.evict()
                     for lid, r in step.items():
-                        want = setup.model.engrams()[lid].table.lookup(r)
+                        want = (fp8 if split_name(name)[3] else tables)[lid][r]
                         assert torch.equal(tier.stores[lid].lookup(r), want), name
         reads = time_reads(tiers["file_cold_cache"], rows)
         for lid, r in reads.items():
@@ -57,6 +63,12 @@ def test_every_tier_returns_memory_rows(setup, tmp_path):
             tier.close()
     with pytest.raises(ValueError, match="unknown tier 'memory_cold'"):
         split_name("memory_cold")
+    assert split_name("file_fp8_cold_cache") == ("file", True, True, True)
+    assert split_name("pool_cache") == ("pool", False, True, False)
+    assert "mooncake_fp8" not in TIERS and "sharded_fp8" not in TIERS
+    head_dim = setup.model.config.engram.head_dim
+    assert stored_row_bytes("pool_fp8", head_dim) == head_dim + head_dim // 32
+    assert stored_row_bytes("pool", head_dim) == 4 * head_dim
 
 
 def test_injected_latency_adds_round_trips(setup):

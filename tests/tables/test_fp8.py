@@ -1,6 +1,9 @@
 """fp8 rows with E8M0 scales (DeepSeek-V4.1's table format): codes and values written out by hand,
 lossless re-quantisation, pre-quantised rows stored byte for byte, and every tier (memory, file
-whole and windowed, pinned, shared, pool, behind a cache) serving them bit for bit."""
+whole and windowed, pinned, shared, pool, behind a cache) serving them bit for bit. The fused read
+(fp8.gather_rows) gives dequantize_fp8's bits for every byte, every E8M0 code and extreme fp32
+scales, and bf16's for every bf16 pattern, on every registered tier, bare and behind cache and
+prefetch."""
 
 import numpy as np
 import pytest
@@ -12,13 +15,16 @@ from engram.tables.fp8 import (
     dequantize_fp8,
     e8m0_to_float,
     float_to_e8m0,
+    gather_rows,
     quantize_fp8_e8m0,
     row_bytes,
     table_memory,
 )
 from engram.tables.pool import PoolRegion, write_pool
+from engram.tables.prefetch import PrefetchTable
+from engram.tables.registry import REGISTRY, TIERS, open_parts_on
 from engram.tables.tablefile import read_header, table_path, verify, write_table
-from engram.tables.tiers import FileTable, PinnedTable, SharedPool
+from engram.tables.tiers import FileTable, HostTable, PinnedTable, SharedPool
 
 CFG = EngramConfig(engram_vocab_size=211, max_ngram_size=3, n_embed_per_ngram=128,
                    n_head_per_ngram=2, layer_ids=[1], pad_id=0, profile="v4.1")
@@ -132,3 +138,128 @@ def test_row_bytes_and_table_memory():
     t = table_memory({1: 10, 14: 3}, 256)
     assert t["total"] == {"rows": 13, "fp8+e8m0": 13 * 264, "fp8+fp32": 13 * 288,
                           "bf16": 13 * 512, "fp32": 13 * 1024}
+
+
+# -- the fused read: gather + dequantise in one pass ------------------------------------------------
+
+def _bits(x):
+    return x.view(torch.int32)
+
+
+# fp32 scales at the edges: zeros, fp32 subnormals, the smallest normal, around 2^8 (where the
+# kernel stops folding 2^120 into the scale), the largest, negatives, infinities and NaN.
+EXTREME_FP32 = [0.0, -0.0, 1e-45, 1e-40, 2.0 ** -126, 2.0 ** -100, 0.37, 1.0, -5.5, 255.99998,
+                256.0, 1e30, 3.4028234e38, -3.4028234e38, float("inf"), -float("inf"),
+                float("nan")]
+
+
+@pytest.mark.parametrize("dim,block", [(256, 32), (256, 16), (64, 64), (40, 40), (96, 32)])
+def test_fused_read_equals_dequantize_bit_for_bit(dim, block):
+    """Every E4M3 byte (NaN 0x7F / 0xFF included) under every E8M0 code (0: zero, 1: products
+    fp32 subnormals, 254, 255: infinity) and extreme fp32 scales; blocks of every shape the
+    kernel splits differently. Bits, so NaNs and signed zeros count."""
+    nb = dim // block
+    q = (torch.arange(256 * dim) % 256).to(torch.uint8).view(256, dim)  # [256, e]
+    q[:, :2] = torch.tensor([0x7F, 0xFF], dtype=torch.uint8)  # a NaN in every row
+    q = q.view(torch.float8_e4m3fn)
+    codes = ((torch.arange(256)[:, None] + 37 * torch.arange(nb)) % 256).to(torch.uint8)
+    codes[0] = 255  # a whole row at infinity
+    ids = torch.cat([torch.arange(256), torch.randint(0, 256, (300,),
+                                                    generator=torch.Generator().manual_seed(0))])
+    assert torch.equal(_bits(gather_rows(q, codes, ids)), _bits(dequantize_fp8(q[ids], codes[ids])))
+    fp32 = torch.tensor(EXTREME_FP32)[torch.arange(256 * nb).view(256, nb) % len(EXTREME_FP32)]
+    got, want = gather_rows(q, fp32, ids), dequantize_fp8(q[ids], fp32[ids])
+    both_nan = got.isnan() & want.isnan()  # NaN x NaN: which operand's NaN comes out is the CPU's
+    nan_scale = fp32[ids].repeat_interleave(block, 1).isnan() & q[ids].float().isnan()
+    assert torch.equal(both_nan, got.isnan()) and torch.equal(both_nan, want.isnan())
+    assert torch.equal(_bits(got)[~nan_scale], _bits(want)[~nan_scale])
+    assert torch.equal(_bits(gather_rows(q, codes, None)), _bits(dequantize_fp8(q, codes)))
+    out = torch.full((7, dim), 9.0)
+    assert gather_rows(q, codes, ids[:7], out=out) is out
+    assert torch.equal(_bits(out), _bits(dequantize_fp8(q[ids[:7]], codes[ids[:7]])))
+    assert gather_rows(q, codes, ids[:0]).shape == (0, dim)
+
+
+def test_fused_bf16_read_and_other_dtypes():
+    """Every bf16 bit pattern widens to the fp32 torch gives; fp32, fp16 and other output dtypes
+    read as the plain gather and cast would."""
+    bf = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(256, 256)
+    bf = bf.view(torch.bfloat16)
+    ids = torch.randint(0, 256, (500,), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_bits(gather_rows(bf, None, ids)), _bits(bf[ids].float()))
+    assert torch.equal(_bits(gather_rows(bf, None, None)), _bits(bf.float()))
+    x = torch.randn(50, 64)
+    assert torch.equal(gather_rows(x, None, ids % 50), x[ids % 50])
+    assert torch.equal(gather_rows(x.half(), None, ids % 50), x.half()[ids % 50].float())
+    assert torch.equal(gather_rows(bf, None, ids, torch.bfloat16).view(torch.int16),
+                       bf[ids].view(torch.int16))
+    q, codes = quantize_fp8_e8m0(x, 32)
+    assert torch.equal(gather_rows(q, codes, ids % 50, torch.bfloat16),
+                       dequantize_fp8(q[ids % 50], codes[ids % 50]).bfloat16())
+
+
+FORMATS = {"fp8+e8m0": ("fp8", "e8m0"), "fp8+fp32": ("fp8", "fp32"), "bf16": ("bf16", "fp32")}
+
+
+@pytest.fixture(scope="module", params=sorted(FORMATS))
+def edge_table(request, tmp_path_factory):
+    """A v4.1 layer's table file holding every byte value (NaN bytes too) under edge scales:
+    E8M0 codes 0 (zero), 1 and 2 (fp32 subnormal products) up to 254, or the extreme fp32 scales
+    (finite: a table file's scales are); bf16 rows hold every bf16 pattern. -> (folder, hasher,
+    the rows every tier must give [r, e], by torch's dequantisation)."""
+    dtype, fmt = FORMATS[request.param]
+    hasher = NgramHasher(CFG, LOOKUP)
+    n, e = hasher.num_rows(1), CFG.head_dim
+    folder = tmp_path_factory.mktemp(request.param.replace("+", "-"))
+    kw = {"num_rows": n, "dim": e, "layer_id": 1, "config": CFG, "profile": hasher.profile(1),
+          "dtype": dtype, "scale_format": fmt, "chunk_rows": 97}
+    if dtype == "bf16":
+        x = (torch.arange(n * e) * 7 % 65536 - 32768).to(torch.int16).view(n, e).view(torch.bfloat16)
+        write_table(table_path(folder, 1), x, **kw)
+        return folder, hasher, x.float()
+    q = (torch.arange(n * e) % 256).to(torch.uint8).view(n, e).view(torch.float8_e4m3fn)
+    if fmt == "e8m0":
+        edge = torch.tensor([0, 1, 2, 3, 60, 100, 119, 127, 134, 135, 136, 200, 253, 254])
+        sc = edge[torch.arange(n * e // 32) % edge.numel()].view(n, e // 32).to(torch.uint8)
+    else:
+        finite = torch.tensor([v for v in EXTREME_FP32 if np.isfinite(v)])
+        sc = finite[torch.arange(n * e // 32) % finite.numel()].view(n, e // 32)
+    write_table(table_path(folder, 1), lambda a, b: (q[a:b], sc[a:b]), **kw)
+    return folder, hasher, dequantize_fp8(q, sc)
+
+
+@pytest.mark.parametrize("front", ["bare", "cache+prefetch"])
+@pytest.mark.parametrize("tier", TIERS)
+def test_every_tier_reads_edge_rows_bit_for_bit(tier, front, edge_table):
+    folder, hasher, want = edge_table
+    if REGISTRY[tier].missing():
+        pytest.skip(f"tier {tier} cannot open on this machine: {REGISTRY[tier].missing()}")
+    opened = open_parts_on(tier, folder, CFG, hasher)
+    try:
+        store = opened.parts[("cold", 1)]
+        if tier == "memory":  # fp8 and bf16 rows stay as stored: gathered + dequantised per read
+            assert isinstance(store, HostTable) and store.nbytes < want.numel() * 4 * 0.6
+        if front != "bare":
+            store = PrefetchTable(CachedTable(store, 60, hot_rows=torch.arange(0, 890, 31)))
+        g = torch.Generator().manual_seed(3)
+        for rows in (torch.arange(want.shape[0]), torch.randint(0, 890, (5, 13, 2), generator=g),
+                     torch.arange(0, 890, 31), torch.randint(0, 890, (40,), generator=g)):
+            store.prefetch(rows)
+            assert torch.equal(_bits(store.lookup(rows)), _bits(want[rows])), (tier, front)
+    finally:
+        opened.close()
+
+
+def test_file_variants_read_edge_rows_bit_for_bit(edge_table):
+    folder, _, want = edge_table
+    path = table_path(folder, 1)
+    rows = torch.randint(0, 890, (3000,), generator=torch.Generator().manual_seed(4))
+    for t in (FileTable(path, window_bytes=4096, max_windows=2),
+              FileTable(path, io_threads=3, min_split_rows=16)):
+        assert torch.equal(_bits(t.lookup(rows)), _bits(want[rows]))
+        t.close()
+    t = FileTable(path, out_dtype=torch.bfloat16)  # cast as torch casts (NaN payloads aside)
+    got, cast = t.lookup(rows).float(), want[rows].bfloat16().float()
+    assert torch.equal(got.isnan(), cast.isnan()) and torch.equal(got[~got.isnan()],
+                                                                 cast[~cast.isnan()])
+    t.close()

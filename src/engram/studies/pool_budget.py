@@ -11,7 +11,8 @@ This study measures both sides on one model and serving shape (prefill of b x t 
 decode step of b sequences): t_exec of every block by forward hooks, the read latency of that
 step's real-text rows from every tier (each of ``engram.tables.registry``: memory, a table file,
 pinned memory, a shared mapping, the DAX/CXL pool region, the Mooncake Store, sharded; a table file
-with its pages evicted; any of them behind the hot cache), the wait each Engram layer sees behind
+with its pages evicted; any of them behind the hot cache; the tables as FP8 + E8M0 files on
+memory, file, pinned, shared and pool tiers), the wait each Engram layer sees behind
 PrefetchTable, and a sweep of latency injected per round trip of reads (CXL, remote DRAM, RDMA)
 that finds each layer's break-even. The model and its steps: ``pool_steps``; tiers and reads:
 ``pool_tiers``; verdict, plot and report: ``pool_report``.
@@ -38,10 +39,20 @@ from ..ranges import AT_LEAST_1, NON_NEGATIVE, check_ranges
 from ..training.train import TrainConfig
 from .pool_report import layer_budget, write_report
 from .pool_steps import build_setup, step_rows, steps, time_layers
-from .pool_tiers import TIERS, Tier, build_tiers, split_name, sweep, time_prefetched, time_reads
+from .pool_tiers import (
+    FP8_POOL,
+    TIERS,
+    Tier,
+    build_tiers,
+    split_name,
+    stored_row_bytes,
+    sweep,
+    time_prefetched,
+    time_reads,
+)
 
 DEFAULT_TIERS = ("memory", "shared", "pool", "file", "file_cold", "file_cold_cache", "mooncake",
-                 "mooncake_cache")
+                 "mooncake_cache", "memory_fp8", "pool_fp8", "file_fp8", "file_fp8_cold")
 
 
 @dataclass
@@ -55,12 +66,14 @@ class PoolBudgetConfig:
     prefill_len: int = 128  # prefill: tokens per sequence (<= the model's seq_len)
     decode_context: int = 64  # decode: prompt length already in the KV cache before the step
     reps: int = 20  # timed steps per measurement (medians; each step has its own text)
-    # <tier>[_cold][_cache], tier: memory, file, pinned, shared, pool, mooncake or sharded
-    # (engram.tables.registry); _cold: file pages evicted before every read; _cache: behind the
-    # hot cache. Tiers that cannot open on this machine (Mooncake) are left out, saying why.
+    # <tier>[_fp8][_cold][_cache], tier: memory, file, pinned, shared, pool, mooncake or sharded
+    # (engram.tables.registry); _fp8: the tables as FP8 + E8M0 files (DeepSeek-V4.1's format;
+    # memory, file, pinned, shared, pool); _cold: file pages evicted before every read; _cache:
+    # behind the hot cache. Tiers that cannot open on this machine (Mooncake) are left out.
     tiers: tuple[str, ...] = DEFAULT_TIERS
     cache_fraction: float = 0.01  # hot cache in front of the slow tiers, share of each table
-    pool_path: str | None = None  # the pool tier's DAX device or mappable file; None: /dev/shm
+    pool_path: str | None = None  # the pool tier's DAX device or mappable file (the fp8 pool
+    # tiers': the same path + ".fp8"); None: /dev/shm
     table_dir: str | None = None  # table files of the file tiers (on disk, so eviction is cold);
     # None: a temporary folder inside out_dir, removed at the end
     # Injected extra latency per round trip of reads, microseconds; a read of u distinct rows
@@ -115,6 +128,8 @@ def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
         "config": dataclasses.asdict(pc), "train_config": setup.train_config.to_dict(),
         "engram_layers": sorted(eng), "n_layer": len(setup.model.blocks),
         "row_bytes": setup.model.config.engram.head_dim * 4,
+        "tier_row_bytes": {t: stored_row_bytes(t, setup.model.config.engram.head_dim)
+                           for t in names},
         "heads": setup.model.config.engram.num_heads,
         "table_rows": {lid: e.table.num_rows for lid, e in eng.items()},
         "mooncake": missing.get(remote[0], "used") if remote else "not requested",
@@ -142,8 +157,9 @@ def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
     finally:
         for tier in tiers.values():
             tier.close()
-        if pc.pool_path is None and os.path.exists(pool_path):
-            os.unlink(pool_path)
+        for path in (pool_path, pool_path + FP8_POOL):
+            if pc.pool_path is None and os.path.exists(path):
+                os.unlink(path)
         if pc.table_dir is None:
             shutil.rmtree(table_dir, ignore_errors=True)
     summary["v41_tables"] = v41_tables()

@@ -57,8 +57,11 @@ def layer_budget(timing: dict, reads: dict, waits: dict, sw: dict | None, tokens
     step_s = timing["step_s"]
     per_token_layer = info["heads"] * info["row_bytes"]  # S_layer
     need = tokens / step_s * per_token_layer * len(info["engram_layers"])
-    got = {name: min(r[lid]["rows"] * info["row_bytes"] / r[lid]["latency_s"] for lid in r)
+    # an FP8 tier's rows are smaller: its bytes moved, against the need in its own row format
+    rb = {name: info.get("tier_row_bytes", {}).get(name, info["row_bytes"]) for name in reads}
+    got = {name: min(r[lid]["rows"] * rb[name] / r[lid]["latency_s"] for lid in r)
            for name, r in reads.items()}
+    headroom = {name: got[name] / (need * rb[name] / info["row_bytes"]) for name in reads}
     return {
         "tokens": tokens,
         "t_exec_us": {"embed": timing["embed_s"] * US,
@@ -70,7 +73,8 @@ def layer_budget(timing: dict, reads: dict, waits: dict, sw: dict | None, tokens
         "layers": layers, "earliest_layer": placement,
         "bandwidth": {"tokens_per_s": tokens / step_s, "bytes_per_token_layer": per_token_layer,
                       "engram_layers": len(info["engram_layers"]), "required_GBps": need / 1e9,
-                      "tier_GBps": {k: v / 1e9 for k, v in got.items()}},
+                      "tier_GBps": {k: v / 1e9 for k, v in got.items()},
+                      "tier_row_bytes": rb, "tier_headroom": headroom},
         "sweep": sw}
 
 
@@ -109,6 +113,10 @@ def verdict(summary: dict) -> list[str]:
                      f"({bw['tokens_per_s']:,.0f} tokens/s x {bw['bytes_per_token_layer']} B x "
                      f"{bw['engram_layers']} layers); slowest tier "
                      f"{min(bw['tier_GBps'].values()) * 1e3:.1f} MB/s")
+        if "tier_headroom" in bw:  # each tier against the need in its own row format
+            low = min(bw["tier_headroom"], key=bw["tier_headroom"].get)
+            lines.append(f"  least bandwidth headroom: {low} ({bw['tier_row_bytes'][low]} B rows), "
+                         f"{bw['tier_headroom'][low]:,.1f}x its need")
     return lines
 
 

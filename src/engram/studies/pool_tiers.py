@@ -3,9 +3,11 @@
 Every tier serves the same rows (the model's tables): each tier of ``engram.tables.registry``
 (memory, file, pinned, shared, the DAX/CXL pool region, Mooncake, sharded) opened from its own copy
 of the exported table files, plus ``file_cold`` (a table file with its pages evicted before every
-read) and ``<tier>_cache`` (behind the hot cache). A read is one step's rows for one Engram layer;
-:class:`DelayedTable` injects latency per round trip of reads to model a farther medium with the
-same rows.
+read) and ``<tier>_cache`` (behind the hot cache). ``<tier>_fp8`` exports the tables as
+DeepSeek-V4.1 stores them, FP8 values with E8M0 scales (264 bytes a row of head dim 256, not
+1,024), read and dequantised in one pass (tables/fp8.py StoredRows); its rows are the fp32 ones
+quantised. A read is one step's rows for one Engram layer; :class:`DelayedTable` injects latency
+per round trip of reads to model a farther medium with the same rows.
 
 Shape legend: b batch, t positions of the step, H hash heads, u distinct rows of a step.
 """
@@ -27,18 +29,33 @@ from ..tables.store import TableStore
 from .pool_steps import Setup
 
 COLD = ("file",)  # tiers whose pages can be evicted before every read (FileTable.evict)
-# Every name the budget measures: <registered tier>[_cold][_cache].
-TIERS = tuple(f"{t}{cold}{cache}" for t in REGISTERED for cold in ("", "_cold")
-              for cache in ("", "_cache") if not cold or t in COLD)
+# Tiers that serve FP8 + E8M0 table files (Mooncake publishes fp32 copies of any file).
+FP8 = ("memory", "file", "pinned", "shared", "pool")
+# Every name the budget measures: <registered tier>[_fp8][_cold][_cache].
+TIERS = tuple(f"{t}{fp8}{cold}{cache}" for t in REGISTERED for fp8 in ("", "_fp8")
+              for cold in ("", "_cold") for cache in ("", "_cache")
+              if (not cold or t in COLD) and (not fp8 or t in FP8))
+FP8_BLOCK = 32  # values per E8M0 scale, as DeepSeek-V4.1 stores its tables
+FP8_POOL = ".fp8"  # suffix of the pool region the fp8 pool tiers fill beside pool_path
 
 
-def split_name(name: str) -> tuple[str, bool, bool]:
-    """(registered tier, pages evicted before every read, behind the hot cache)."""
+def split_name(name: str) -> tuple[str, bool, bool, bool]:
+    """(registered tier, pages evicted before every read, behind the hot cache, FP8 + E8M0
+    table files)."""
     if name not in TIERS:
         raise ValueError(f"unknown tier {name!r}; choose from {TIERS}")
     cache = name.endswith("_cache")
     base = name.removesuffix("_cache")
-    return base.removesuffix("_cold"), base.endswith("_cold"), cache
+    cold = base.endswith("_cold")
+    base = base.removesuffix("_cold")
+    return base.removesuffix("_fp8"), cold, cache, base.endswith("_fp8")
+
+
+def stored_row_bytes(name: str, head_dim: int) -> int:
+    """Bytes a tier reads per row: fp32, or FP8 values and their E8M0 scales (``_fp8``)."""
+    from ..tables.fp8 import row_bytes
+
+    return row_bytes(head_dim, "fp8+e8m0" if split_name(name)[3] else "fp32", FP8_BLOCK)
 
 
 # -- the tiers -------------------------------------------------------------------------------------
@@ -55,13 +72,15 @@ class Tier:
             self.opened.close()
 
 
-def export_files(setup: Setup, folder: Path) -> None:
+def export_files(setup: Setup, folder: Path, fp8: bool = False) -> None:
+    """The model's tables as table files: fp32, or FP8 values with E8M0 scales (``fp8``)."""
     from ..tables.tablefile import table_path, write_table
 
     cfg = setup.model.config.engram
+    fmt = {"dtype": "fp8", "scale_format": "e8m0", "scale_block": FP8_BLOCK} if fp8 else {}
     for lid, e in setup.model.engrams().items():
         write_table(table_path(folder, lid), e.table.weight.detach(), layer_id=lid, config=cfg,
-                    profile=setup.hasher.profile(lid), tag="pool-budget")
+                    profile=setup.hasher.profile(lid), tag="pool-budget", **fmt)
 
 
 def build_tiers(setup: Setup, names: tuple[str, ...], folder: Path, *, pool_path: str,
@@ -69,7 +88,8 @@ def build_tiers(setup: Setup, names: tuple[str, ...], folder: Path, *, pool_path
                 counts: dict[int, torch.Tensor] | None = None) -> dict[str, Tier]:
     """Every requested tier over the same rows, each opened by the registry from its own copy of
     the table files (so evicting one copy's pages leaves the others warm). ``pool_path``: where
-    the pool tier's region lives (a DAX device, a file on /dev/shm, ...)."""
+    the pool tier's region lives (a DAX device, a file on /dev/shm, ...; the fp8 pool tiers' at
+    ``pool_path + FP8_POOL``)."""
     from ..tables.cache import build_cache
     from ..tables.registry import open_parts_on
 
@@ -77,9 +97,11 @@ def build_tiers(setup: Setup, names: tuple[str, ...], folder: Path, *, pool_path
     out: dict[str, Tier] = {}
     try:
         for name in names:
-            base, cold, cache = split_name(name)
-            export_files(setup, folder / name)  # written and fsynced: evictable at once
-            options = {"pool_path": pool_path} if base == "pool" else {}
+            base, cold, cache, fp8 = split_name(name)
+            export_files(setup, folder / name, fp8)  # written and fsynced: evictable at once
+            # fp8 tiers fill a region of their own (the same tag would pass the fp32 one as
+            # current)
+            options = {"pool_path": pool_path + FP8_POOL * fp8} if base == "pool" else {}
             # verify reads every byte once: a warm tier's page cache is warm
             opened = open_parts_on(base, folder / name, cfg, hasher, verify=not cold, **options)
             stores = {lid: t for (_, lid), t in opened.parts.items()}

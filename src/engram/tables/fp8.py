@@ -5,11 +5,15 @@ entry from flushing its small ones to zero. Scales are stored as fp32, or as Dee
 its Engram tables: E8M0, one byte per scale holding a power of two's exponent (OCP MX, bias 127),
 so that an imported V4.1 table keeps its exact bytes and every tier dequantises it alike.
 
-Shape legend: n rows, e row width, nb = e / block scale blocks per row.
+Every tier reads its rows through :class:`StoredRows`: gather and dequantise in one pass
+(tables/read_kernels.py) with the values torch's ``dequantize_fp8`` gives, bit for bit.
+
+Shape legend: n rows, e row width, nb = e / block scale blocks per row, r rows of a table.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -36,6 +40,74 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if scale.dtype == torch.uint8:
         scale = e8m0_to_float(scale)
     return (q.float().view(n, scale.shape[1], -1) * scale.unsqueeze(-1)).view(n, e)
+
+
+class StoredRows:
+    """A table's rows as stored, data [r, e] (fp32, bf16, fp16, or fp8 with block scales [r, nb],
+    fp32 or E8M0 bytes), read by :meth:`gather`. Made once per table (or mapping): a decode
+    step's read is tens of microseconds, so what can be settled once (which path, the arrays the
+    kernel takes) is not settled again per read."""
+
+    def __init__(self, data: torch.Tensor, scales: torch.Tensor | None = None):
+        self.data, self.scales = data, scales
+        self.dim = data.shape[1]
+        self.kernel = None  # the fused read, when it takes these rows
+        if (data.dtype in (torch.float8_e4m3fn, torch.bfloat16) and data.device.type == "cpu"
+                and (scales is None) == (data.dtype == torch.bfloat16) and data.stride(1) == 1
+                and (scales is None or scales.stride(1) == 1)):
+            kernels = _kernels()  # numba is imported by fp8 and bf16 reads only
+            if kernels is not None and scales is None:
+                self.kernel = kernels.gather_bf16
+                self.args = (data.view(torch.int16).numpy().view(np.uint16),)
+            elif kernels is not None:
+                block = data.shape[1] // scales.shape[1]
+                self.kernel = (kernels.gather_fp8 if block % kernels.LANES == 0
+                               else kernels.gather_fp8_any)
+                lut = _E8M0_FLOATS if scales.dtype == torch.uint8 else None
+                self.args = (data.view(torch.uint8).numpy(), scales.numpy(), lut)
+
+    def gather(self, ids: torch.Tensor | None, out_dtype: torch.dtype = torch.float32,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``ids`` [n] (int64 on the CPU, in range; None: every row in order) as
+        ``out_dtype`` [n, e] (into ``out`` when given): the values of ``dequantize_fp8(data[ids],
+        scales[ids])`` (fp8) or ``data[ids]`` (others) cast to out_dtype, bit for bit. fp8 and
+        bf16 rows on the CPU are read to fp32 in one pass by a compiled kernel, which holds no
+        lock of Python's (a large read can be split over threads)."""
+        data, scales = self.data, self.scales
+        n = data.shape[0] if ids is None else ids.shape[0]
+        if out is None:
+            out = torch.empty(n, self.dim, dtype=out_dtype, device=data.device)
+        if self.kernel is None or out.dtype != torch.float32 or not out.is_contiguous():
+            if scales is None and ids is not None and data.dtype == out.dtype:
+                return torch.index_select(data, 0, ids, out=out)
+            raw = data if ids is None else data.index_select(0, ids)
+            if scales is not None:
+                raw = dequantize_fp8(raw, scales if ids is None else scales.index_select(0, ids))
+            return out.copy_(raw)
+        self.kernel(*self.args, np.arange(n) if ids is None else ids.numpy(), out.numpy())
+        return out
+
+
+def gather_rows(data: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor | None,
+                out_dtype: torch.dtype = torch.float32,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``StoredRows(data, scales).gather(ids, out_dtype, out)``: one read of rows as stored."""
+    return StoredRows(data, scales).gather(ids, out_dtype, out)
+
+
+def _kernels():
+    """tables/read_kernels.py, imported on first use (importing numba costs ~0.5 s); None where
+    numba is missing (the torch path then reads the same values)."""
+    global _KERNELS
+    if _KERNELS is False:
+        try:
+            from . import read_kernels as _KERNELS
+        except ImportError:
+            _KERNELS = None
+    return _KERNELS
+
+
+_KERNELS = False  # not imported yet
 
 
 def e8m0_to_float(code: torch.Tensor) -> torch.Tensor:
@@ -113,3 +185,7 @@ def table_memory(rows: dict[int, int], dim: int, block: int = 32) -> dict:
     total = {k: sum(x[k] for x in layers.values()) for k in ("rows", *ROW_FORMATS)}
     return {"head_dim": dim, "scale_block": block, "layers": layers, "total": total,
             "row_bytes": {f: row_bytes(dim, f, block) for f in ROW_FORMATS}}
+
+
+# Every E8M0 code's fp32 value [256], as e8m0_to_float reads it: the fused read's scale table.
+_E8M0_FLOATS = e8m0_to_float(torch.arange(256, dtype=torch.uint8)).numpy()

@@ -43,6 +43,7 @@ import torch
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import Hasher
 from . import tablefile
+from .fp8 import StoredRows
 from .tablefile import (
     DTYPES,
     SCALE_FORMATS,
@@ -50,7 +51,6 @@ from .tablefile import (
     TableFileError,
     TableHeader,
     check_compatible,
-    dequantize_fp8,
 )
 from .tiers import check_rows
 
@@ -336,15 +336,14 @@ class PoolTable:
         self.scales = (None if not entry["scale_bytes"] else
                        _view(region._mm, SCALE_FORMATS[header.scale_format][0],
                              entry["scale_offset"], self.num_rows, header.scale_width))
+        self.rows = StoredRows(self.data, self.scales)
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         flat = check_rows(rows, self.num_rows)  # [n]
         seq = self.region.seq
         self.region.check(seq)
-        raw = self.data.index_select(0, flat)  # [n, e] stored dtype
-        sc = None if self.scales is None else self.scales.index_select(0, flat)  # [n, nb]
+        out = self.rows.gather(flat, self.out_dtype)  # [n, e], gathered + dequantised at once
         self.region.check(seq)  # seqlock: no row of this copy may come from a rewrite
-        out = raw.to(self.out_dtype) if sc is None else dequantize_fp8(raw, sc).to(self.out_dtype)
         return out.view(*rows.shape, self.dim)
 
     def prefetch(self, rows: torch.Tensor) -> None:

@@ -26,9 +26,12 @@ from ..errors import UserError
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import Hasher
 from .store import MemoryTable, TableStore
-from .tiers import PinnedTable, SharedPool, open_parts
+from .tiers import HostTable, PinnedTable, SharedPool, open_parts
 
 Parts = dict[tuple[str, int], TableStore]  # (part, owner layer) -> store
+# Stored dtypes the memory tier keeps as stored on the CPU (HostTable: every lookup gathers and
+# dequantises in one pass, fp8.StoredRows); other files are read into an fp32 MemoryTable.
+STORED = ("fp8", "bf16")
 
 
 @dataclass
@@ -131,8 +134,11 @@ def _open_memory(directory: Path, config: EngramConfig, hasher: Hasher | None, *
     files = open_parts(directory, config, hasher, verify=verify)
     parts = {}
     for key, f in files.items():
-        parts[key] = MemoryTable(f.num_rows, f.dim, device=device)
-        _copy_rows(f, parts[key].weight.data)
+        if torch.device(device).type == "cpu" and f.dtype in STORED:
+            parts[key] = HostTable(f)  # as stored: a quarter of fp32's memory for fp8 rows
+        else:
+            parts[key] = MemoryTable(f.num_rows, f.dim, device=device)
+            _copy_rows(f, parts[key].weight.data)
         f.close()
     return Opened(parts)
 

@@ -28,13 +28,13 @@ import torch
 
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import Hasher
+from .fp8 import StoredRows
 from .tablefile import (
     DTYPES,
     SCALE_FORMATS,
     TableFileError,
     TableHeader,
     check_compatible,
-    dequantize_fp8,
     read_header,
     table_path,
     verify,
@@ -182,6 +182,7 @@ class FileTable:
         with self._lock:
             self.header, self._fd, self._ino = header, fd, os.fstat(fd).st_ino
             self._data, self._scales = regions
+            self._rows = None  # StoredRows of the whole mapping, made on the first read
             self.num_rows, self.dim = header.num_rows, header.dim
         if old >= 0:
             os.close(old)
@@ -218,6 +219,7 @@ class FileTable:
         (POSIX_FADV_DONTNEED). Pages another table or process still maps stay resident; the next
         lookup maps the file again."""
         with self._lock:
+            self._rows = None  # it holds the mapping too
             for r in (self._data, self._scales):
                 if r is not None:
                     r.close()
@@ -226,6 +228,7 @@ class FileTable:
     def close(self) -> None:
         """Unmap and close (lookups return copies, so no tensor keeps the mapping alive)."""
         with self._lock:
+            self._rows = None
             for r in (self._data, self._scales):
                 if r is not None:
                     r.close()
@@ -254,24 +257,50 @@ class FileTable:
             data, scales = self._data, self._scales
         if data is None:
             raise RuntimeError(f"{self.path} was closed")
-        raw = torch.empty(flat.numel(), self.dim, dtype=data.dtype)  # [n, e] stored dtype
-        sc = (None if scales is None  # [n, nb] fp32 or E8M0 bytes
-              else torch.empty(flat.numel(), scales.width, dtype=scales.dtype))
-        self._gather(data, flat, raw)
-        if scales is not None:
-            self._gather(scales, flat, sc)
-            out = dequantize_fp8(raw, sc).to(self.out_dtype)
-        else:
-            out = raw.to(self.out_dtype)
+        out = torch.empty(flat.numel(), self.dim, dtype=self.out_dtype)  # [n, e]
+        if data.window_rows >= data.rows:  # one mapping: gathered and dequantised in one pass
+            whole = self._whole(data, scales)
+            self._split(lambda f, o: whole.gather(f, out=o), flat, out)
+        else:  # windows: the stored rows copied out window by window, then widened
+            StoredRows(*self._stored(data, scales, flat)).gather(None, out=out)
         return out.view(*rows.shape, self.dim)
 
-    def _gather(self, region: _Region, flat: torch.Tensor, out: torch.Tensor) -> None:
+    def _whole(self, data: _Region, scales: _Region | None) -> StoredRows:
+        """The whole mapping's rows, made once per mapping (evict and close drop it)."""
+        d = data.window(0)
+        with self._lock:
+            rows = self._rows
+            if rows is None or rows.data is not d:
+                rows = self._rows = StoredRows(d, None if scales is None else scales.window(0))
+        return rows
+
+    def stored(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows a..b as the file stores them: values [b-a, e] in the stored dtype, and fp8's
+        block scales [b-a, nb] (fp32 or E8M0 bytes; None for other dtypes), copied out."""
+        with self._lock:
+            data, scales = self._data, self._scales
+        if data is None:
+            raise RuntimeError(f"{self.path} was closed")
+        return self._stored(data, scales, torch.arange(a, b))
+
+    def _stored(self, data: _Region, scales: _Region | None,
+                flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raw = torch.empty(flat.numel(), self.dim, dtype=data.dtype)  # [n, e] stored dtype
+        self._split(data.gather, flat, raw)
+        sc = None
+        if scales is not None:  # [n, nb] fp32 or E8M0 bytes
+            sc = torch.empty(flat.numel(), scales.width, dtype=scales.dtype)
+            self._split(scales.gather, flat, sc)
+        return raw, sc
+
+    def _split(self, read: Any, flat: torch.Tensor, out: torch.Tensor) -> None:
+        """read(flat, out), over io_threads threads for a large read (each on its own slice)."""
         n = flat.numel()
         if self._pool is None or n < self.min_split_rows:
-            region.gather(flat, out)
+            read(flat, out)
             return
         step = -(-n // self.io_threads)
-        jobs = [self._pool.submit(region.gather, flat[a:a + step], out[a:a + step])
+        jobs = [self._pool.submit(read, flat[a:a + step], out[a:a + step])
                 for a in range(0, n, step)]
         for j in jobs:
             j.result()
@@ -284,49 +313,96 @@ class FileTable:
                 f"dtype={self.dtype}, tag={self.header.tag!r})")
 
 
-class PinnedTable:
+class HostTable:
+    """A table in this process's memory, its rows kept as the table file stores them (fp8 values
+    and block scales, bf16, ...): an FP8 + E8M0 table takes 264 bytes a row of head dim 256, not
+    the 1,024 of fp32, and every lookup gathers and dequantises in one pass (fp8.StoredRows).
+
+    ``source``: a :class:`FileTable` (its stored rows are copied; with ``dtype`` they are read
+    as ``dtype`` instead), rows [r, e], a module with a ``weight`` [r, e], or any TableStore (its
+    lookups' rows, in their dtype or ``dtype``). ``pin``: page-locked memory (CUDA only).
+    """
+
+    def __init__(self, source: Any, *, dtype: torch.dtype | None = None,
+                 chunk_rows: int = 1 << 16, pin: bool = False):
+        scales = None
+        if isinstance(source, FileTable) and dtype is None:  # as stored: fp8 keeps its scales
+            num_rows, dim = source.num_rows, source.dim
+            read = source.stored  # (a, b) -> (values, scales or None)
+            dtype, self.out_dtype = source._data.dtype, source.out_dtype
+            if source._scales is not None:
+                scales = (source._scales.width, source._scales.dtype)
+        else:
+            if isinstance(source, torch.Tensor):
+                num_rows, dim = source.shape
+                rows = lambda a, b: source[a:b]  # noqa: E731
+            elif hasattr(source, "weight") and isinstance(source.weight, torch.Tensor):
+                w = source.weight.detach()
+                num_rows, dim = w.shape
+                rows = lambda a, b: w[a:b]  # noqa: E731
+            else:  # any TableStore: copied in chunks, so a file never needs a second full copy
+                num_rows, dim = source.num_rows, source.dim
+                rows = lambda a, b: source.lookup(torch.arange(a, b))  # noqa: E731
+            read = lambda a, b: (rows(a, b), None)  # noqa: E731
+            dtype = dtype or rows(0, 1).dtype
+            self.out_dtype = dtype
+        self.num_rows, self.dim = int(num_rows), int(dim)
+        self.host = torch.empty(self.num_rows, self.dim, dtype=dtype, pin_memory=pin)  # [r, e]
+        self.host_scales = (None if scales is None else  # [r, nb] fp32 or E8M0 bytes
+                            torch.empty(self.num_rows, scales[0], dtype=scales[1],
+                                        pin_memory=pin))
+        with torch.no_grad():
+            for a in range(0, self.num_rows, chunk_rows):
+                b = min(self.num_rows, a + chunk_rows)
+                values, sc = read(a, b)
+                self.host[a:b] = values.to(dtype)
+                if sc is not None:
+                    self.host_scales[a:b] = sc
+        self.rows = StoredRows(self.host, self.host_scales)
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        flat = check_rows(rows, self.num_rows)
+        return self.rows.gather(flat, self.out_dtype).view(*rows.shape, self.dim)  # [..., e]
+
+    def prefetch(self, rows: torch.Tensor) -> None:
+        pass
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows held (values and scales)."""
+        held = [self.host] if self.host_scales is None else [self.host, self.host_scales]
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def __repr__(self) -> str:
+        return (f"HostTable(rows={self.num_rows}, dim={self.dim}, dtype={self.host.dtype}, "
+                f"scales={None if self.host_scales is None else self.host_scales.dtype})")
+
+
+class PinnedTable(HostTable):
     """The whole table in page-locked host memory; looked-up rows are copied to ``device``.
 
     Pinned memory lets the host-to-device copy run as DMA, asynchronously on the current stream
     (paper section 2.5: a 100B-parameter table in host DRAM costs under 3% of throughput). Without
-    CUDA the table is ordinary host memory and rows stay on the CPU.
+    CUDA the table is ordinary host memory and rows stay on the CPU. Rows are held as a
+    :class:`HostTable` holds them (a table file's as stored) and read to fp32 on the host.
     """
 
     def __init__(self, source: Any, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, chunk_rows: int = 1 << 16):
         cuda = torch.cuda.is_available()
         self.device = torch.device(device if device is not None else ("cuda" if cuda else "cpu"))
-        if isinstance(source, torch.Tensor):
-            num_rows, dim = source.shape
-            read = lambda a, b: source[a:b]  # noqa: E731
-        elif hasattr(source, "weight") and isinstance(source.weight, torch.Tensor):
-            w = source.weight.detach()
-            num_rows, dim = w.shape
-            read = lambda a, b: w[a:b]  # noqa: E731
-        else:  # any TableStore: copied in chunks, so a file never needs a second full copy
-            num_rows, dim = source.num_rows, source.dim
-            read = lambda a, b: source.lookup(torch.arange(a, b))  # noqa: E731
-        dtype = dtype or read(0, 1).dtype
         self.pinned = cuda
-        self.num_rows, self.dim = int(num_rows), int(dim)
-        self.host = torch.empty(self.num_rows, self.dim, dtype=dtype, pin_memory=cuda)  # [r, e]
-        with torch.no_grad():
-            for a in range(0, self.num_rows, chunk_rows):
-                b = min(self.num_rows, a + chunk_rows)
-                self.host[a:b] = read(a, b).to(dtype)
+        super().__init__(source, dtype=dtype, chunk_rows=chunk_rows, pin=cuda)
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
-        flat = check_rows(rows, self.num_rows)
         if self.device.type == "cpu":
-            return self.host.index_select(0, flat).view(*rows.shape, self.dim)
+            return super().lookup(rows)
+        flat = check_rows(rows, self.num_rows)
         # Gather into a pinned staging buffer, then one async DMA on the current stream; the
         # caching host allocator keeps the buffer alive until the copy has run.
-        staging = torch.empty(flat.numel(), self.dim, dtype=self.host.dtype, pin_memory=True)
-        torch.index_select(self.host, 0, flat, out=staging)
+        staging = torch.empty(flat.numel(), self.dim, dtype=self.out_dtype, pin_memory=True)
+        self.rows.gather(flat, out=staging)
         return staging.to(self.device, non_blocking=True).view(*rows.shape, self.dim)
-
-    def prefetch(self, rows: torch.Tensor) -> None:
-        pass
 
     def __repr__(self) -> str:
         return (f"PinnedTable(rows={self.num_rows}, dim={self.dim}, pinned={self.pinned}, "
