@@ -15,11 +15,10 @@ import importlib
 import inspect
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from engram.serving.loader import load_run
-from engram.studies.evaluate import EvalConfig, local_ids, run_eval
+from engram.serving.loader import open_model
+from engram.studies.evaluate import EvalConfig, run_eval
 from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 MODULES = ("os", "json", "re", "collections", "itertools", "functools", "pathlib", "string",
@@ -67,10 +66,10 @@ def main() -> None:
     out = {}
     for run in a.runs:
         res = run_eval(run, EvalConfig(text=a.text), progress=False)
-        served = load_run(run)
+        served = open_model(run)
         paras = [x for x in Path(a.text).read_text().split("\n\n") if x.strip()]
         encs = served.tokenizer.encode_batch(paras, add_special_tokens=False)
-        whole = sum(bool((local_ids(np.asarray(e.ids), served.vocab) >= 0).all()) for e in encs)
+        whole = sum(bool((served.ids.to_local(torch.tensor(e.ids)) >= 0).all()) for e in encs)
         res["paragraphs_without_unseen_tokens"] = int(whole)
         out[run] = res
         print(f"{run}: loss {res['loss']:.4f} on {res['scored']:,} of {res['targets']:,} targets "

@@ -19,7 +19,7 @@ import tempfile
 import torch
 
 from engram.serving.generate import GenerationConfig, Generator
-from engram.serving.loader import load_run
+from engram.serving.loader import open_model, write_tables
 from engram.training.train import TrainConfig, train
 from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
 
@@ -55,10 +55,10 @@ def main() -> None:
         served, want = {}, {}
         for run, extra in runs.items():
             train(TrainConfig(out_dir=f"{tmp}/{run}", **shape, **extra), progress=True)
+            write_tables(f"{tmp}/{run}")  # RUN/tables, for the file tiers
             for tier, kw in TIERS.items():
-                s = load_run(f"{tmp}/{run}", **kw)
-                prompts = [s.tokenizer.encode(t).ids for t in PROMPTS]
-                served[run, tier] = (Generator(s.model, s.hasher, s.vocab, gen_cfg), prompts)
+                s = open_model(f"{tmp}/{run}", **kw)
+                served[run, tier] = (Generator(s, config=gen_cfg), [s.encode(t) for t in PROMPTS])
         times: dict[tuple[str, str], list[float]] = {k: [] for k in served}
         for _ in range(a.rounds):
             for key, (gen, prompts) in served.items():

@@ -139,9 +139,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="engram-vllm-"))
     out = work / "model"
     if a.run:
-        from engram.serving.loader import load_run
+        from engram.serving.loader import open_model
         export_hf(a.run, out, cache_fraction=0.0)
-        served = load_run(a.run)
+        served = open_model(a.run)
         model, hasher, vocab = served.model, served.hasher, served.vocab
     else:
         model, hasher, vocab = random_export(out)

@@ -13,7 +13,7 @@ from engram.cli import COMMANDS, main
 from engram.errors import UserError
 
 # What each command needs besides options to get as far as building its configs.
-POSITIONALS = {"eval": ["RUN"], "analyze": ["RUN"], "generate": ["RUN"],
+POSITIONALS = {"eval": ["RUN"], "analyze": ["RUN"], "generate": ["RUN"], "export-tables": ["RUN"],
                "export-hf": ["RUN", "OUT"]}
 REQUIRED = {"generate": ["--prompt", "hi"], "prepare": ["--out", "corpus", "--source", "kjv"]}
 

@@ -31,6 +31,7 @@ Shape legend: b global batch rows, b/w rows per rank, t sequence length.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -136,8 +137,13 @@ def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = Non
     # The shards differ per rank: DDP must neither broadcast nor average them.
     DDP._set_params_and_buffers_to_ignore_for_model(run.model, [
         f"{n}.weight" for n, m in run.model.named_modules() if isinstance(m, ShardedTable)])
+    # No buffer sync in forward: torch 2.13 names it forward_sync_buffers (broadcast_buffers is
+    # deprecated there); older releases know only broadcast_buffers (2.11 on a lent H200 refused
+    # the new name).
+    new = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
     ddp = DDP(run.model, device_ids=[d.device.index] if d.device.type == "cuda" else None,
-              forward_sync_buffers=False, find_unused_parameters=cfg.moe)  # unrouted experts
+              find_unused_parameters=cfg.moe,  # unrouted experts
+              **{"forward_sync_buffers" if new else "broadcast_buffers": False})
     return run, ddp
 
 
