@@ -71,7 +71,7 @@ def prompts(vocab, n, seed, lo, hi):
 def engine_run(python, model_dir, ps, max_tokens, overrides, work):
     req, res = work / "req.json", work / "res.json"
     req.write_text(json.dumps({"prompts": ps, "max_tokens": max_tokens}))
-    cmd = [python, "-m", "engram.serving.vllm_run", str(model_dir), "--requests", str(req),
+    cmd = [python, str(Path(__file__).with_name("vllm_run.py")), str(model_dir), "--requests", str(req),
            "--result", str(res), "--hf_overrides", json.dumps({"engram_serving": overrides})]
     subprocess.run(cmd, check=True, capture_output=True, timeout=1200)
     return json.loads(res.read_text())

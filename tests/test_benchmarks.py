@@ -22,7 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 # Run (on the CPU) by their own tests, not with --smoke here.
-ELSEWHERE = {"gpu_check.py": "tests/test_gpu_check.py", "gpu_check.sh": "tests/test_gpu_check.py"}
+ELSEWHERE = {"gpu_check.py": "tests/test_gpu_check.py", "gpu_check.sh": "tests/test_gpu_check.py",
+             "vllm_run.py": "tests/serving/test_vllm.py"}  # a tool that needs vLLM's venv
 TIMEOUT_S = 240  # one benchmark's smoke run: seconds of CPU, more wall time on a loaded machine
 
 

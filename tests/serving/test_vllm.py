@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,13 +25,14 @@ VLLM_PYTHON = os.environ.get("ENGRAM_VLLM_PYTHON") or (
 pytestmark = [pytest.mark.skipif(VLLM_PYTHON is None, reason="vLLM is not installed (see README)"),
               pytest.mark.usefixtures("one_thread")]
 MAX_NEW = 8
+VLLM_RUN = Path(__file__).parents[2] / "benchmarks" / "vllm_run.py"  # run by its path
 RUNS = {}  # the memory tier's vLLM tokens, for the transformers comparison below
 
 
 def run_vllm(model_dir, ps, tmp_path, name, overrides=None, kv_blocks=None, max_new=MAX_NEW):
     req, res = tmp_path / f"{name}.req.json", tmp_path / f"{name}.res.json"
     req.write_text(json.dumps({"prompts": ps, "max_tokens": max_new}))
-    cmd = [VLLM_PYTHON, "-m", "engram.serving.vllm_run", str(model_dir), "--requests", str(req),
+    cmd = [VLLM_PYTHON, str(VLLM_RUN), str(model_dir), "--requests", str(req),
            "--result", str(res), "--hf_overrides", json.dumps(overrides or {}),
            "--max_num_batched_tokens", "64", "--max_num_seqs", "64"]
     cmd += [] if kv_blocks is None else ["--kv_blocks", str(kv_blocks)]

@@ -1,8 +1,9 @@
 """Run an ``engram export-hf`` directory through vLLM's offline engine and write what it generated:
 the check behind tests/serving/test_vllm.py and benchmarks/vllm_serve.py, in its own process (vLLM
-may live in another environment: ``ENGRAM_VLLM_PYTHON``).
+may live in another environment: ``ENGRAM_VLLM_PYTHON``). A tool of the tests and benchmarks, not
+of the library (it lived in engram/serving before).
 
-    python -m engram.serving.vllm_run OUT --requests req.json --result res.json \
+    python benchmarks/vllm_run.py OUT --requests req.json --result res.json \
         [--hf_overrides '{"engram_serving": {"tier": "file"}}'] [--max_num_batched_tokens 64]
 
 req.json: {"prompts": [[token ids], ...], "max_tokens": 8}; prompts are token ids, so nothing
@@ -19,7 +20,7 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engram.serving.vllm_run",
+    p = argparse.ArgumentParser(prog="python benchmarks/vllm_run.py",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("model", help="directory written by `engram export-hf`")
     p.add_argument("--requests", required=True, help="JSON with prompts (token ids), max_tokens")
