@@ -138,7 +138,7 @@ def test_export_hf_cli_from_a_trained_run(tmp_path, capsys):
     """`engram export-hf RUN OUT` on a real (tiny) run: the paged model serves exactly what
     `engram generate` serves from the run, for text prompts through DeepSeek's tokenizer."""
     from engram.cli import main
-    from engram.serving.loader import load_run
+    from engram.serving.loader import open_model
     from engram.training.train import TrainConfig, train
 
     run = tmp_path / "run"
@@ -147,7 +147,7 @@ def test_export_hf_cli_from_a_trained_run(tmp_path, capsys):
                       eval_batches=1, warmup=1), progress=False)
     assert main(["export-hf", str(run), str(tmp_path / "hf"), "--tier", "file"]) == 0
     assert "vllm serve" in capsys.readouterr().out
-    served = load_run(run)
+    served = open_model(run)
     known = set(served.vocab.tolist())
     ps = [served.tokenizer.encode(t, add_special_tokens=False).ids for t in
           ("In the beginning God created the heaven and the earth.", "And God said", "And")]
@@ -168,7 +168,7 @@ def test_export_hf_of_a_nine_run_serves_generate_s_tokens(tmp_path, capsys, shar
     model (the vLLM plugin's, on the MiniEngine) serves exactly `engram generate`'s tokens from
     every tier, with the slot history hashed by the run's NineHasher."""
     from engram.cli import main
-    from engram.serving.loader import load_run
+    from engram.serving.loader import open_model
     from engram.training.train import TrainConfig, train
 
     run = tmp_path / "run"
@@ -178,7 +178,7 @@ def test_export_hf_of_a_nine_run_serves_generate_s_tokens(tmp_path, capsys, shar
                       engram_layers=(0, 1)), progress=False)
     assert main(["export-hf", str(run), str(tmp_path / "hf"), "--tier", "file",
                  "--cache-fraction", "0.05", "--prefetch"]) == 0
-    served = load_run(run)
+    served = open_model(run)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["engram_nine"] == {"hot_slots": 100, "shared": shared}
     counts = load_file(str(tmp_path / "hf" / "tables" / "row_counts.safetensors"))

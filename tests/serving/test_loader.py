@@ -14,7 +14,7 @@ import torch
 from engram.cli import main
 from engram.retrieval.hot import NineHasher, build_hot_index
 from engram.serving.generate import GenerationConfig, Generator
-from engram.serving.loader import load_run, write_tables
+from engram.serving.loader import open_model, write_tables
 from engram.training.corpus import build_corpus
 from engram.tables.hotcold import check_index_files, hot_path, read_index_files, write_hot_tier
 from engram.tables.registry import REGISTRY, TIERS, open_tier
@@ -40,7 +40,7 @@ def runs(tmp_path_factory):
         train(TrainConfig(out_dir=str(run), steps=3, shared_tables=layout == "shared", **TINY),
               progress=False)
         write_tables(run)  # the explicit step that writes RUN/tables (opening writes nothing)
-        memory = load_run(run)
+        memory = open_model(run)
         prompts = [memory.tokenizer.encode(p).ids for p in PROMPTS]
         out[layout] = (run, prompts, _tokens(memory, prompts), _logits(memory))
     return out
@@ -66,7 +66,7 @@ def _logits(served):
     return served.model(local, ids).logits
 
 
-# load_run's "memory" serves the checkpoint's own tables: the reference every other registered
+# open_model's "memory" serves the checkpoint's own tables: the reference every other registered
 # tier must equal (the registry's memory tier, from table files, in tests/serving/test_hf_export).
 FILE_TIERS = [t for t in TIERS if t != "memory"]
 
@@ -80,7 +80,7 @@ def test_every_tier_serves_exactly_what_memory_serves(runs, layout, tier, cache,
     if why:
         pytest.skip(f"tier {tier} cannot open on this machine: {why}")
     run, prompts, tokens, logits = runs[layout]
-    served = load_run(run, tier=tier, cache_fraction=cache, prefetch=prefetch)
+    served = open_model(run, tier=tier, cache_fraction=cache, prefetch=prefetch)
     assert _tokens(served, prompts) == tokens
     stores = {id(t): t for t in served.tables.values()}
     assert len(stores) == (1 if layout == "shared" else 2)  # a shared set is one store
@@ -96,7 +96,7 @@ def test_every_tier_serves_exactly_what_memory_serves(runs, layout, tier, cache,
 
 def test_foreign_stale_or_damaged_hot_tier_files_are_refused(runs, tmp_path):
     run, *_ = runs["shared"]
-    served = load_run(run, tier="file")
+    served = open_model(run, tier="file")
     tables, cfg, nine = run / "tables", served.hasher.config, served.hasher
     # Another hot index over the same hashed tables: its rows would serve other n-grams.
     other = NineHasher(nine.hasher, build_hot_index(nine.hasher, _train_tokens(), 30),
@@ -116,13 +116,13 @@ def test_foreign_stale_or_damaged_hot_tier_files_are_refused(runs, tmp_path):
     shutil.copytree(tables, stale)
     write_hot_tier(hot_path(stale, 0), other.index, None, cfg, tag=served.checkpoint)
     with pytest.raises(TableFileError, match="another hot index"):
-        load_run(run, tier="file", table_dir=stale)
+        open_model(run, tier="file", table_dir=stale)
     # A hot file under another layer's name; a cold file where the hot one belongs.
     own = tmp_path / "own"
     shutil.copytree(runs["own"][0] / "tables", own)
     shutil.copyfile(table_path(own, 0, "hot"), table_path(own, 2, "hot"))
     with pytest.raises(TableFileError, match="holds layer 0, expected layer 2"):
-        open_tier("file", own, cfg, load_run(runs["own"][0]).hasher, verify=False)
+        open_tier("file", own, cfg, open_model(runs["own"][0]).hasher, verify=False)
     shutil.copyfile(table_path(stale, 0), table_path(stale, 0, "hot"))
     with pytest.raises(TableFileError, match="the hot table of layer 0 needs 80 x 32"):
         open_tier("file", stale, cfg, nine, verify=False)

@@ -16,7 +16,7 @@ from engram.cli import main
 from engram.serving.generate import GenerationConfig, Generator
 from engram.serving.hf_export import open_export
 from engram.serving.loader import export_hf
-from engram.serving.loader import load_run
+from engram.serving.loader import open_model
 from engram.serving.paged import PagedLM
 from engram.serving.v41 import export_v41_checkpoint
 from engram.tables.tablefile import read_header
@@ -39,7 +39,7 @@ def setup(tmp_path_factory):
     train(TrainConfig(out_dir=str(root / "run"), **RUN), progress=False)
     written = make_checkpoint(root / "ckpt", seed=3)
     import_v41(root / "ckpt", root / "layers")
-    served = load_run(root / "run", engram_layers=root / "layers")
+    served = open_model(root / "run", engram_layers=root / "layers")
     prompts = [served.tokenizer.encode(p).ids for p in PROMPTS]
     return root, written, served, prompts, _tokens(served, prompts), _logits(served)
 
@@ -58,7 +58,7 @@ def _logits(served):
 
 def test_the_layer_set_replaces_the_runs_engram(setup):
     root, written, served, prompts, tokens, logits = setup
-    own = load_run(root / "run")
+    own = open_model(root / "run")
     assert not torch.equal(_logits(own), logits)  # the imported layers are what runs
     eng = served.model.engrams()[2]
     kv = eng.kv_proj.weight
@@ -71,7 +71,7 @@ def test_the_layer_set_replaces_the_runs_engram(setup):
                                                  ("pinned", 0.0, False), ("shared", 0.0, True)])
 def test_every_tier_serves_what_memory_serves(setup, tier, cache, prefetch):
     root, _, _, prompts, tokens, logits = setup
-    served = load_run(root / "run", tier=tier, cache_fraction=cache, prefetch=prefetch,
+    served = open_model(root / "run", tier=tier, cache_fraction=cache, prefetch=prefetch,
                       engram_layers=root / "layers")
     assert not any(".engram.table." in k for k in served.model.state_dict())  # rows stay outside
     assert _tokens(served, prompts) == tokens
@@ -134,6 +134,6 @@ def test_export_v41_from_the_run_gives_the_checkpoint_back(setup, tmp_path):
     # a plain v4.1 run of ours exports too, and its checkpoint imports back to the same model
     export_v41_checkpoint(root / "run", tmp_path / "own")
     import_v41(tmp_path / "own", tmp_path / "own-layers")
-    again = load_run(root / "run", engram_layers=tmp_path / "own-layers")
-    own = load_run(root / "run")
+    again = open_model(root / "run", engram_layers=tmp_path / "own-layers")
+    own = open_model(root / "run")
     torch.testing.assert_close(_logits(again), _logits(own), rtol=0.05, atol=0.05)  # bf16 weights

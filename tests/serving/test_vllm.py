@@ -90,7 +90,7 @@ def test_vllm_serves_an_imported_v41_layer_set(tmp_path):
     from engram.models.v41_layers import import_v41
     from engram.serving.generate import GenerationConfig, Generator
     from engram.serving.loader import export_hf
-    from engram.serving.loader import load_run
+    from engram.serving.loader import open_model
     from engram.training.train import TrainConfig, train
 
     train(TrainConfig(out_dir=str(tmp_path / "run"), **{**RUN, "seq_len": 96}), progress=False)
@@ -98,7 +98,7 @@ def test_vllm_serves_an_imported_v41_layer_set(tmp_path):
     import_v41(tmp_path / "ckpt", tmp_path / "layers")
     out = export_hf(tmp_path / "run", tmp_path / "hf", table_dtype="fp8",
                     engram_layers=tmp_path / "layers")
-    served = load_run(tmp_path / "run", engram_layers=tmp_path / "layers")
+    served = open_model(tmp_path / "run", engram_layers=tmp_path / "layers")
     g = np.random.default_rng(7)
     ps = [[int(x) for x in g.choice(served.vocab, int(g.integers(1, 80)))] for _ in range(12)]
     gen = Generator(served.model, served.hasher, served.vocab,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engram.cli import main
-from engram.serving.loader import load_run
+from engram.serving.loader import open_model
 from engram.serving.runtime import windows
 from engram.training.batches import val_batches
 from engram.training.train import TrainConfig, train
@@ -35,7 +35,7 @@ def test_windows_cover_every_target_once():
 
 def test_known_text_equals_the_validation_loss(run_dir):
     """On text the run knows, eval is the training code's own validation sweep."""
-    served = load_run(run_dir)
+    served = open_model(run_dir)
     from engram.training.corpus import build_corpus
 
     corpus = build_corpus(TrainConfig(**TINY).data_config())
@@ -53,7 +53,7 @@ def test_known_text_equals_the_validation_loss(run_dir):
 
 
 def test_unseen_tokens_are_context_not_targets(run_dir, tmp_path):
-    served = load_run(run_dir)
+    served = open_model(run_dir)
     text = tmp_path / "t.txt"
     text.write_text("In the beginning ᚠᛇᚻ God created ☃ the heaven.\n\nAnd the earth 🜁 was void.")
     js = tmp_path / "r.json"

@@ -76,12 +76,12 @@ def test_choices_and_generations(run_and_export, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     from engram.serving.generate import GenerationConfig, Generator
-    from engram.serving.loader import load_run
+    from engram.serving.loader import open_model
 
     run, out = run_and_export
     samples, _ = lm_eval_samples(out, tmp_path, monkeypatch, "engram_choice,engram_gen")
     m = AutoModelForCausalLM.from_pretrained(out)
-    served = load_run(run)
+    served = open_model(run)
     tok = served.tokenizer
     for s in samples["engram_choice"]:  # loglikelihood requests: context, continuation
         for args, resp in zip(s["arguments"].values(), s["resps"]):

@@ -13,7 +13,7 @@ import torch
 
 from engram.errors import NonFinite, UserError
 from engram.serving.generate import GenerationConfig, Generator
-from engram.serving.loader import load_run
+from engram.serving.loader import open_model
 from engram.studies.evaluate import EvalConfig, run_eval
 from engram.tables.store import MemoryTable
 from engram.training import sparse_rows
@@ -248,7 +248,7 @@ def test_a_bf16_checkpoint_serves_in_fp32_and_bf16(bf16_run_dir):
     fp32 = run_eval(str(bf16_run_dir), EvalConfig(**ec), progress=False)
     bf16 = run_eval(str(bf16_run_dir), EvalConfig(**ec, precision="bf16"), progress=False)
     assert np.isfinite(fp32["loss"]) and abs(fp32["loss"] - bf16["loss"]) < BF16_TOL
-    served = load_run(bf16_run_dir)
+    served = open_model(bf16_run_dir)
     # The tables were saved in bf16 and load into the float32 model as they are (exactly).
     saved = load_checkpoint(served.checkpoint_file)[0]["model"]
     tables = [k for k in saved if ".engram.table." in k]

@@ -188,14 +188,14 @@ def test_nine_run_resumes_exactly_and_exports_its_hot_tier(tmp_path, corpus):
     assert hot.header.hash_profile["hot_tier"]["layers"] == [0, 1]
     assert read_header(paths[1]).num_rows == store.cold.num_rows
     from engram.retrieval.hot import NineHasher
-    from engram.serving.loader import load_run
+    from engram.serving.loader import open_model
 
-    served = load_run(tmp_path / "part")  # memory tier: the checkpoint's hot index and rows
+    served = open_model(tmp_path / "part")  # memory tier: the checkpoint's hot index and rows
     assert isinstance(served.hasher, NineHasher) and served.hasher.index.equals(full.hasher.index)
     b = full.batches.batch(0)
     want = full.model.eval()(b.inputs, b.hash_ids).hidden
     assert torch.equal(served.model(b.inputs, served.hasher.hash(b.raw)).hidden, want)
-    served = load_run(tmp_path / "part", tier="file", table_dir=tmp_path / "tables")
+    served = open_model(tmp_path / "part", tier="file", table_dir=tmp_path / "tables")
     assert torch.equal(served.model(b.inputs, served.hasher.hash(b.raw)).hidden, want)
 
 

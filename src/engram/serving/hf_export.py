@@ -184,7 +184,7 @@ def open_export(out_dir: str | Path, serving: dict[str, Any] | None = None, **op
         raise UserError(f"{out}/model.safetensors lacks engram.vocab (not written by engram "
                         "export-hf)")
     comp = tensors.pop("engram.compression", None)
-    hasher, tables = None, {}
+    hasher, tables, counts = None, {}, None
     if mc.engram is not None:
         # exports written before the map was stored used DeepSeek's, rebuilt from the tokenizer
         compression = build_compression(tok) if comp is None else Compression(comp.numpy())
@@ -192,7 +192,8 @@ def open_export(out_dir: str | Path, serving: dict[str, Any] | None = None, **op
         # Engram-Nine's hot index (keys, MPHF, fingerprints) comes from the table files
         hasher = read_index_files(table_dir, mc.engram, NgramHasher(mc.engram, compression),
                                   config.get("engram_nine"))
-        counts = read_row_counts(table_dir, hasher) if serving["cache_fraction"] > 0 else None
+        if (table_dir / "row_counts.safetensors").exists():
+            counts = read_row_counts(table_dir, hasher)
         try:
             tables = open_tier(serving["tier"], table_dir, mc.engram, hasher, counts=counts,
                                cache_fraction=serving["cache_fraction"],
@@ -206,9 +207,6 @@ def open_export(out_dir: str | Path, serving: dict[str, Any] | None = None, **op
                             "another tier, e.g. engram_serving={'tier': 'memory'}") from e
     lm = build_lm(mc, hasher, tables or None).eval()
     load_dense_state(lm, tensors, outside=lm.config.engram_layers)  # tables: from their files
-    counts = None
-    if hasher is not None and (out / serving["table_dir"] / "row_counts.safetensors").exists():
-        counts = read_row_counts(out / serving["table_dir"], hasher)
     return Runtime(lm, hasher, VocabMap(vocab, raw_vocab), tok, config.get("eos_token_id"), out,
                    config.get("engram_checkpoint", ""), serving["tier"], tables, counts,
                    tokenizer_file=out / "tokenizer.json")

@@ -163,8 +163,3 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, tier: str = "memory",
                         prefetch=prefetch, tag=rt.checkpoint,
                         scale_format="fp32" if engram_layers is None else "e8m0",
                         tokenizer_file=rt.tokenizer_file, eos_id=rt.eos_id)
-
-
-def load_run(run_dir: str | Path, **kw: Any) -> Runtime:
-    """:func:`open_model` of a run folder (its older name)."""
-    return open_model(run_dir, **kw)
