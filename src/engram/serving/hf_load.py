@@ -78,28 +78,20 @@ def check_config(config: Any) -> None:
 
 def save_export(model: Any, out_dir: str | Path) -> Path:
     """Write ``model`` as an export; its serving keys, table dtype and row counts (for a hot
-    cache) are the ones it was loaded with."""
+    cache) are the ones it was loaded with (its runtime's)."""
     from ..tables.tablefile import read_header, table_path
-    from .hf_export import export_model, read_row_counts
+    from .hf_export import export_model
 
-    out = Path(out_dir)
+    out, rt = Path(out_dir), model.runtime
     serving = {**SERVING_DEFAULTS, **(getattr(model.config, "engram_serving", None) or {})}
-    source = getattr(model.config, "_name_or_path", "") or ""
-    src = Path(source) / serving["table_dir"] if source else None
-    if source and out.resolve() == Path(source).resolve():
+    if rt.source is not None and out.resolve() == rt.source.resolve():
         raise ValueError(f"save_pretrained into {out}, the export the model was loaded from, "
                          "would overwrite the table files it reads; choose another directory")
-    counts, dtype = None, "fp32"
-    ecfg = model.lm.config.engram
-    if src is not None and src.is_dir() and ecfg is not None:
-        first = table_path(src, ecfg.layer_ids[0])
-        if first.exists():
-            dtype = read_header(first).dtype
-        if (src / "row_counts.safetensors").exists():
-            counts = read_row_counts(src, model.hasher)
-    return export_model(model.lm, model.hasher, model.vocab_map.vocab, out, counts=counts,
-                        tier=serving["tier"], table_dtype=dtype,
+    first = None if rt.source is None or rt.hasher is None else table_path(
+        rt.source / serving["table_dir"], rt.hasher.owners[0])
+    dtype = read_header(first).dtype if first is not None and first.exists() else "fp32"
+    counts = rt.row_counts
+    return export_model(rt.model, rt.hasher, rt.vocab, out, counts=counts, tier=serving["tier"],
+                        table_dtype=dtype, prefetch=serving["prefetch"], tag=rt.checkpoint,
                         cache_fraction=serving["cache_fraction"] if counts is not None else 0.0,
-                        prefetch=serving["prefetch"],
-                        tag=getattr(model.config, "engram_checkpoint", "") or "",
-                        tokenizer_file=model.runtime.tokenizer_file, eos_id=model.runtime.eos_id)
+                        tokenizer_file=rt.tokenizer_file, eos_id=rt.eos_id)
