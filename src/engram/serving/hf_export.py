@@ -50,8 +50,8 @@ SERVING_DEFAULTS = {"tier": "memory", "table_dir": "tables", "cache_fraction": 0
 def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: str | Path, *,
                  counts: dict[int, dict[str, torch.Tensor]] | None = None, tier: str = "memory",
                  table_dtype: str = "fp32", cache_fraction: float = 0.0, prefetch: bool = False,
-                 tag: str = "", scale_format: str = "fp32", tokenizer_file: str | Path | None = None,
-                 eos_id: int | None = None) -> Path:
+                 tag: str = "", scale_format: str = "fp32",
+                 tokenizer_file: str | Path | None = None, eos_id: int | None = None) -> Path:
     """Write an export of ``model`` (trained on the tokenizer in ``tokenizer_file``, default
     DeepSeek's; ``vocab`` [V] maps its ids to the tokenizer's; ``eos_id`` ends its documents,
     default the tokenizer's EOS token); ``counts`` are each table set's row frequencies on
@@ -122,7 +122,7 @@ def _same_tokenizer(tok: Any, other: Path) -> bool:
 
 
 def check_serving(serving: dict[str, Any]) -> None:
-    """The ``engram_serving`` keys (config.json's, the loader's, lm-eval's model_args): UserError."""
+    """The ``engram_serving`` keys (config.json's, the loader's, lm-eval's model_args)."""
     unknown = sorted(set(serving) - set(SERVING_DEFAULTS))
     if unknown:
         raise UserError(f"unknown engram_serving keys {unknown}; known: {sorted(SERVING_DEFAULTS)}")
@@ -202,9 +202,10 @@ def open_export(out_dir: str | Path, serving: dict[str, Any] | None = None, **op
             raise InputNotFound(f"{out} is missing a table file ({e}); write the export again "
                                 "with `engram export-hf`") from e
         except (OSError, ImportError, RuntimeError) as e:
-            raise TierUnavailable(f"engram_serving.tier={serving['tier']!r}: the tables in {out} could "
-                            f"not be opened on this machine ({type(e).__name__}: {e}); choose "
-                            "another tier, e.g. engram_serving={'tier': 'memory'}") from e
+            raise TierUnavailable(f"engram_serving.tier={serving['tier']!r}: the tables in {out} "
+                                  f"could not be opened on this machine ({type(e).__name__}: "
+                                  f"{e}); choose another tier, e.g. "
+                                  "engram_serving={'tier': 'memory'}") from e
     lm = build_lm(mc, hasher, tables or None).eval()
     load_dense_state(lm, tensors, outside=lm.config.engram_layers)  # tables: from their files
     return Runtime(lm, hasher, VocabMap(vocab, raw_vocab), tok, config.get("eos_token_id"), out,

@@ -110,7 +110,7 @@ def _open_run(run_dir: Path, *, tier: str, table_dir: str | Path | None, table_d
 
 
 def stale_tables(folder: Path, hasher: Hasher, tag: str, dtype: str | None) -> str:
-    """Why ``folder`` cannot serve checkpoint ``tag`` (``dtype``: None takes any): "" when it can."""
+    """Why ``folder`` cannot serve checkpoint ``tag`` (``dtype``: None takes any); "" if it can."""
     from ..tables.hotcold import index_paths
     from ..tables.tablefile import read_header, table_paths
 

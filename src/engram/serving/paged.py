@@ -100,9 +100,9 @@ class PagedLM(nn.Module):
         loc = self.runtime.ids.to_local(raw)
         unknown = loc < 0
         if bool(unknown.any()):
-            self.runtime.on_unseen(f"token ids {sorted(set(raw[unknown.to(raw.device)].tolist()))[:10]}"
-                                   " never occurred in training: they read as the mean input "
-                                   "embedding")
+            ids = sorted(set(raw[unknown.to(raw.device)].tolist()))[:10]
+            self.runtime.on_unseen(f"token ids {ids} never occurred in training: they read as "
+                                   "the mean input embedding")
         return loc.clamp_min(0).to(raw.device), unknown.to(raw.device)
 
     def hash(self, raw: torch.Tensor, layout: StepLayout | None) -> dict[int, torch.Tensor]:

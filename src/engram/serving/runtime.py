@@ -133,9 +133,9 @@ class Runtime:
     def forward(self, raw: torch.Tensor, group: DecodeGroup | None = None, *, warn: bool = True,
                 announce: bool = True) -> ModelOutput:
         """Raw ids [b, t] (CPU) -> the model's output (hidden [b, t, d]); with ``group``,
-        continuing its decode; ``announce``: tell the tables the rows first (a
-        prefetching tier starts gathering them). Hashing and id bookkeeping stay on the CPU (the engine's
-        side); only the model's inputs move to its device."""
+        continuing its decode; ``announce``: tell the tables the rows first (a prefetching tier
+        starts gathering them). Hashing and id bookkeeping stay on the CPU (the engine's side);
+        only the model's inputs move to its device."""
         raw = torch.as_tensor(raw).long().cpu()
         local = self.ids.to_local(raw)  # [b, t], -1 where unseen
         unknown = local < 0
@@ -168,7 +168,8 @@ class Runtime:
                     cut: bool = False, say: Callable[[str], None] | None = None
                     ) -> list[list[int]]:
         """Each prompt fits the context with ``max_new_tokens`` after it, or a UserError naming the
-        lengths; with ``cut`` a prompt too long loses its oldest tokens (``say`` is told how many)."""
+        lengths; with ``cut`` a prompt too long loses its oldest tokens (``say`` is told how
+        many)."""
         n = self.max_seq_len
         if any(len(p) == 0 for p in prompts):
             raise UserError("every prompt needs at least one token")

@@ -50,7 +50,7 @@ class LogMetrics:
             (out / "config.json").write_text(json.dumps(self.config or cfg.to_dict(), indent=2))
             write_model_files(run, out)
             self.settings = settings.write(out)  # GEMM routes and threads: a repeat reuses them
-            # Records past a resumed checkpoint are dropped: they will be written again, identically.
+            # Records past a resumed checkpoint are dropped: they are written again, identically.
             (out / "metrics.jsonl").write_text("".join(_line(r) for r in run.history))
             if run.step and self.progress:
                 print(f"engram: resuming {out} from step {run.step} (of {cfg.steps})",
