@@ -98,6 +98,12 @@ def test_a_run_without_model_files_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match="no checkpoint under"):
         open_model(tmp_path / "run")
     train(TrainConfig(out_dir=str(tmp_path / "old"), max_chars=20_000, **TINY), progress=False)
+    maps = tmp_path / "old" / "model" / "maps.safetensors"
+    written = maps.stat().st_mtime_ns
+    train(TrainConfig(out_dir=str(tmp_path / "old"), max_chars=20_000, **{**TINY, "steps": 4}),
+          progress=False)
+    assert maps.stat().st_mtime_ns == written  # a resume keeps the files (no second count)
+    assert open_model(tmp_path / "old").checkpoint == "step_00000004.safetensors"
     shutil.rmtree(tmp_path / "old" / "model")  # as a run trained before runs kept them
     with pytest.raises(UserError, match="no model/model.json.*resume it once"):
         open_model(tmp_path / "old")

@@ -17,6 +17,7 @@ Shape legend: V model vocabulary, W tokenizer vocabulary, r rows of a table part
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -69,6 +70,26 @@ def model_config_from_dict(d: dict[str, Any]) -> ModelConfig:
     return ModelConfig.from_dict(d)
 
 
+def identity(config: ModelConfig, compression: Compression, nine_shared: bool | None,
+             data: dict[str, Any]) -> dict[str, Any]:
+    """What decides the files' content (the vocabulary and row counts follow from the data)."""
+    digest = hashlib.sha256(np.ascontiguousarray(compression.lookup, dtype=np.int64)).hexdigest()
+    return json.loads(json.dumps({"model": config.to_dict(), "compression": digest,
+                                  "nine_shared": nine_shared, "data": data}))
+
+
+def read_identity(run_dir: str | Path) -> dict[str, Any] | None:
+    """:func:`identity` of the files ``run_dir`` holds (None: none, or unreadable)."""
+    folder = Path(run_dir) / FOLDER
+    try:
+        meta = json.loads((folder / "model.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not (folder / "maps.safetensors").is_file() or not (folder / "tokenizer.json").is_file():
+        return None
+    return {k: meta.get(k) for k in ("model", "compression", "nine_shared", "data")}
+
+
 def write_run_files(run_dir: str | Path, *, config: ModelConfig, vocab: Any,
                     compression: Compression, tokenizer_file: str | Path, eos_id: int,
                     nine_shared: bool | None, data: dict[str, Any],
@@ -86,9 +107,8 @@ def write_run_files(run_dir: str | Path, *, config: ModelConfig, vocab: Any,
     publish(folder / "maps.safetensors", lambda p: save_file(tensors, p))
     publish(folder / "tokenizer.json", lambda p: shutil.copyfile(tokenizer_file, p))
     publish_text(folder / "model.json", json.dumps({
-        "format": FORMAT, "model": config.to_dict(), "eos_id": int(eos_id),
-        "nine_shared": nine_shared, "data": data,
-        "compression_fingerprint": compression.fingerprint}, indent=1))
+        "format": FORMAT, **identity(config, compression, nine_shared, data),
+        "eos_id": int(eos_id), "compression_fingerprint": compression.fingerprint}, indent=1))
     return folder
 
 

@@ -138,19 +138,20 @@ class SaveCheckpoints:
 
 def write_model_files(run: Run, out: Path) -> None:
     """``out/model/`` (models/run_files.py): what opening the run needs besides a checkpoint, so
-    it opens with its data gone. Written at every start: the same bytes, as the data may not change
-    under a run (a resume on other data is refused before this)."""
-    from ..models.run_files import write_run_files
+    it opens with its data gone. A resume finds the same files there and keeps them (the row
+    counts cost a pass over the training text)."""
+    from ..models.run_files import identity, read_identity, write_run_files
 
     corpus, hasher, cfg = run.corpus, run.hasher, run.cfg
+    comp = hasher.compression if hasher is not None else corpus.compression()
+    nine = cfg.shared_tables if getattr(cfg, "nine", False) else None
+    data = {"fingerprint": corpus.fingerprint, "tokenizer": corpus.tokenizer_fingerprint}
+    if read_identity(out) == identity(run.model.config, comp, nine, data):
+        return
     counts = None
     if hasher is not None:  # the hot cache's; a shared table set once, under its owner
         reads = hasher.count_reads(corpus.train)
         counts = {lid: reads[lid] for lid in hasher.owners}
-    comp = hasher.compression if hasher is not None else corpus.compression()
     write_run_files(out, config=run.model.config, vocab=corpus.vocab, compression=comp,
                     tokenizer_file=corpus.folder / "tokenizer.json", eos_id=corpus.eos_id,
-                    nine_shared=cfg.shared_tables if getattr(cfg, "nine", False) else None,
-                    data={"fingerprint": corpus.fingerprint,
-                          "tokenizer": corpus.tokenizer_fingerprint},
-                    row_counts=counts)
+                    nine_shared=nine, data=data, row_counts=counts)
