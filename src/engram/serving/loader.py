@@ -134,8 +134,15 @@ def write_tables(run_dir: str | Path, table_dir: str | Path | None = None, dtype
     from ..outputs import claim_folder
     from ..training.export import export_tables
 
+    from ..models.run_files import read_run_files
+    from ..training.checkpoint import latest_checkpoint
+
     run_dir = Path(run_dir)
     folder = Path(table_dir) if table_dir is not None else run_dir / "tables"
+    files, ckpt = read_run_files(run_dir), latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is not None and files.config.engram is not None and files.nine_shared is None and \
+            not stale_tables(folder, files.hasher(), ckpt.name, dtype):
+        return folder  # current, known without loading the checkpoint (a Nine run's parts need it)
     rt = open_model(run_dir)
     if rt.hasher is None:
         raise UserError(f"{run_dir} has no Engram layers: it has no tables to write")
