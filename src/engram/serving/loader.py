@@ -12,7 +12,7 @@ from typing import Any, Callable
 from ..errors import InputNotFound, UserError
 from ..models.run_files import load_dense_state
 from ..retrieval.hashing import Hasher
-from ..tables.registry import TIERS, open_tier
+from ..tables.registry import open_tier
 from ..training.precision import check_names, resolve
 from .runtime import Runtime
 from .vocab import VocabMap
@@ -27,11 +27,10 @@ def open_model(path: str | Path, *, tier: str = "memory", table_dir: str | Path 
     layer set (``engram_layers``), ready to serve, with tables on ``tier`` (``TIERS``); any other
     option of the tier in ``options`` (e.g. ``pool_path``). Opening reads only the folder and
     writes nothing: a run's table files for a file tier come from :func:`write_tables`."""
+    from .hf_export import check_serving, open_export
+
     check_names(device or "cpu", precision)
-    if tier not in TIERS:
-        raise UserError(f"tier must be one of {TIERS}, got {tier!r}")
-    if not 0 <= cache_fraction < 1:
-        raise UserError(f"cache_fraction must be in [0, 1), got {cache_fraction}")
+    check_serving({"tier": tier, "cache_fraction": cache_fraction})  # the export's own check
     if tier == "memory" and (cache_fraction > 0 or prefetch):
         raise UserError("--cache_fraction and --prefetch put a cache or background reads in "
                         "front of table files: on the memory tier they would do nothing (choose "
@@ -40,8 +39,6 @@ def open_model(path: str | Path, *, tier: str = "memory", table_dir: str | Path 
         resolve(device, precision)  # this machine can run it: before loading
     path = Path(path)
     if (path / "config.json").is_file() and not (path / "checkpoints").is_dir():
-        from .hf_export import open_export
-
         if engram_layers is not None:
             raise UserError(f"{path} is an export: --engram_layers applies to a run folder")
         rt = open_export(path, {"tier": tier, "cache_fraction": cache_fraction,

@@ -312,6 +312,6 @@ def _stores(tables: dict[int, Any]) -> list[Any]:
         if t is None or id(t) in seen:
             continue
         seen[id(t)] = t
-        todo += [getattr(t, a) for a in ("inner", "store", "base", "hot", "cold")
+        todo += [getattr(t, a) for a in ("inner", "hot", "cold")  # cache/prefetch, Nine
                  if getattr(t, a, None) is not None and not isinstance(getattr(t, a), torch.Tensor)]
     return list(seen.values())
