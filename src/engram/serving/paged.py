@@ -99,10 +99,7 @@ class PagedLM(nn.Module):
         is told once (the runtime's policy)."""
         loc = self.runtime.ids.to_local(raw)
         unknown = loc < 0
-        if bool(unknown.any()):
-            ids = sorted(set(raw[unknown.to(raw.device)].tolist()))[:10]
-            self.runtime.on_unseen(f"token ids {ids} never occurred in training: they read as "
-                                   "the mean input embedding")
+        self.runtime.tell_unseen(raw, unknown)
         return loc.clamp_min(0).to(raw.device), unknown.to(raw.device)
 
     def hash(self, raw: torch.Tensor, layout: StepLayout | None) -> dict[int, torch.Tensor]:

@@ -139,9 +139,8 @@ class Runtime:
         raw = torch.as_tensor(raw).long().cpu()
         local = self.ids.to_local(raw)  # [b, t], -1 where unseen
         unknown = local < 0
-        if warn and bool(unknown.any()):
-            self.on_unseen(f"token ids {sorted(set(raw[unknown].tolist()))[:10]} never occurred "
-                           "in training: they read as the mean input embedding")
+        if warn:
+            self.tell_unseen(raw, unknown)
         dev = self.device
         ids = None
         if self.hasher is not None:
@@ -152,6 +151,13 @@ class Runtime:
         with unknown_inputs(self.model, unknown), autocast(self.precision, dev):
             return self.model(local.clamp_min(0).to(dev), ids,
                               cache=None if group is None else group.cache)
+
+    def tell_unseen(self, raw: torch.Tensor, unknown: torch.Tensor) -> None:
+        """The policy's one warning for a request whose raw ids [...] hold ``unknown`` ones."""
+        if bool(unknown.any()):
+            ids = sorted(set(raw[unknown.to(raw.device)].tolist()))[:10]
+            self.on_unseen(f"token ids {ids} never occurred in training: they read as the mean "
+                           "input embedding")
 
     def raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> logits over the tokenizer's ids [..., W] (-inf where unseen)."""
