@@ -64,7 +64,7 @@ def test_names_are_followed_across_modules_without_importing_them():
             "assert 'torch' not in sys.modules and 'engram.studies.pool_budget' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True,
                    env={**os.environ, "PYTHONPATH": str(Path(engram.__file__).parents[1])})
-    assert constant("engram.serving.loader:TIERS") == resolve("engram.serving.loader:TIERS")
+    assert constant("engram.serving.hf_export:TIERS") == resolve("engram.serving.hf_export:TIERS")
 
 
 def test_bad_references_are_clear():
