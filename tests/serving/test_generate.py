@@ -109,7 +109,7 @@ def test_stop_ids_sampling_and_errors():
     gen = Generator(model, hasher, VOCAB, GenerationConfig(max_new_tokens=40))
     with pytest.raises(ValueError, match="max_seq_len=40"):
         gen.generate(prompts)
-    with pytest.raises(ValueError, match="left-padded"):
+    with pytest.raises(ValueError, match="needs left padding"):
         gen.generate(torch.tensor([[int(VOCAB[1]), 0]]), torch.tensor([[1, 0]]))
     unseen = int(np.setdiff1d(np.arange(300), VOCAB)[0])  # the runtime's policy: warned, read
     with pytest.warns(UserWarning, match="never occurred in training"):  # as the mean embedding

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from ..errors import UserError
+from ..errors import InputNotFound, UserError
 from ..options import Arg, Config, In, Out
 from .registry import GENERATION, RUN_DIR, RUN_RECORDS, TRAIN, command
 
@@ -158,9 +159,69 @@ def _lm_eval(argv: list[str]) -> int:
               + "; default: the export's), cache_fraction, prefetch, batch_size "
               "[16], max_length [the model's], max_gen_toks [256], device [cpu]\n", flush=True)
         raise SystemExit(subprocess.call([sys.executable, "-m", "lm_eval", "run", "--help"]))
-    from ..studies.harness import cli_lm_eval
+    return _run_lm_eval(argv)
 
-    return cli_lm_eval(argv)
+
+def _run_lm_eval(argv: list[str]) -> int:
+    """lm-eval's own command line with the ``engram`` model type (registered on import)."""
+    from lm_eval.__main__ import cli_evaluate
+
+    from ..studies import harness  # noqa: F401  (@register_model("engram"))
+
+    argv = list(argv)
+    if not argv or argv[0] not in ("run", "ls", "validate"):
+        argv = ["run", *argv]
+    if argv[0] == "run" and not any(a in ("-M", "--model") or a.startswith("--model=")
+                                    for a in argv):
+        argv = ["run", "--model", "engram", *argv[1:]]
+    if argv[0] == "run" and _named_model(argv) == "engram":
+        _check_model_args(_model_args(argv))
+    saved = sys.argv
+    sys.argv = ["engram lm-eval", *argv]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def _named_model(argv: list[str]) -> str:
+    for i, a in enumerate(argv):
+        if a in ("-M", "--model") and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--model="):
+            return a.split("=", 1)[1]
+    return "engram"
+
+
+def _model_args(argv: list[str]) -> dict[str, str]:
+    """``--model_args`` as lm-eval reads it (``k=v,k2=v2`` or several ``k=v`` words)."""
+    words: list[str] = []
+    for i, a in enumerate(argv):
+        if a.startswith("--model_args="):
+            words.append(a.split("=", 1)[1])
+        elif a in ("-a", "--model_args"):
+            for b in argv[i + 1:]:
+                if b.startswith("-"):
+                    break
+                words.append(b)
+    pairs = [p for w in words for p in w.split(",") if p]
+    return {k.strip(): v.strip() for k, _, v in (p.partition("=") for p in pairs)}
+
+
+def _check_model_args(args: dict[str, str]) -> None:
+    """What the user can fix, refused in one line before lm-eval starts (it logs and builds its
+    task list first, and reports a model's error as a traceback)."""
+    from ..serving.hf_export import check_serving
+
+    if "pretrained" not in args:
+        raise UserError("--model_args needs pretrained=DIR (an `engram export-hf` directory)")
+    root = Path(args["pretrained"])
+    if not (root / "config.json").is_file():
+        raise InputNotFound(f"pretrained={root}: no config.json there (an `engram export-hf` "
+                            "directory is expected)")
+    if "tier" in args:
+        check_serving({"tier": args["tier"]})
 
 
 V41_ABOUT = "OUT appears whole or not at all; an existing non-empty OUT is refused."

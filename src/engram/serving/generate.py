@@ -35,9 +35,8 @@ from ..training.precision import (
     check_names,
     check_precision,
     model_device,
-    resolve,
 )
-from .runtime import DecodeGroup, Runtime
+from .runtime import DecodeGroup, Runtime, row_spans
 
 
 @dataclass
@@ -102,7 +101,7 @@ class Generator:
         self.config = config or GenerationConfig()
         rt.precision = self.config.precision
         if self.config.device is not None:
-            rt.model.to(resolve(self.config.device, self.config.precision))
+            rt.to(self.config.device)
         else:
             check_precision(self.config.precision, model_device(rt.model))
 
@@ -210,11 +209,10 @@ def _prompt_lists(prompts: Any, attention_mask: Any) -> list[list[int]]:
             torch.as_tensor(attention_mask).bool()
         if mask.shape != x.shape:
             raise ValueError(f"attention_mask {tuple(mask.shape)} != prompts {tuple(x.shape)}")
-        seqs = []
-        for row, m in zip(x, mask):
-            if m.any() and not bool(m[int(m.long().argmax()):].all()):
-                raise ValueError("prompts must be left-padded: mask 0s, then only 1s")
-            seqs.append(row[m].tolist())
+        seqs: list[list[int]] = [[] for _ in range(len(x))]
+        for (a, s), rows in row_spans(mask, left_only=True).items():  # or a ValueError naming why
+            for r in rows:
+                seqs[r] = x[r, a:a + s].tolist()
         return seqs
     if attention_mask is not None:
         raise ValueError("attention_mask goes with a padded tensor of prompts, not lists")

@@ -37,9 +37,12 @@ def register_config() -> None:
 
 
 def register_model() -> None:
-    from .hf_model import register
+    from transformers import AutoModelForCausalLM
 
-    register()
+    from .hf_model import EngramLMConfig, EngramLMForCausalLM
+
+    register_config()
+    AutoModelForCausalLM.register(EngramLMConfig, EngramLMForCausalLM, exist_ok=True)
 
 
 _AFTER = {CONFIG_AUTO: register_config, MODEL_AUTO: register_model}

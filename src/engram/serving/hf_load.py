@@ -50,10 +50,7 @@ def load_export(cls: type, path: str | Path, config: Any, engram_serving: dict[s
     check_config(config)
     serving = engram_serving if engram_serving is not None else getattr(config, "engram_serving",
                                                                         None)
-    rt = open_export(path, serving)  # the tier and the other keys, checked
-    if rt.ids.raw_vocab_size != config.vocab_size:
-        raise ValueError(f"{path}: tokenizer.json has {rt.ids.raw_vocab_size} ids, config.json "
-                         f"says vocab_size={config.vocab_size}")
+    rt = open_export(path, serving)  # the tier and the other keys, the vocabulary size checked
     export = {"engram_serving": {**SERVING_DEFAULTS, **(getattr(config, "engram_serving", None)
                                                         or {}), **(serving or {})}}
     config.engram_serving = export["engram_serving"]

@@ -3,10 +3,9 @@ on a directory written by ``engram export-hf`` (serving/hf_export.py), with no t
 once ``engram`` is imported (serving/hf_auto.py registers the classes). ``generate()``, pipelines,
 PEFT and lm-evaluation-harness then work on it as on any causal LM.
 
-What transformers sees: a causal LM over the tokenizer's ids (``vocab_size`` W, DeepSeek's
-tokenizer in OUT/tokenizer.json). What runs is ``EngramLM`` (models/model.py) on the model's own
-ids (serving/vocab.py maps them; unseen inputs read as the mean embedding, unseen outputs get -inf)
-with hash ids from the export's ``NgramHasher``, computed from token ids outside the model.
+What transformers sees: a causal LM over the tokenizer's ids (``vocab_size`` W, the run's
+tokenizer in OUT/tokenizer.json). What runs is the one runtime (serving/runtime.py) on the model's
+own ids, with hash ids computed from token ids outside the model.
 
 Padding: the reference model has no padding mask (see serving/generate.py), so a padded batch is
 never run as one [b, t] tensor. Rows are grouped by their unpadded span; each group runs as
@@ -35,9 +34,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..models.model import EngramLM, ModelOutput
 from ..retrieval.hashing import NgramHasher
 from .hf_config import EngramLMConfig
-from .hf_export import MODEL_TYPE
 from .hf_load import check_config, load_export, save_export
-from .runtime import DecodeGroup, Runtime
+from .runtime import DecodeGroup, Runtime, row_spans
 
 IGNORE = -100  # label left out of the loss (transformers' convention)
 
@@ -168,13 +166,13 @@ class EngramLMForCausalLM(PreTrainedModel, GenerationMixin):
         aux = []
         if cache is None:
             groups = []
-            for (a, s), rows in _spans(mask, left_only=use_cache).items():
+            for (a, s), rows in row_spans(mask, left_only=use_cache).items():
                 rows = torch.tensor(rows)
                 group = None
                 if use_cache:
                     group = self.runtime.new_group(rows)
                     groups.append(group)
-                out = self.run_ids(raw[rows, a:a + s], group)
+                out = self.runtime.forward(raw[rows, a:a + s], group)
                 hidden[rows.to(self.device), a:a + s] = out.hidden
                 aux.append(out.aux_loss)
             cache = EngramCache(groups, t) if use_cache else None
@@ -185,7 +183,7 @@ class EngramLMForCausalLM(PreTrainedModel, GenerationMixin):
             if cache.batch_size != b:
                 raise ValueError(f"{b} rows given, the cache holds {cache.batch_size}")
             for group in cache.groups:
-                out = self.run_ids(raw[group.rows], group, warn=False)  # ids it generated
+                out = self.runtime.forward(raw[group.rows], group, warn=False)  # ids it generated
                 hidden[group.rows.to(self.device)] = out.hidden
                 aux.append(out.aux_loss)
             cache.seen += t
@@ -195,12 +193,6 @@ class EngramLMForCausalLM(PreTrainedModel, GenerationMixin):
         logits = self.runtime.raw_logits(hidden[:, keep])  # [b, k, W]
         loss = None if labels is None else self._loss(hidden, labels, mask, aux)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
-
-    def run_ids(self, raw: torch.Tensor, group: DecodeGroup | None = None,
-                warn: bool = True) -> ModelOutput:
-        """Raw (tokenizer) ids [g, s], unpadded -> EngramLM's output (hidden [g, s, d]); with
-        ``group``, continuing its cache and n-gram history (the runtime's one hash-then-step)."""
-        return self.runtime.forward(raw, group, warn=warn)
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
               aux: list[torch.Tensor]) -> torch.Tensor:
@@ -247,26 +239,6 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
     "past_key_values"  # transformers 5.x renamed past_key_values
 
 
-def _spans(mask: torch.Tensor, left_only: bool) -> dict[tuple[int, int], list[int]]:
-    """{(first position, length): rows} of each row's one run of 1s in mask [b, t]. With
-    ``left_only`` the run must end at the last position (left padding, to continue from it)."""
-    out: dict[tuple[int, int], list[int]] = {}
-    for r, row in enumerate(mask):
-        on = torch.nonzero(row).flatten()
-        if on.numel() == 0:
-            if left_only:
-                raise ValueError(f"row {r} is all padding: nothing to continue from")
-            continue
-        a, s = int(on[0]), on.numel()
-        if int(on[-1]) != a + s - 1:
-            raise ValueError(f"row {r}'s attention_mask has holes: pad on one side only")
-        if left_only and a + s != mask.shape[1]:
-            raise ValueError(f"row {r} is padded on the right: generation needs left padding "
-                             "(tokenizer.padding_side = 'left')")
-        out.setdefault((a, s), []).append(r)
-    return out
-
-
 def _fresh(config: EngramLMConfig) -> tuple[EngramLM, NgramHasher | None, torch.Tensor]:
     """A freshly initialised model of ``config`` (``from_config``) on DeepSeek's tokenizer."""
     from ..models.model_config import ModelConfig
@@ -282,10 +254,3 @@ def _fresh(config: EngramLMConfig) -> tuple[EngramLM, NgramHasher | None, torch.
                                                         build_compression(default_tokenizer()))
     return EngramLM(mc).eval(), hasher, torch.arange(mc.vocab_size)
 
-
-def register() -> None:
-    """AutoConfig / AutoModelForCausalLM know "engram_lm" (serving/hf_auto.py calls this)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    AutoConfig.register(MODEL_TYPE, EngramLMConfig, exist_ok=True)
-    AutoModelForCausalLM.register(EngramLMConfig, EngramLMForCausalLM, exist_ok=True)

@@ -10,10 +10,8 @@ in the plugin; in tests a plain torch paged KV, tests/serving/engine_sim.py, so 
 tested without an engine), and the Engram read, per request group with the short conv continued
 from the slots.
 
-Vocabulary: the engine samples tokenizer ids, the model was trained on a restricted vocabulary;
-the runtime (serving/runtime.py) maps inputs raw -> model ids (unseen ids read as the mean input
-embedding, as through every other front door) and scatters the logits back to the tokenizer's ids
-(-inf for ids the model cannot produce).
+Vocabulary: the engine samples tokenizer ids; the runtime maps them to the model's and back, with
+its policy for ids the run never saw (serving/runtime.py).
 
 Shape legend: n tokens of the step, R requests, d width, m branches, h heads, e head dim,
 H hash heads per layer, N max n-gram order, V model vocabulary, W tokenizer vocabulary.
@@ -78,14 +76,14 @@ class PagedLM(nn.Module):
         def memory(i: int) -> Memory:  # Engram per request group, its conv context from the slots
             return lambda engram, h: (self._engram(i, engram, h[0], ids[i], layout)[None], None)
 
-        local, unknown = self.to_local(raw)
+        local, unknown = self.runtime.local_ids(raw)
         with unknown_inputs(lm, unknown[None]):  # the runtime's policy for unseen ids
             hidden, _, _ = lm.trunk(local[None], cos, sin, attention, memory)  # [1, n, d]
         return hidden[0]
 
     def embed(self, raw: torch.Tensor) -> torch.Tensor:
         """Input embeddings [n, d] of raw ids [n] (unseen ids: the mean embedding)."""
-        local, unknown = self.to_local(raw)
+        local, unknown = self.runtime.local_ids(raw)
         with unknown_inputs(self.lm, unknown):
             return self.lm.embed(local)
 
@@ -94,14 +92,6 @@ class PagedLM(nn.Module):
         return self.runtime.raw_logits(hidden)
 
     # -- pieces ------------------------------------------------------------------------------------
-    def to_local(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(model ids [n] with unseen ones at 0, the unseen mask [n]); a request with unseen ids
-        is told once (the runtime's policy)."""
-        loc = self.runtime.ids.to_local(raw)
-        unknown = loc < 0
-        self.runtime.tell_unseen(raw, unknown)
-        return loc.clamp_min(0).to(raw.device), unknown.to(raw.device)
-
     def hash(self, raw: torch.Tensor, layout: StepLayout | None) -> dict[int, torch.Tensor]:
         """Each token's row ids from its own request's last N tokens: {layer: [n, H]}."""
         if self.hasher is None:

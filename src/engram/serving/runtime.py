@@ -137,10 +137,7 @@ class Runtime:
         starts gathering them). Hashing and id bookkeeping stay on the CPU (the engine's side);
         only the model's inputs move to its device."""
         raw = torch.as_tensor(raw).long().cpu()
-        local = self.ids.to_local(raw)  # [b, t], -1 where unseen
-        unknown = local < 0
-        if warn:
-            self.tell_unseen(raw, unknown)
+        local, unknown = self.local_ids(raw, warn)  # [b, t]
         dev = self.device
         ids = None
         if self.hasher is not None:
@@ -149,15 +146,18 @@ class Runtime:
             if announce:
                 prefetch_batch(self.model, ids)  # a prefetching tier starts gathering now
         with unknown_inputs(self.model, unknown), autocast(self.precision, dev):
-            return self.model(local.clamp_min(0).to(dev), ids,
-                              cache=None if group is None else group.cache)
+            return self.model(local.to(dev), ids, cache=None if group is None else group.cache)
 
-    def tell_unseen(self, raw: torch.Tensor, unknown: torch.Tensor) -> None:
-        """The policy's one warning for a request whose raw ids [...] hold ``unknown`` ones."""
-        if bool(unknown.any()):
-            ids = sorted(set(raw[unknown.to(raw.device)].tolist()))[:10]
+    def local_ids(self, raw: torch.Tensor, warn: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw ids [...] -> (model ids [...] with unseen ones at 0, the unseen mask [...]), on
+        raw's device; ``warn``: the policy's one warning when the request holds unseen ids."""
+        local = self.ids.to_local(raw)
+        unknown = local < 0
+        if warn and bool(unknown.any()):
+            ids = sorted(set(raw.cpu()[unknown].tolist()))[:10]
             self.on_unseen(f"token ids {ids} never occurred in training: they read as the mean "
                            "input embedding")
+        return local.clamp_min(0).to(raw.device), unknown.to(raw.device)
 
     def raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> logits over the tokenizer's ids [..., W] (-inf where unseen)."""
@@ -238,15 +238,17 @@ class Runtime:
 
     @torch.no_grad()
     def _score(self, streams: list[np.ndarray], plan: list[tuple[int, int, int, int]],
-               seq_len: int, batch_size: int, per_row: bool, progress: bool = False
-               ) -> tuple[list[float], list[int]]:
+               seq_len: int, batch_size: int, per_row: bool, progress: bool = False,
+               greedy: list[bool] | None = None) -> tuple[list[float], list[int]]:
         """Summed NLL and scored targets per stream over ``plan``'s windows (stream, start, length
         t, scored k): inputs ``stream[start:start + t]``, the last k targets count. Windows of one
         length run as one batch shape; ``per_row`` sums each window in float64 (per document),
-        else each batch in float32 (a stream's loss, as it has always been summed)."""
+        else each batch in float32 (a stream's loss, as it has always been summed). ``greedy``
+        (one flag per stream) is cleared where a scored target is not the model's argmax."""
         from tqdm.auto import tqdm
 
-        self._check_len(seq_len)
+        if seq_len > self.max_seq_len:
+            raise UserError(f"seq_len={seq_len} exceeds the model's max_seq_len={self.max_seq_len}")
         locs = [self.ids.to_local(torch.from_numpy(s)).numpy() for s in streams]
         groups: dict[int, list[tuple[int, int, int, int]]] = {}
         for w in plan:
@@ -262,7 +264,12 @@ class Runtime:
                                  for i, s, _, _ in batch])  # [b, t]
                 keep = torch.arange(t)[None, :] >= torch.tensor([t - k for *_, k in batch])[:, None]
                 y = torch.where((y < 0) | ~keep, IGNORE, y)
-                nll = self._nll(x, y)  # [b, t]
+                out = self.forward(x, warn=False)
+                nll = self.token_nll(out, y).cpu()  # [b, t]
+                if greedy is not None:
+                    hit = (self.model.logits(out.hidden).argmax(-1).cpu() == y) | (y == IGNORE)
+                    for j, (i, *_) in enumerate(batch):
+                        greedy[i] = greedy[i] and bool(hit[j].all())
                 if not per_row:
                     total[batch[0][0]] += float(nll.sum())
                 for j, (i, *_) in enumerate(batch):
@@ -276,13 +283,6 @@ class Runtime:
         """NLL [b, t] of model-id targets (IGNORE: 0) under an output of :meth:`forward`."""
         with autocast(self.precision, self.device):
             return self.model.token_nll(out, targets.to(self.device), ignore_index=IGNORE)
-
-    def _nll(self, raw: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.token_nll(self.forward(raw, warn=False), targets).cpu()
-
-    def _check_len(self, seq_len: int) -> None:
-        if seq_len > self.max_seq_len:
-            raise UserError(f"seq_len={seq_len} exceeds the model's max_seq_len={self.max_seq_len}")
 
 
 def windows(n: int, seq_len: int) -> list[tuple[int, int]]:
@@ -306,6 +306,26 @@ def rolling_windows(n: int, seq_len: int) -> list[tuple[int, int, int]]:
         start = max(0, done + k - seq_len)
         out.append((start, done + k - start, k))
         done += k
+    return out
+
+
+def row_spans(mask: torch.Tensor, left_only: bool) -> dict[tuple[int, int], list[int]]:
+    """{(first position, length): rows} of each row's one run of 1s in mask [b, t]. With
+    ``left_only`` the run must end at the last position (left padding, to continue from it)."""
+    out: dict[tuple[int, int], list[int]] = {}
+    for r, row in enumerate(mask):
+        on = torch.nonzero(row).flatten()
+        if on.numel() == 0:
+            if left_only:
+                raise ValueError(f"row {r} is all padding: nothing to continue from")
+            continue
+        a, s = int(on[0]), on.numel()
+        if int(on[-1]) != a + s - 1:
+            raise ValueError(f"row {r}'s attention_mask has holes: pad on one side only")
+        if left_only and a + s != mask.shape[1]:
+            raise ValueError(f"row {r} is padded on the right: generation needs left padding "
+                             "(tokenizer.padding_side = 'left')")
+        out.setdefault((a, s), []).append(r)
     return out
 
 

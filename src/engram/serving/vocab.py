@@ -1,11 +1,7 @@
-"""A run's restricted vocabulary inside code that speaks the tokenizer's ids.
-
-A run's LM covers only the ids of its training corpus (``Corpus.vocab``, V of the tokenizer's W),
-while engines, transformers and lm-evaluation-harness hand it tokenizer ids. Inputs it never saw
-stay in the input as context: their embedding is the mean of the trained input embeddings (an
-unknown-token input, no new parameter), and the hasher reads their raw ids as it reads every id, so
-Engram still looks up their n-grams (``engram eval``'s convention, studies/evaluate.py). As
-targets they have no probability: the logits scattered to the tokenizer's width are -inf there.
+"""A run's restricted vocabulary inside code that speaks the tokenizer's ids: a run's LM covers
+only the ids of its training corpus (``Corpus.vocab``, V of the tokenizer's W), while engines,
+transformers and lm-evaluation-harness hand it tokenizer ids. The policy for the others, as inputs
+and as targets, is the runtime's (serving/runtime.py).
 
 Shape legend: b rows, t positions, d model width, V model vocabulary, W tokenizer vocabulary.
 """

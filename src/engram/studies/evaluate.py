@@ -1,10 +1,7 @@
 """`engram eval RUN_DIR --text FILE | --source NAME | --data DIR`: a trained run's loss on any text.
 
-A run's output layer covers only the ids of its training corpus (its restricted vocabulary), so text
-from elsewhere holds tokens it has never seen. Those tokens stay in the input as context: their
-input embedding is the mean of the trained input embeddings (an unknown-token input; no new
-parameter), and the hasher reads their raw ids as it reads every id, so Engram still looks up their
-n-grams. They are left out as targets (the model cannot assign them probability), and counted.
+Text from elsewhere holds tokens the run never saw: they stay in the input as context and are left
+out as targets, counted (the runtime's policy, serving/runtime.py).
 
 Shape legend:
     n tokens in the stream, b windows per batch, t positions per window, d model width.

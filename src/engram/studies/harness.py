@@ -1,9 +1,9 @@
 """lm-evaluation-harness on an ``engram export-hf`` directory: the model type ``engram``.
 
 lm-eval 0.4 has no plugin entry points: a model type exists once its module is imported
-(``@register_model``). ``engram lm-eval ARGS`` imports this module and hands ARGS to lm-eval's own
-command line (``lm_eval.__main__.cli_evaluate``), so its options, task files and output are lm-eval's;
-``--model engram`` is added when no model is named:
+(``@register_model``). ``engram lm-eval ARGS`` (cli/serving.py) imports this module and hands ARGS
+to lm-eval's own command line, so its options, task files and output are lm-eval's; ``--model
+engram`` is added when no model is named:
 
     engram lm-eval --model_args pretrained=OUT,tier=file --tasks wikitext --include_path DIR
 
@@ -12,11 +12,11 @@ model_args: ``pretrained`` (an export), the tier keys of ``engram_serving`` (``t
 
 How each request type is scored (the model is EngramLMForCausalLM, serving/hf_model.py):
 - ``loglikelihood_rolling``: each document after EOS (the token that precedes every document in
-  training) in rolling windows, by :func:`engram.studies.evaluate.score_documents`, the function
-  ``engram eval --per_document`` reports (tested equal). Unseen ids are context only, as there.
-- ``loglikelihood``: context + continuation cut to the last ``max_length + 1`` tokens, one forward;
-  a continuation token the run never saw has probability 0 (log-likelihood -inf), since leaving
-  it out would favour continuations the model cannot write.
+  training) in rolling windows, by ``Runtime.score_documents``, what ``engram eval
+  --per_document`` reports (tested equal). Unseen ids are context only, as there.
+- ``loglikelihood``: context + continuation cut to the last ``max_length + 1`` tokens, one forward
+  by the runtime's scorer; a continuation token the run never saw has probability 0
+  (log-likelihood -inf), since leaving it out would favour continuations the model cannot write.
 - ``generate_until``: the runtime's Generator (``engram generate``'s decoding; greedy unless the
   task samples), cut at the first stop string.
 Rows are never padded into one tensor for scoring: batches hold requests of one length.
@@ -25,16 +25,14 @@ Rows are never padded into one tensor for scoring: batches hold requests of one 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from ..serving.hf_model import EngramLMForCausalLM
-from ..serving.runtime import IGNORE
 
 
 @register_model("engram")
@@ -87,35 +85,25 @@ class EngramHarnessLM(TemplateLM):
                                            self.batch_size)
         return [d["loglikelihood"] for d in out]
 
-    @torch.no_grad()
     def _loglikelihood_tokens(self, requests: list[Any], disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
         rt = self.runtime
-        rows = []  # (input ids, number of continuation tokens)
-        for _, context, continuation in requests:
-            whole = (list(context) + list(continuation))[-(self.max_length + 1):]
-            rows.append((whole, len(continuation)))
-        by_len: dict[int, list[int]] = {}
-        for i, (whole, _) in enumerate(rows):
-            by_len.setdefault(len(whole) - 1, []).append(i)
-        out: list[tuple[float, bool]] = [(0.0, True)] * len(rows)
-        for t, idx in sorted(by_len.items()):
-            for a in range(0, len(idx), self.batch_size):
-                batch = idx[a:a + self.batch_size]
-                whole = torch.tensor([rows[i][0] for i in batch])  # [b, t+1] raw ids
-                target = rt.ids.to_local(whole[:, 1:])  # [b, t], -1 unseen
-                n_cont = torch.tensor([rows[i][1] for i in batch])
-                cont = torch.arange(t)[None, :] >= (t - n_cont)[:, None]  # [b, t]
-                res = rt.forward(whole[:, :-1])
-                y = torch.where(cont & (target >= 0), target, IGNORE)
-                nll = rt.token_nll(res, y).double().cpu()  # [b, t]
-                greedy = rt.model.logits(res.hidden).argmax(-1).cpu() == target  # [b, t]
-                for j, i in enumerate(batch):
-                    c = cont[j]
-                    if bool((target[j][c] < 0).any()):  # the run cannot write this continuation
-                        out[i] = (float("-inf"), False)
-                    else:
-                        out[i] = (-float(nll[j][c].sum()), bool(greedy[j][c].all()))
+        streams = [np.asarray((list(ctx) + list(cont))[-(self.max_length + 1):], dtype=np.int64)
+                   for _, ctx, cont in requests]
+        n_cont = [len(cont) for *_, cont in requests]
+        plan = sorted(((i, 0, len(s) - 1, n) for i, (s, n) in enumerate(zip(streams, n_cont))),
+                      key=lambda w: w[2])  # one batch shape per length
+        _, unseen = rt.local_ids(torch.from_numpy(np.concatenate(streams)))  # warned once
+        greedy = [True] * len(streams)
+        total, _ = rt._score(streams, plan, self.max_length, self.batch_size, per_row=True,
+                             greedy=greedy)
+        out, end = [], 0
+        for i, s in enumerate(streams):
+            end += len(s)
+            if bool(unseen[end - min(n_cont[i], len(s) - 1):end].any()):
+                out.append((float("-inf"), False))  # the run cannot write this continuation
+            else:
+                out.append((-total[i], greedy[i]))
         return out
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
@@ -152,65 +140,3 @@ class EngramHarnessLM(TemplateLM):
         cfg = GenerationConfig(max_new_tokens=max_new, temperature=temperature, stop_ids=(eos,))
         return [self.tok_decode(t) for t in Generator(self.runtime, config=cfg).generate(
             prompts).tokens]
-
-
-def cli_lm_eval(argv: list[str]) -> int:
-    """``engram lm-eval ARGS``: lm-eval's command line with the ``engram`` model type."""
-    from lm_eval.__main__ import cli_evaluate
-
-    argv = list(argv)
-    if not argv or argv[0] not in ("run", "ls", "validate"):
-        argv = ["run", *argv]
-    if argv[0] == "run" and not any(a in ("-M", "--model") or a.startswith("--model=")
-                                    for a in argv):
-        argv = ["run", "--model", "engram", *argv[1:]]
-    if argv[0] == "run" and _named_model(argv) == "engram":
-        _check_model_args(_model_args(argv))
-    saved = sys.argv
-    sys.argv = ["engram lm-eval", *argv]
-    try:
-        cli_evaluate()
-    finally:
-        sys.argv = saved
-    return 0
-
-
-
-def _named_model(argv: list[str]) -> str:
-    for i, a in enumerate(argv):
-        if a in ("-M", "--model") and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--model="):
-            return a.split("=", 1)[1]
-    return "engram"
-
-
-def _model_args(argv: list[str]) -> dict[str, str]:
-    """``--model_args`` as lm-eval reads it (``k=v,k2=v2`` or several ``k=v`` words)."""
-    words: list[str] = []
-    for i, a in enumerate(argv):
-        if a.startswith("--model_args="):
-            words.append(a.split("=", 1)[1])
-        elif a in ("-a", "--model_args"):
-            for b in argv[i + 1:]:
-                if b.startswith("-"):
-                    break
-                words.append(b)
-    pairs = [p for w in words for p in w.split(",") if p]
-    return {k.strip(): v.strip() for k, _, v in (p.partition("=") for p in pairs)}
-
-
-def _check_model_args(args: dict[str, str]) -> None:
-    """What the user can fix, refused in one line before lm-eval starts (it logs and builds its
-    task list first, and reports a model's error as a traceback)."""
-    from ..errors import InputNotFound, UserError
-    from ..serving.hf_export import check_serving
-
-    if "pretrained" not in args:
-        raise UserError("--model_args needs pretrained=DIR (an `engram export-hf` directory)")
-    root = Path(args["pretrained"])
-    if not (root / "config.json").is_file():
-        raise InputNotFound(f"pretrained={root}: no config.json there (an `engram export-hf` "
-                            "directory is expected)")
-    if "tier" in args:
-        check_serving({"tier": args["tier"]})
