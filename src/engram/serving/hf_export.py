@@ -157,7 +157,7 @@ def open_export(out_dir: str | Path, serving: dict[str, Any] | None = None, **op
     from ..retrieval.compress import Compression, build_compression
     from ..tables.hotcold import read_index_files
     from .runtime import Runtime
-    from .vocab import VocabMap
+    from ..models.vocab import VocabMap
 
     out = Path(out_dir)
     config = read_export(out, serving)

@@ -15,7 +15,7 @@ from ..retrieval.hashing import Hasher
 from ..tables.registry import open_tier
 from ..training.precision import check_names, resolve
 from .runtime import Runtime
-from .vocab import VocabMap
+from ..models.vocab import VocabMap
 
 
 def open_model(path: str | Path, *, tier: str = "memory", table_dir: str | Path | None = None,

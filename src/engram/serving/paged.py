@@ -31,7 +31,7 @@ from ..retrieval.hashing import NgramHasher
 from ..tables.prefetch import prefetch_batch
 from .runtime import Runtime
 from .slots import SlotHistory, StepLayout
-from .vocab import unknown_inputs
+from ..models.vocab import unknown_inputs
 
 # The engine's attention: attend(layer, q, k, v, layout) with q, k, v [n, h, e] -> [n, h, e]
 PagedAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "StepLayout | None"],

@@ -44,7 +44,7 @@ from ..retrieval.hashing import HashStream, Hasher
 from ..tables.cache import CacheStats
 from ..tables.prefetch import prefetch_batch
 from ..training.precision import autocast, model_device, resolve
-from .vocab import VocabMap, unknown_inputs
+from ..models.vocab import VocabMap, unknown_inputs
 
 IGNORE = -100  # target id left out of the loss (torch's cross-entropy convention)
 

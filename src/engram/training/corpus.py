@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..models.vocab import VocabMap
 from ..retrieval.compress import Compression, default_tokenizer, tokenizer_fingerprint
 from ..retrieval.compress import cache_dir as _compression_cache_dir
 from . import shards
@@ -115,8 +116,7 @@ class Corpus:
             used = self.counts.sum(0) > 0
             used[self.eos_id] = True
             self.vocab = np.flatnonzero(used).astype(np.int32)  # [V_loc] sorted raw ids
-        self._lut = np.full(int(self.vocab.max()) + 1, -1, dtype=np.int32)  # raw id -> local id
-        self._lut[self.vocab] = np.arange(len(self.vocab), dtype=np.int32)
+        self.ids = VocabMap(self.vocab, int(self.vocab.max()) + 1)  # raw id <-> local id
         self._doc_ids: dict[str, list[str]] | None = None
         self._tokenizer: Any = None
 
@@ -176,8 +176,7 @@ class Corpus:
     def to_local(self, raw: Any) -> Any:
         """Raw ids -> local ids (index in ``vocab``); int64, an array or tensor as given."""
         a, device = _as_numpy(raw)
-        ok = (a >= 0) & (a < len(self._lut))
-        loc = np.where(ok, self._lut[np.where(ok, a, 0)], -1)
+        loc = self.ids.to_local(a)
         if (loc < 0).any():
             bad = int(a.flat[int(np.argmax(loc.ravel() < 0))])
             raise ValueError(f"raw id {bad} is not in the corpus vocabulary ({self.vocab_size} ids)")

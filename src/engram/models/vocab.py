@@ -1,7 +1,8 @@
 """A run's restricted vocabulary inside code that speaks the tokenizer's ids: a run's LM covers
 only the ids of its training corpus (``Corpus.vocab``, V of the tokenizer's W), while engines,
-transformers and lm-evaluation-harness hand it tokenizer ids. The policy for the others, as inputs
-and as targets, is the runtime's (serving/runtime.py).
+transformers and lm-evaluation-harness hand it tokenizer ids. The one map between the two, for
+training's batches (training/corpus.py) and every front door; the policy for ids a run never saw,
+as inputs and as targets, is the runtime's (serving/runtime.py).
 
 Shape legend: b rows, t positions, d model width, V model vocabulary, W tokenizer vocabulary.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 
@@ -27,8 +29,11 @@ class VocabMap:
         self.local = torch.full((raw_vocab_size,), -1, dtype=torch.long)  # [W] raw -> model id
         self.local[self.vocab] = torch.arange(self.vocab.numel())
 
-    def to_local(self, raw: torch.Tensor) -> torch.Tensor:
-        """Raw ids [...] -> model ids [...], -1 for ids the model never saw (or out of range)."""
+    def to_local(self, raw: Any) -> Any:
+        """Raw ids [...] -> model ids [...], -1 for ids the model never saw (or out of range); a
+        CPU tensor, or numpy for a numpy array."""
+        if isinstance(raw, np.ndarray):
+            return self.to_local(torch.from_numpy(raw)).numpy()
         raw = raw.long().cpu()
         ok = (raw >= 0) & (raw < self.raw_vocab_size)
         return torch.where(ok, self.local[raw.clamp(0, self.raw_vocab_size - 1)], -1)
