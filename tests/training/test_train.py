@@ -238,3 +238,19 @@ def test_a_checkpoint_written_before_an_option_existed_still_resumes():
     check_same_config(TrainConfig(**TINY), saved, "old")  # defaults fill the missing fields
     with pytest.raises(CheckpointError, match="compress"):
         check_same_config(TrainConfig(**TINY, compress=False), saved, "old")
+
+
+def test_a_checkpoint_reads_only_the_parts_asked(tmp_path):
+    """A server opens a checkpoint without its optimiser state (2x the tables in Adam moments)."""
+    from engram.training.checkpoint import load_checkpoint, save_checkpoint
+
+    state = {"model": {"w": torch.arange(6.0).view(2, 3)},
+             "optim": {"state": [{"m": torch.ones(4)}, (torch.zeros(2), 3)]}, "hot_index": None}
+    path = save_checkpoint(tmp_path, 7, state, {"k": 1})
+    full, meta, step = load_checkpoint(path)
+    assert step == 7 and meta == {"k": 1} and torch.equal(full["optim"]["state"][0]["m"],
+                                                         torch.ones(4))
+    assert full["optim"]["state"][1][1] == 3 and isinstance(full["optim"]["state"][1], tuple)
+    part, _, _ = load_checkpoint(path, parts=("model", "hot_index"))
+    assert sorted(part) == ["hot_index", "model"] and torch.equal(part["model"]["w"],
+                                                                  state["model"]["w"])

@@ -58,6 +58,7 @@ def _open_run(run_dir: Path, *, tier: str, table_dir: str | Path | None, table_d
               engram_layers: str | Path | None, **options: Any) -> Runtime:
     from ..models.nine_model import build_lm
     from ..models.run_files import read_run_files
+    from ..retrieval.hot import STATE_KEY
     from ..tables.hotcold import check_index_files
     from ..training.checkpoint import latest_checkpoint, load_checkpoint
 
@@ -66,7 +67,7 @@ def _open_run(run_dir: Path, *, tier: str, table_dir: str | Path | None, table_d
         raise InputNotFound(f"no checkpoint under {run_dir}/checkpoints (train one with "
                             f"`engram train --out_dir={run_dir}`)")
     files = read_run_files(run_dir)
-    state, _, _ = load_checkpoint(ckpt)
+    state, _, _ = load_checkpoint(ckpt, parts=("model", STATE_KEY))  # no optimiser state
     hasher = files.hasher(state)  # Engram-Nine's carries the checkpoint's hot index
     ecfg = files.config.engram
     counts = files.row_counts if cache_fraction > 0 else None

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..errors import UserError
 from ..files import publish, publish_text
@@ -113,15 +113,31 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return path
 
 
-def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """(state, meta, step) of one checkpoint file."""
+def load_checkpoint(path: str | Path, parts: tuple[str, ...] | None = None
+                    ) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """(state, meta, step) of one checkpoint file; ``parts``: only these top-level entries of the
+    state are read (a server needs the model, not the optimiser's moments: 2x the tables)."""
+    from safetensors import safe_open
+
     path = Path(path)
     try:
-        tensors = load_file(str(path))
-        from safetensors import safe_open
         with safe_open(str(path), framework="pt") as f:
             md = f.metadata()
-        skeleton, meta, step = json.loads(md["skeleton"]), json.loads(md["meta"]), int(md["step"])
+            skeleton, meta, step = (json.loads(md["skeleton"]), json.loads(md["meta"]),
+                                    int(md["step"]))
+            if parts is not None:
+                skeleton = {"__dict__": [kv for kv in skeleton["__dict__"] if kv[0] in parts]}
+            tensors = {name: f.get_tensor(name) for name in _tensor_names(skeleton)}
     except Exception as e:  # safetensors raises several types for a torn or foreign file
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
     return _unflatten(skeleton, tensors), meta, step
+
+
+def _tensor_names(obj: Any) -> list[str]:
+    """Every tensor name under a node of the skeleton."""
+    if not isinstance(obj, dict):
+        return []
+    if _TENSOR in obj:
+        return [obj[_TENSOR]]
+    children = [v for _, v in obj["__dict__"]] if "__dict__" in obj else obj["__list__"]
+    return [n for c in children for n in _tensor_names(c)]
