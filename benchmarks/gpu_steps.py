@@ -321,7 +321,7 @@ def check_tiers(args) -> dict:
     from engram.tables.cache import CachedTable
     from engram.tables.prefetch import PrefetchTable
     from engram.tables.store import MemoryTable
-    from engram.tables.tiers import PinnedTable
+    from engram.tables.host import PinnedTable
 
     torch.manual_seed(0)
     rows_n, dim = (100_000, 64) if args.quick else (2_000_000, 64)

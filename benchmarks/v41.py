@@ -5,7 +5,7 @@
 One layer's table at V4.1's head dim (256), stored four ways: fp32 rows, bf16 rows, FP8 rows with
 E8M0 scales (V4.1's format, one byte per 32 values) and FP8 rows with fp32 scales. Lookups of the
 row ids a decode step and a prefill read (a batch of real-text hash ids would be Zipfian; uniform
-random ids are the cold worst case) are timed on the memory tier (tables.tiers.HostTable: the
+random ids are the cold worst case) are timed on the memory tier (tables.host.HostTable: the
 rows as stored, gathered and dequantised in one pass, tables/read_kernels.py), from the table
 file (the page-cache tier) and the pool region, and by torch's separate gather + dequantise (the
 path before the fused read); rows/s and the ratio to the fp32 in-memory gather measured in the
@@ -29,7 +29,8 @@ from engram.gemm import cpu_model
 from engram.tables.fp8 import dequantize_fp8, gather_rows, quantize_fp8_e8m0, row_bytes
 from engram.tables.pool import PoolRegion, write_pool
 from engram.tables.tablefile import write_table
-from engram.tables.tiers import FileTable, HostTable
+from engram.tables.tiers import FileTable
+from engram.tables.host import HostTable
 from timing import median_seconds  # benchmarks/timing.py: the script's folder is on sys.path
 from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
 

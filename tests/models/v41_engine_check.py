@@ -198,7 +198,8 @@ def check_lookup_and_gate(E, report, tmp):
     from engram.tables.pool import PoolRegion, write_pool
     from engram.tables.store import MemoryTable
     from engram.tables.tablefile import table_path
-    from engram.tables.tiers import FileTable, PinnedTable, SharedPool
+    from engram.tables.tiers import FileTable, SharedPool
+    from engram.tables.host import PinnedTable
 
     torch.manual_seed(0)
     written = make_checkpoint(tmp / "ckpt")

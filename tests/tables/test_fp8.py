@@ -24,7 +24,8 @@ from engram.tables.pool import PoolRegion, write_pool
 from engram.tables.prefetch import PrefetchTable
 from engram.tables.registry import REGISTRY, TIERS, open_parts_on
 from engram.tables.tablefile import read_header, table_path, verify, write_table
-from engram.tables.tiers import FileTable, HostTable, PinnedTable, SharedPool
+from engram.tables.tiers import FileTable, SharedPool
+from engram.tables.host import HostTable, PinnedTable
 
 CFG = EngramConfig(engram_vocab_size=211, max_ngram_size=3, n_embed_per_ngram=128,
                    n_head_per_ngram=2, layer_ids=[1], pad_id=0, profile="v4.1")

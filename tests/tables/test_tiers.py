@@ -16,7 +16,8 @@ from engram.tables.prefetch import PrefetchTable
 from engram.errors import UserError
 from engram.tables.registry import REGISTRY, TIERS, open_parts_on
 from engram.tables.tablefile import table_path, write_table
-from engram.tables.tiers import FileTable, PinnedTable, SharedPool, memory_status
+from engram.tables.tiers import FileTable, SharedPool, memory_status
+from engram.tables.host import PinnedTable
 from engram.training.corpus import DataConfig, build_corpus
 
 # pad_id 1: DeepSeek's EOS, as in training, so real text hashes as it does there.

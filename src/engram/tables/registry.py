@@ -26,7 +26,8 @@ from ..errors import UserError
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import Hasher
 from .store import MemoryTable, TableStore
-from .tiers import HostTable, PinnedTable, SharedPool, open_parts
+from .tiers import SharedPool, open_parts
+from .host import HostTable, PinnedTable
 
 Parts = dict[tuple[str, int], TableStore]  # (part, owner layer) -> store
 # Stored dtypes the memory tier keeps as stored on the CPU (HostTable: every lookup gathers and
