@@ -55,6 +55,13 @@ def test_compare_end_to_end_writes_results(tmp_path):
         (n, s) for n in ("moe", "engram", "dense") for s in (0, 1)]
     assert all(r["cpu_s"] > 0 and r["wall_s"] > 0 and r["predicted_s"] > 0 for r in t["per_run"])
     assert len(t["load_avg"]["start"]) == 3
+    # Both verdicts: the rule's and the paired interval's, from the same per-seed gains.
+    i = res["paired_interval"]["engram_vs_dense"]
+    assert i["seeds"] == 2 and i["low"] <= i["mean"] <= i["high"]
+    assert i["mean"] == pytest.approx(sum(res["engram_gain_per_seed"]) / 2)
+    assert res["resolved"]["engram_vs_dense_interval"] == i["excludes_zero"]
+    assert "paired 95% interval over 2 seeds" in report and "Tokens to target" in report
+    assert set(res["tokens_to_target"]) == {"engram", "moe"}
 
 
 def test_allocation_sweep_keeps_total_and_active_params():

@@ -36,6 +36,7 @@ from ..ranges import AT_LEAST_1, NON_NEGATIVE, check_ranges
 from ..training.corpus import build_corpus
 from ..training.train import TrainConfig, build_run, try_resume
 from .common import RULE, Workers, finished, job, largest_spread, resolved, seed_spread, train_run
+from .evidence import mean_curve, paired_interval, seeds_needed, tokens_to_target
 from .estimate import Estimate, estimate
 
 VARIANTS = ("dense", "engram", "moe")
@@ -201,12 +202,27 @@ def summarise(results: list[dict], configs: dict[str, TrainConfig], corpus, wall
     # Same seed = same batch order for every variant, so per-seed differences are paired.
     paired = [d - e for d, e in zip(runs["dense"]["val_loss_per_seed"],
                                     runs["engram"]["val_loss_per_seed"])]
+    paired_moe = [m - e for m, e in zip(runs["moe"]["val_loss_per_seed"],
+                                        runs["engram"]["val_loss_per_seed"])]
+    intervals = {"engram_vs_dense": paired_interval(paired),
+                 "engram_vs_moe": paired_interval(paired_moe)}
+    # tokens to target: where each mean validation curve first reaches dense's final loss
+    curves = {name: mean_curve([r["history"] for r in results if r["name"] == name])
+              for name in VARIANTS}
+    reach = {name: tokens_to_target(curves[name], runs["dense"]["val_loss"])
+             for name in ("engram", "moe")}
     return {"runs": runs, "noise_seed_spread": noise, "max_seed_spread": spread,
             "engram_gain_per_seed": paired, "engram_gain_vs_dense": gap,
-            "engram_gain_vs_moe": vs_moe,
+            "engram_gain_vs_moe": vs_moe, "engram_gain_vs_moe_per_seed": paired_moe,
             "gain_over_max_noise": gap / spread if spread else None,
+            "paired_interval": intervals,
+            "tokens_to_target": {name: None if t is None else t / runs["dense"]["tokens"]
+                                 for name, t in reach.items()},
+            "seeds_needed": seeds_needed(paired, [x for x in noise.values() if x is not None]),
             "resolved": {"engram_vs_dense": resolved(gap, spread),
-                         "engram_vs_moe": resolved(vs_moe, spread), "rule": RULE},
+                         "engram_vs_moe": resolved(vs_moe, spread), "rule": RULE,
+                         **{f"{k}_interval": bool(i and i["excludes_zero"])
+                            for k, i in intervals.items()}},
             "corpus": {"vocab": corpus.vocab_size, "train_tokens": len(corpus.streams["train"]),
                        "val_tokens": len(corpus.streams["val"]),
                        "sources": corpus.sources,

@@ -14,18 +14,27 @@ from .common import RULE, figure, largest_spread, resolved, save, spread_note, s
 
 
 def plot_losses(results: list[dict], path: Path) -> None:
+    """Train and validation loss against tokens: per variant the mean over seeds, with a band from
+    the lowest to the highest seed (one line alone for one seed)."""
     fig, axes = subplots(1, 2, figsize=(11, 4))
     colors = {"dense": "tab:gray", "engram": "tab:red", "moe": "tab:blue"}
-    for r in sorted(results, key=lambda r: (r["name"], r["seed"])):
-        h = r["history"]
-        style = "-" if r["seed"] == min(x["seed"] for x in results) else "--"
-        label = f"{r['name']} s{r['seed']}"
-        axes[0].plot([x["tokens"] for x in h], [x["loss"] for x in h], style,
-                     color=colors.get(r["name"]), label=label, alpha=0.8)
-        v = [x for x in h if "val_loss" in x]
-        axes[1].plot([x["tokens"] for x in v], [x["val_loss"] for x in v], style + "o",
-                     color=colors.get(r["name"]), label=label, markersize=3)
-    for ax, title in zip(axes, ("train loss", "validation loss")):
+    for name in sorted({r["name"] for r in results}):
+        rs = [r for r in results if r["name"] == name]
+        for ax, key in zip(axes, ("loss", "val_loss")):
+            curves = [[(x["tokens"], x[key]) for x in r["history"] if key in x and "tokens" in x]
+                      for r in rs]
+            n = min(len(c) for c in curves)
+            if n == 0:
+                continue
+            tokens = [curves[0][i][0] for i in range(n)]
+            ys = [[c[i][1] for c in curves] for i in range(n)]  # [point][seed]
+            ax.plot(tokens, [sum(y) / len(y) for y in ys], "-o" if key == "val_loss" else "-",
+                    color=colors.get(name), markersize=3,
+                    label=f"{name} (mean of {len(rs)} seed{'s' * (len(rs) > 1)})")
+            if len(rs) > 1:
+                ax.fill_between(tokens, [min(y) for y in ys], [max(y) for y in ys],
+                                color=colors.get(name), alpha=0.2, linewidth=0)
+    for ax, title in zip(axes, ("train loss", "validation loss (band: lowest to highest seed)")):
         ax.set_xlabel("tokens")
         ax.set_ylabel("cross entropy (nats)")
         ax.set_title(title)
@@ -187,12 +196,46 @@ def write_report(summary: dict[str, Any], path: Path) -> None:
               f"- Paired by seed (same batch order): Engram's gain over dense is "
               f"{', '.join(f'{g:+.4f}' for g in summary.get('engram_gain_per_seed', []))} nats"
               f"{_paired(summary.get('engram_gain_per_seed', []))}.",
+              *_interval_line("Engram's gain over dense", summary, "engram_vs_dense"),
               f"- Engram vs MoE at equal total parameters: Engram is "
               f"{'better' if vs_moe > 0 else 'worse'} by {abs(vs_moe):.4f} nats: "
               f"{said(vs_moe)}.",
+              *_interval_line("Engram's gain over MoE", summary, "engram_vs_moe"),
+              *_reach_lines(summary),
               "- The tables are the only extra parameters of the Engram model and are updated "
               "sparsely (RowAdam, 5x learning rate, no weight decay).",
               f"- Gates (layer {summary.get('gates', {}).get('layer')}): mean "
               f"{summary.get('gates', {}).get('mean', float('nan')):.3f}; see gates.html / gates.png.",
               "", "![losses](loss.png)", ""]
     path.write_text("\n".join(lines))
+
+
+def _interval_line(what: str, summary: dict[str, Any], key: str) -> list[str]:
+    """The paired 95% interval's verdict, beside the rule's."""
+    i = (summary.get("paired_interval") or {}).get(key)
+    if i is None:
+        return []
+    return [f"- {what}, paired 95% interval over {i['seeds']} seeds: {i['mean']:+.4f} "
+            f"[{i['low']:+.4f}, {i['high']:+.4f}] nats: "
+            f"{'excludes zero' if i['excludes_zero'] else 'includes zero'}."]
+
+
+def _reach_lines(summary: dict[str, Any]) -> list[str]:
+    """Tokens to target, and what the verdicts would need at the measured effect and spread."""
+    out = []
+    for name, f in (summary.get("tokens_to_target") or {}).items():
+        out.append(f"- Tokens to target: {name} reached dense's final validation loss "
+                   + ("within its budget: never." if f is None else
+                      f"at {f:.0%} of dense's tokens ({1 / f:.2f}x fewer)." if f > 0 else
+                      "at its first evaluation."))
+    need = summary.get("seeds_needed") or {}
+    if "paired_interval_seeds" in need:
+        n = need["paired_interval_seeds"]
+        out.append("- At this effect and spread the paired interval would exclude zero with "
+                   + (f"{n} seeds." if n else "more than 20 seeds."))
+    if "rule_run_sd_measured" in need:
+        out.append(f"- The rule's spread grows with the number of seeds, so seeds alone cannot "
+                   f"resolve it: it needs a run-to-run sd below "
+                   f"{need['rule_run_sd_needed_at_3_seeds']:.4f} nats at 3 seeds (measured "
+                   f"{need['rule_run_sd_measured']:.4f}).")
+    return out
