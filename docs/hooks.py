@@ -51,14 +51,20 @@ EXIT = ("`0` done; `2` bad input (one line on stderr: `engram CMD: error: ...`);
         "(the traceback); `130` interrupted by Ctrl-C or SIGTERM (one line saying what was kept)")
 
 
-def _cell(text: Any) -> str:
+def _cell(text: Any, limit: int | None = MAX_CELL, code: bool = False) -> str:
+    """Text as one table cell: no Markdown of its own; ``code``: `spans` stay code spans (help
+    texts from our source, where backticks pair)."""
     s = str(text).replace("\n", " ")
-    if len(s) > MAX_CELL:
-        s = s[:MAX_CELL - 1] + "…"
+    if limit is not None and len(s) > limit:
+        s = s[:limit - 1] + "…"
     s = html.escape(s, quote=False)
-    for ch, ent in (("|", "&#124;"), ("*", "&#42;"), ("`", "&#96;"), ("[", "&#91;"),
-                    ("_", "&#95;"), ("<", "&lt;")):
+    for ch, ent in (("|", "&#124;"), ("*", "&#42;"), ("[", "&#91;"), ("_", "&#95;")):
         s = s.replace(ch, ent)
+    if not code or s.count("`") % 2:
+        s = s.replace("`", "&#96;")
+    else:  # inside a code span an entity shows as typed: put the underscores back there
+        s = re.sub(r"`[^`]*`", lambda m: m.group(0).replace("&#95;", "_").replace("&#42;", "*")
+                   .replace("&#91;", "["), s)
     return s
 
 
@@ -90,7 +96,7 @@ def cli_page() -> str:
         if cmd.args:
             out += ["| argument | meaning |", "|---|---|"]
             out += [f"| `{a.name.upper()}`{' (one or more)' if a.nargs == '+' else ''} | "
-                    f"{_cell(a.help)} |" for a in cmd.args]
+                    f"{_cell(a.help, None, True)} |" for a in cmd.args]
             out += [""]
         for group in p._action_groups:
             rows = []
@@ -104,9 +110,9 @@ def cli_page() -> str:
                     kind = f.type + (f" ({' / '.join(map(str, f.choices))})" if f.choices else "")
                     default = "required" if f.required else options._show(f.default)
                     rows.append(f"| {spell} | {_cell(kind)} | {_cell(default)} | "
-                                f"{_cell(f.comment)} |")
+                                f"{_cell(f.comment, None, True)} |")
                 else:
-                    rows.append(f"| {spell} | | | {_cell(a.help)} |")
+                    rows.append(f"| {spell} | | | {_cell(a.help, None, True)} |")
             if rows:
                 out += [f"**{group.title}**", "", "| option | type | default | meaning |",
                         "|---|---|---|---|", *rows, ""]
@@ -207,7 +213,7 @@ def _results_page(key: str, members: list[Path]) -> str:
         out += ["## Figures", ""]
         for f in pngs:
             rel = f.relative_to(RESULTS).as_posix()
-            out += [f"**{rel}**", "", f"![{rel}]({_rel_from(key, rel)})", ""]
+            out += [f"**{rel}**", "", f"![{rel}]({rel})", ""]
     for f in members:
         if f.suffix == ".json":
             out += _json_table(f)
@@ -216,11 +222,6 @@ def _results_page(key: str, members: list[Path]) -> str:
     if others:
         out += ["## Other files", "", *[f"- `benchmarks/results/{o}`" for o in others], ""]
     return "\n".join(out)
-
-
-def _rel_from(key: str, rel: str) -> str:
-    """A path under results/ as a link from the page ``results/{key}.md``."""
-    return rel if key != "top" else rel
 
 
 def _include(report: Path, page_dir: str, demote: int) -> str:
@@ -272,6 +273,10 @@ def _num(v: Any) -> str:
     return str(v)
 
 
+def _key(k: str) -> str:
+    return f"`{k}`" if "`" not in k and "|" not in k and len(k) < MAX_CELL else _cell(k)
+
+
 def _json_table(f: Path) -> list[str]:
     rel = f.relative_to(RESULTS).as_posix()
     try:
@@ -283,5 +288,5 @@ def _json_table(f: Path) -> list[str]:
                                                        "has the rest" if len(rows) > MAX_ROWS
                                                        else "") + ".", "",
            "| key | value |", "|---|---|"]
-    out += [f"| {_cell(k)} | {_cell(v)} |" for k, v in rows[:MAX_ROWS]]
+    out += [f"| {_key(k)} | {_cell(v)} |" for k, v in rows[:MAX_ROWS]]
     return out + [""]

@@ -195,12 +195,20 @@ def test_site_shows_guides_api_cli_and_results(site):
 # -- the README ------------------------------------------------------------------------------------
 
 def test_readme_is_short_and_its_test_command_is_what_ci_runs():
+    """The README's test command (its "Run the tests" block) is what .ci/run runs: the same pytest
+    line, with the extras it installs among CI's."""
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 210
-    commands = re.findall(r"^python -m pytest.*$", readme, re.M)
-    assert commands, "the README gives the test command"
+    section = readme.split("## Run the tests", 1)[1].split("\n## ", 1)[0]
+    (block,) = [code for lang, code in FENCE.findall(section) if lang == "bash"]
     ci = (ROOT / ".ci" / "run").read_text()
-    for c in commands:
-        assert re.search(rf"^python3? {re.escape(c[len('python '):])}$", ci, re.M), c
-    for link in re.findall(r"\]\((docs/[^)#]+)", readme):
+    steps = [s.strip() for s in block.strip().split("&&")]
+    pytest_steps = [s for s in steps if s.startswith("python -m pytest")]
+    assert pytest_steps, block
+    for step in pytest_steps:
+        assert re.search(rf"^python3? {re.escape(step[len('python '):])}$", ci, re.M), step
+    ci_extras = set(re.search(r'pip install -q -e "\.\[([^\]]*)\]"', ci).group(1).split(","))
+    for extras in re.findall(r'pip install -e "\.\[([^\]]*)\]"', block):
+        assert set(extras.split(",")) <= ci_extras, extras
+    for link in re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)", readme):
         assert (ROOT / link).exists(), f"README links to a missing {link}"
