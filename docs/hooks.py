@@ -39,6 +39,21 @@ def on_files(files: Files, config: Any) -> Files:
     return files
 
 
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
+    """``{{ tiers }}`` in a page: the tier registry as a table (tables/registry.py)."""
+    if "{{ tiers }}" in markdown:
+        markdown = markdown.replace("{{ tiers }}", tiers_table())
+    return markdown
+
+
+def tiers_table() -> str:
+    from engram.tables.registry import REGISTRY
+
+    rows = ["| tier | where the rows are |", "|---|---|"]
+    rows += [f"| `{name}` | {_cell(t.help, None, True)} |" for name, t in REGISTRY.items()]
+    return "\n".join(rows)
+
+
 def generated_pages() -> dict[str, str]:
     pages = {"reference/cli.md": cli_page(), "reference/api.md": api_page()}
     pages.update(results_pages())
