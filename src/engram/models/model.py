@@ -45,6 +45,9 @@ __all__ = ["DecodeCache", "EngramLM", "ModelConfig", "ModelOutput", "build_block
 
 @dataclass
 class ModelOutput:
+    """What :meth:`EngramLM.forward` returns: the final hidden states, the MoE auxiliary loss,
+    the gates when asked for, and the head that turns hidden states into logits."""
+
     hidden: torch.Tensor  # [b, t, d] after the final norm
     aux_loss: torch.Tensor  # scalar: MoE load-balancing loss (already weighted), 0 without MoE
     gates: dict[int, torch.Tensor] | None = None  # {layer: alpha [b, t, m]} when asked

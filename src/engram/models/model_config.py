@@ -17,6 +17,9 @@ HEADS = ("full", "adaptive")
 
 @dataclass
 class ModelConfig:
+    """The reference LM's shape: vocabulary, blocks, width, attention heads, FFN or MoE, LM head,
+    hyper-connections and, in ``engram``, an :class:`~engram.EngramConfig` (None: no Engram)."""
+
     # The model's own vocabulary (possibly a restricted one); hash ids come from raw ids separately.
     vocab_size: int = 32768
     # Number of transformer blocks.

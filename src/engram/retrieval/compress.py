@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 ALGORITHM_VERSION = "engram-compress-1"
 # Marks a position as dead (padding, masked, non-text): it is never part of another n-gram.
 DEAD = -1
+"""The id of a dead position (padding, masked, non-text): never part of another n-gram."""
 _SENTINEL = "\ue000"
 
 

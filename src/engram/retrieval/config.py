@@ -24,6 +24,10 @@ LAYER_SEED_STRIDE = 10007
 
 @dataclass
 class EngramConfig:
+    """What Engram hashes and how big its tables are: n-gram orders, heads per order, embedding
+    widths, table sizes, the layers that carry a module, and the compatibility profile
+    (``EngramConfig.demo_v1()``: the official demo; ``EngramConfig.v4_1()``: DeepSeek-V4.1)."""
+
     # Hash-table size per n-gram order (orders 2..N), or one int for all orders (v4.1 style).
     engram_vocab_size: list[int] | int = field(default_factory=lambda: [129280 * 5, 129280 * 5])
     # N: the largest n-gram order; orders 2..N are looked up.

@@ -41,6 +41,9 @@ from .runtime import DecodeGroup, Runtime, row_spans
 
 @dataclass
 class GenerationConfig:
+    """How :class:`Generator` decodes: new tokens, temperature, top-k, stop ids, seed
+    (the options of ``engram generate``)."""
+
     # New tokens per row (a row stops earlier at a stop id).
     max_new_tokens: int = 32
     # 0: greedy (argmax); > 0: sample from softmax(logits / temperature).

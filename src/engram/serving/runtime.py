@@ -72,6 +72,10 @@ class DecodeGroup:
 
 @dataclass
 class Runtime:
+    """A trained model ready to serve (``engram.open(path)``): model, hasher, vocabulary map,
+    tokenizer and tables on a tier, with the operations every front door shares (``forward``,
+    ``score``, ``encode`` / ``decode``, ``new_group``, ``fit_prompts``; see the module docstring)."""
+
     model: EngramLM
     hasher: Hasher | None  # None for a model without Engram
     ids: VocabMap  # raw (tokenizer) ids <-> the model's ids

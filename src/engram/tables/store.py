@@ -23,6 +23,10 @@ from torch import nn
 
 @runtime_checkable
 class TableStore(Protocol):
+    """Where a layer's rows live: ``lookup(rows)`` returns embeddings for global row ids and
+    ``prefetch(rows)`` hints at rows needed soon. :class:`MemoryTable` is the in-memory oracle;
+    every tier of ``tables/registry.py`` implements the same protocol."""
+
     num_rows: int
     dim: int
 
