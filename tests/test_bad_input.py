@@ -176,6 +176,7 @@ CASES = [
     ("study-vision --lr nan", "lr must be a finite number"),
     ("finetune --threads 0", "threads must be >= 1, got 0"),
     ("analyze {root}/run --batches 0", "batches must be >= 1, got 0"),
+    ("analyze {root}/run --out_dir {root}/an", "the probes need 36 (--context=32 + a 4-gram)"),
     ("pool-budget --threads 0", "threads must be >= 1, got 0"),
     ("pool-budget --inject_us nan", "inject_us must be a finite number"),
     # valid values (argparse: one line too)

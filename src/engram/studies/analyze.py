@@ -173,12 +173,17 @@ def run_analyze(run_dir: str, baseline: str | None, ac: AnalyzeConfig,
     from .analysis_report import write_analysis
 
     out = Path(ac.out_dir) if ac.out_dir else Path(run_dir) / "analysis"
-    out.mkdir(parents=True, exist_ok=True)
     served = open_model(run_dir)
     model, hasher, vocab, tok = served.model, served.hasher, served.vocab, served.tokenizer
     if not model.config.engram_layers:
         raise UserError(f"{run_dir} has no Engram layers: analyze the Engram run, and pass the "
                          "dense one as --baseline")
+    n = model.config.max_seq_len  # the probes' windows must fit the context, before any work
+    if ac.context + 4 > n or 2 * ac.copy_span > n:
+        raise UserError(f"the probes need {ac.context + 4} (--context={ac.context} + a 4-gram) "
+                        f"and {2 * ac.copy_span} (2 x --copy_span={ac.copy_span}) positions; the "
+                        f"model has max_seq_len={n}")
+    out.mkdir(parents=True, exist_ok=True)
     cfg = TrainConfig(**json.loads((Path(run_dir) / "config.json").read_text()))
     corpus = build_corpus(cfg.data_config(), tok)
     base = open_model(baseline) if baseline else None
