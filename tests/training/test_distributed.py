@@ -145,6 +145,17 @@ def test_world_2_checkpoint_resumes_at_world_3(killed, reference, tmp_path, corp
 
 def test_world_2_checkpoint_loads_in_one_process(killed, reference, tmp_path, corpus):
     consolidate(killed[0], tmp_path / "w1")
+    # The torchrun run's own folder opens in one process (engram.open, generate, eval): every
+    # table row from its shards, the same model as the consolidated checkpoint.
+    from engram.serving.loader import open_model
+    from engram.training.checkpoint import latest_checkpoint, load_checkpoint
+
+    served = open_model(killed[0]).model.state_dict()
+    want = load_checkpoint(latest_checkpoint(tmp_path / "w1" / "checkpoints"))[0]["model"]
+    assert served.keys() == want.keys()
+    assert all(torch.equal(served[k], want[k]) for k in want)
+    with pytest.raises(CheckpointError, match="^[^ ]+ holds a torchrun run's sharded"):
+        latest_checkpoint(killed[0] / "checkpoints")
     run = train(_cfg(tmp_path / "w1", steps=STEPS), corpus, progress=False)  # train.py resumes
     _assert_same_run(run.history[:STEPS], reference)
     # A damaged shard is refused, not loaded.

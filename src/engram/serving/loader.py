@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import InputNotFound, UserError
+from ..errors import UserError
 from ..models.run_files import load_dense_state
 from ..retrieval.hashing import Hasher
 from ..tables.registry import open_tier
@@ -58,16 +58,12 @@ def _open_run(run_dir: Path, *, tier: str, table_dir: str | Path | None, table_d
               engram_layers: str | Path | None, **options: Any) -> Runtime:
     from ..models.nine_model import build_lm
     from ..models.run_files import read_run_files
-    from ..retrieval.hot import STATE_KEY
     from ..tables.hotcold import check_index_files
-    from ..training.checkpoint import latest_checkpoint, load_checkpoint
+    from ..tables.sharded import read_shards
+    from ..training.checkpoint import served_checkpoint
 
-    ckpt = latest_checkpoint(run_dir / "checkpoints") if run_dir.is_dir() else None
-    if ckpt is None:
-        raise InputNotFound(f"no checkpoint under {run_dir}/checkpoints (train one with "
-                            f"`engram train --out_dir={run_dir}`)")
+    state, ckpt, shards = served_checkpoint(run_dir)  # a torchrun run's: its shard files too
     files = read_run_files(run_dir)
-    state, _, _ = load_checkpoint(ckpt, parts=("model", STATE_KEY))  # no optimiser state
     hasher = files.hasher(state)  # Engram-Nine's carries the checkpoint's hot index
     ecfg = files.config.engram
     counts = files.row_counts if cache_fraction > 0 else None
@@ -95,7 +91,12 @@ def _open_run(run_dir: Path, *, tier: str, table_dir: str | Path | None, table_d
                            cache_fraction=cache_fraction, prefetch=prefetch, verify=verify,
                            **options)
     model = build_lm(files.config, hasher, tables or None)
-    load_dense_state(model, state["model"], outside=tables)
+    if shards:  # a torchrun run's: its table rows are in the shard files, of any world size
+        load_dense_state(model, state["model"], outside=model.config.engram_layers)
+        if not tables:
+            read_shards(shards, {lid: e.table for lid, e in model.engrams().items()}, None)
+    else:
+        load_dense_state(model, state["model"], outside=tables)
     if layer_set is not None:
         from ..models.v41_layers import load_layer_set
 
@@ -133,11 +134,11 @@ def write_tables(run_dir: str | Path, table_dir: str | Path | None = None, dtype
     from ..training.export import export_tables
 
     from ..models.run_files import read_run_files
-    from ..training.checkpoint import latest_checkpoint
+    from ..training.checkpoint import newest_checkpoint
 
     run_dir = Path(run_dir)
     folder = Path(table_dir) if table_dir is not None else run_dir / "tables"
-    files, ckpt = read_run_files(run_dir), latest_checkpoint(run_dir / "checkpoints")
+    files, ckpt = read_run_files(run_dir), newest_checkpoint(run_dir)
     if ckpt is not None and files.config.engram is not None and files.nine_shared is None and \
             not stale_tables(folder, files.hasher(), ckpt.name, dtype):
         return folder  # current, known without loading the checkpoint (a Nine run's parts need it)

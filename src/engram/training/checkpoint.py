@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from ..errors import UserError
+from ..errors import InputNotFound, UserError
 from ..files import publish, publish_text
 
 LATEST = "latest.json"
@@ -103,9 +103,14 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
         return None
     try:
         info = json.loads(pointer.read_text())
-        path = Path(directory) / info["file"]
-    except (ValueError, KeyError) as e:
+        sharded = "dir" in info and "file" not in info  # dist_checkpoint's pointer
+        path = None if sharded else Path(directory) / info["file"]
+    except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{pointer} is corrupted: {e}") from e
+    if path is None:
+        raise CheckpointError(f"{pointer.parent} holds a torchrun run's sharded checkpoint: resume "
+                              "it under torchrun (any number of ranks, --nproc-per-node 1 too); "
+                              "engram.open / generate / eval read it as it is")
     if not path.exists():
         raise CheckpointError(f"{pointer} names {path.name}, which is missing")
     if _sha256(path) != info["sha256"]:
@@ -141,3 +146,57 @@ def _tensor_names(obj: Any) -> list[str]:
         return [obj[_TENSOR]]
     children = [v for _, v in obj["__dict__"]] if "__dict__" in obj else obj["__list__"]
     return [n for c in children for n in _tensor_names(c)]
+
+
+def latest_distributed(out_dir: str | Path) -> tuple[Path, dict] | None:
+    """(step directory, pointer) of the newest complete sharded checkpoint, or None."""
+    pointer = Path(out_dir) / "checkpoints" / LATEST
+    if not pointer.exists():
+        return None
+    try:
+        info = json.loads(pointer.read_text())
+        if "file" in info:  # train.py's pointer
+            raise CheckpointError(f"{pointer.parent} holds a single-process checkpoint; a "
+                                  "distributed run needs its own out_dir")
+        step_dir = pointer.parent / info["dir"]
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{pointer} is corrupted: {e}") from e
+    missing = [f for f, _ in info["shards"] if not (step_dir / f).exists()]
+    if missing:
+        raise CheckpointError(f"checkpoint {step_dir} lacks shard files {missing}")
+    return step_dir, info
+
+
+def newest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest checkpoint file of a run folder: train.py's, or a torchrun run's dense part;
+    None when there is none."""
+    pointer = Path(out_dir) / "checkpoints" / LATEST
+    try:
+        sharded = "dir" in json.loads(pointer.read_text())
+    except (OSError, ValueError):
+        sharded = False
+    if not sharded:
+        return latest_checkpoint(pointer.parent) if pointer.parent.is_dir() else None
+    dense_file = latest_checkpoint(latest_distributed(out_dir)[0] / "dense")
+    if dense_file is None:
+        raise CheckpointError(f"checkpoint {pointer.parent} has no dense part")
+    return dense_file
+
+
+def served_checkpoint(out_dir: str | Path) -> tuple[dict[str, Any], Path, list[Path]]:
+    """A run's newest checkpoint as a server reads it, in one process: (the model's state and a
+    Nine run's hot index, no optimiser state; its file; a torchrun run's shard files,
+    checksum-verified, whose rows a server holds all of)."""
+    ckpt = newest_checkpoint(out_dir)
+    if ckpt is None:
+        raise InputNotFound(f"no checkpoint under {out_dir}/checkpoints (train one with "
+                            f"`engram train --out_dir={out_dir}`)")
+    state = load_checkpoint(ckpt, parts=("model", "hot_index"))[0]  # retrieval.hot.STATE_KEY
+    if ckpt.parent.name != "dense":
+        return state, ckpt, []
+    step_dir, info = latest_distributed(out_dir)
+    for name, sha in info["shards"]:
+        if _sha256(step_dir / name) != sha:
+            raise CheckpointError(f"checkpoint shard {step_dir / name} is corrupted (checksum "
+                                  "mismatch)")
+    return state, ckpt, [step_dir / name for name, _ in info["shards"]]

@@ -20,9 +20,11 @@ from ..files import publish_text
 from ..models.model import EngramLM
 from ..tables.sharded import read_shards, row_range, shard_bounds, write_shard
 from .checkpoint import (
+    LATEST,
     CheckpointError,
     _sha256,
     latest_checkpoint,
+    latest_distributed,
     load_checkpoint,
     save_checkpoint,
 )
@@ -38,7 +40,6 @@ from .train import (
     save,
 )
 
-LATEST = "latest.json"
 
 
 
@@ -85,25 +86,6 @@ def save_distributed(run: Run, d: Dist, keep: int = 2) -> Path:
                 shutil.rmtree(old, ignore_errors=True)
     dist.barrier(group=d.control)  # nobody runs ahead of a publication
     return step_dir
-
-
-def latest_distributed(out_dir: str | Path) -> tuple[Path, dict] | None:
-    """(step directory, pointer) of the newest complete sharded checkpoint, or None."""
-    pointer = Path(out_dir) / "checkpoints" / LATEST
-    if not pointer.exists():
-        return None
-    try:
-        info = json.loads(pointer.read_text())
-        if "file" in info:  # train.py's pointer
-            raise CheckpointError(f"{pointer.parent} holds a single-process checkpoint; a "
-                                  "distributed run needs its own out_dir")
-        step_dir = pointer.parent / info["dir"]
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{pointer} is corrupted: {e}") from e
-    missing = [f for f, _ in info["shards"] if not (step_dir / f).exists()]
-    if missing:
-        raise CheckpointError(f"checkpoint {step_dir} lacks shard files {missing}")
-    return step_dir, info
 
 
 def _shards_to_read(tables: dict[int, Any], info: dict, step_dir: Path) -> list[Path]:
