@@ -7,7 +7,8 @@ of times in the same order (a rank with nothing to read passes an empty tensor).
     forward   rows -> unique ids + inverse -> bucket by owner -> all-to-all counts, then ids
               -> owner gathers its local rows -> all-to-all rows back -> scatter via the inverse
     backward  sum the position grads per unique id -> all-to-all them to the owner -> the owner's
-              shard weight gets a sparse COO grad over its local rows (RowAdam applies it unchanged)
+              shard weight gets a sparse COO grad over its local rows (the table optimiser, e.g.
+              RowAdam, applies it unchanged)
 
 Why contiguous ranges rather than row % world: hash ids are uniform inside each head's prime-sized
 range and every head is read once per token, so equal-sized ranges already balance the traffic; in
@@ -199,11 +200,12 @@ def _param_index(opt: torch.optim.Optimizer | None, p: torch.Tensor) -> int | No
 
 def write_shard(path, tables: dict[int, nn.Module], opt: torch.optim.Optimizer | None,
                 meta: dict) -> None:
-    """Write this rank's rows of every table and their RowAdam state to ``path``, atomically.
+    """Write this rank's rows of every table and their optimiser state to ``path``, atomically.
 
     Per layer L: ``L.weight`` [l, e] (rows lo..hi), and the optimiser state of the touched rows,
     sorted by *global* row id so a reader at another world size can binary-search its range:
-    ``L.rows`` [k] int64, ``L.exp_avg`` / ``L.exp_avg_sq`` [k, e] float32, ``L.steps`` [k] int64.
+    ``L.rows`` [k] int64 and one ``L.<key>`` [k, ...] per key of the table optimiser's
+    ``ROW_STATE`` (RowAdam: ``exp_avg`` / ``exp_avg_sq`` [k, e] float32, ``steps`` [k] int64).
     """
     path = Path(path)
     tensors, ranges = {}, {}
@@ -212,14 +214,14 @@ def write_shard(path, tables: dict[int, nn.Module], opt: torch.optim.Optimizer |
         lo, hi = row_range(table)
         ranges[str(layer)] = [lo, hi, int(table.num_rows), int(table.dim)]
         tensors[f"{layer}.weight"] = table.weight.detach().cpu().contiguous()
+        if opt is None:
+            continue
         st = packed.get(_param_index(opt, table.weight))
         if st is None:  # no state yet: empty arrays keep the reader uniform
-            none = torch.zeros(0, dtype=torch.long)
-            st = {"rows": none, "steps": none, "exp_avg": torch.zeros(0, table.dim),
-                  "exp_avg_sq": torch.zeros(0, table.dim)}
+            st = opt.empty_state(table.dim)
         order = (st["rows"] + lo).argsort()  # [k]
         tensors[f"{layer}.rows"] = (st["rows"] + lo)[order].cpu().contiguous()
-        for key in ("exp_avg", "exp_avg_sq", "steps"):
+        for key in opt.ROW_STATE:
             tensors[f"{layer}.{key}"] = st[key][order].cpu().contiguous()
     # readers see the old file or the whole new one, never a torn one
     publish(path, lambda tmp: save_file(tensors, tmp, metadata={"ranges": json.dumps(ranges),
@@ -229,13 +231,14 @@ def write_shard(path, tables: dict[int, nn.Module], opt: torch.optim.Optimizer |
 @torch.no_grad()
 def read_shards(paths: list, tables: dict[int, nn.Module],
                 opt: torch.optim.Optimizer | None) -> None:
-    """Fill each table's rows [lo, hi) (and RowAdam state) from shard files of any world size.
+    """Fill each table's rows [lo, hi) (and their optimiser state) from shard files of any world
+    size.
 
     Only the overlapping slices are read (safetensors slices are lazy), so a rank reads about its
     own share of the checkpoint whatever the old and new world sizes.
     """
-    pieces: dict[int, dict[str, list]] = {L: {k: [] for k in ("rows", "exp_avg", "exp_avg_sq",
-                                                             "steps")} for L in tables}
+    keys = tuple(opt.ROW_STATE) if opt is not None else ()
+    pieces: dict[int, dict[str, list]] = {L: {k: [] for k in ("rows", *keys)} for L in tables}
     covered = {L: 0 for L in tables}
     for path in paths:
         with safe_open(str(path), framework="pt") as f:
@@ -254,10 +257,16 @@ def read_shards(paths: list, tables: dict[int, nn.Module],
                 w = f.get_slice(f"{layer}.weight")[a - s_lo:z - s_lo]  # [z-a, e]
                 table.weight[a - lo:z - lo] = w.to(table.weight.dtype)
                 covered[layer] += z - a
+                if opt is None or f"{layer}.rows" not in f.keys():  # written with no optimiser
+                    continue
+                missing = [k for k in keys if f"{layer}.{k}" not in f.keys()]
+                if missing:
+                    raise ValueError(f"{path} holds no {'/'.join(missing)} optimiser state for "
+                                     f"layer {layer}: it was written by another table optimiser")
                 saved = f.get_tensor(f"{layer}.rows")  # [k] sorted global ids
                 i0, i1 = (int(torch.searchsorted(saved, torch.tensor(v))) for v in (a, z))
                 pieces[layer]["rows"].append(saved[i0:i1] - lo)
-                for key in ("exp_avg", "exp_avg_sq", "steps"):
+                for key in keys:
                     pieces[layer][key].append(f.get_slice(f"{layer}.{key}")[i0:i1])
     for layer, table in tables.items():
         lo, hi = row_range(table)

@@ -5,15 +5,15 @@
 The global batch (``batch_size`` rows of ``TokenBatches.batch(step)``) is split by row across ranks,
 so a run at world size w sees the same tokens as a single-process run and reaches the same losses
 (up to float summation order). The dense parameters are replicated and averaged by DDP; each Engram
-table is a :class:`engram.tables.sharded.ShardedTable`, one slice of rows per rank, with its RowAdam state
-local to the shard (spec section 4: sharded by row, active rows exchanged by all-to-all).
+table is a :class:`engram.tables.sharded.ShardedTable`, one slice of rows per rank, with its table
+optimiser state local to the shard (spec section 4: sharded by row, active rows exchanged by all-to-all).
 The loop, its records and checkpoint schedule are ``loop.fit``'s, as for ``engram train``; this
 file supplies :class:`DataParallel`, this rank's part of a step (``loop.Ranks``).
 
 Checkpoints (``out_dir/checkpoints``), one directory per save, published by ``latest.json`` only
 once every rank's file is on disk, so a run killed at any moment resumes from a complete one:
     step_XXXXXXXX/dense/        the dense model, AdamW, RNG, config and history (train.py's format)
-    step_XXXXXXXX/shard-RRRRR-of-WWWWW.safetensors   rank R's table rows and their RowAdam state
+    step_XXXXXXXX/shard-RRRRR-of-WWWWW.safetensors   rank R's table rows and their optimiser state
 A checkpoint loads at any world size (each rank reads the slices of the shards its range overlaps),
 or into a single-process model (:func:`consolidate`).
 
@@ -58,7 +58,7 @@ from .dist_checkpoint import (  # noqa: F401
 )
 from .hooks import LogMetrics, SaveCheckpoints
 from .loop import fit, restore
-from .optim import Optimizers, RowAdam, build_optimizers, clip_grad_norm_
+from .optim import Optimizers, build_optimizers, clip_grad_norm_, make_table_optimizer
 from .precision import LossScaler
 from .process_group import (  # noqa: F401
     Dist,
@@ -81,7 +81,8 @@ def shard_tables(model: EngramLM, group) -> None:
 
 
 def sharded_optimizers(model: EngramLM, cfg: TrainConfig) -> Optimizers:
-    """train.py's optimisers (same groups, same order), with RowAdam on the local shards."""
+    """train.py's optimisers (same groups, same order), with the table optimiser on the local
+    shards."""
     base = build_optimizers(model, cfg.lr, weight_decay=cfg.weight_decay,
                             table_lr_mult=cfg.table_lr_mult)  # puts the shards in AdamW: refiled
     shards = [e.table.weight for e in model.engrams().values() if isinstance(e.table, ShardedTable)]
@@ -90,7 +91,8 @@ def sharded_optimizers(model: EngramLM, cfg: TrainConfig) -> Optimizers:
     groups = [{"params": [p for p in g["params"] if id(p) not in ids],
                "weight_decay": g["weight_decay"]} for g in base.dense.param_groups]
     dense = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=betas, eps=eps)
-    rows = RowAdam(shards, lr=cfg.lr * cfg.table_lr_mult, betas=betas, eps=eps) if shards else None
+    rows = make_table_optimizer(cfg.table_optimizer, shards, cfg.lr * cfg.table_lr_mult, betas,
+                                eps) if shards else None
     return Optimizers(dense, rows, cfg.table_lr_mult,
                       LossScaler() if cfg.precision == "fp16" else None)
 

@@ -38,7 +38,7 @@ from .checkpoint import (
 from .corpus import Corpus, DataConfig, build_corpus
 from .hooks import LogMetrics, SaveCheckpoints, log_record  # noqa: F401  (log_record: its old home)
 from .loop import ONE_PROCESS, Run, evaluate, fit, lr_at, restore, train_step  # noqa: F401
-from .optim import build_optimizers
+from .optim import build_optimizers, check_table_optimizer
 from .precision import PRECISIONS, LossScaler, check_names
 from .settings import ALLOCATOR_ENV, allocator_env  # noqa: F401  (their old home)
 
@@ -110,6 +110,11 @@ class TrainConfig:
     grad_accum: int = 1
     lr: float = 3e-3
     table_lr_mult: float = 5.0  # paper: tables at 5x the learning rate, no weight decay
+    # The tables' optimiser: "adam" (RowAdam, the paper's: 2 moments per element, state 2x a
+    # touched row), "adagrad" (row-wise Adagrad, DLRM/TorchRec) or "rmsprop" (one Adam second
+    # moment per row): O(1) state per row (training/optim.py).
+    table_optimizer: str = field(default="adam",
+                                 metadata={"choices": "engram.training.optim:TABLE_OPTIMIZERS"})
     weight_decay: float = 0.1
     warmup: int = 30
     min_lr_ratio: float = 0.1
@@ -152,6 +157,7 @@ class TrainConfig:
         if self.nine and not self.engram:
             raise UserError("hot_rows / shared_tables need engram=true")
         check_names(self.device, self.precision)  # whether this machine has them: build_run
+        check_table_optimizer(self.table_optimizer)
 
     @property
     def nine(self) -> bool:
@@ -264,7 +270,7 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None,
     batches = TokenBatches(corpus.streams["train"], cfg.batch_size, cfg.seq_len, corpus, hasher,
                            seed=cfg.seed)
     optim = build_optimizers(model, cfg.lr, weight_decay=cfg.weight_decay,
-                             table_lr_mult=cfg.table_lr_mult)
+                             table_lr_mult=cfg.table_lr_mult, table_optimizer=cfg.table_optimizer)
     optim.scaler = LossScaler() if cfg.precision == "fp16" else None
     return Run(cfg, corpus, hasher, model, batches, optim)
 
