@@ -29,6 +29,10 @@ class OutputExists(UserError, FileExistsError):
     """A place the user named for output holds something this command must not overwrite."""
 
 
+class FolderBusy(UserError):
+    """Another process is writing the folder a command would write (outputs.writer's lock)."""
+
+
 class NonFinite(UserError):
     """A training step's loss or gradient norm is NaN or infinite; the step was not applied."""
 
@@ -44,4 +48,5 @@ class Interrupted(Exception):
     """SIGINT / SIGTERM stopped a command at a safe point; the message says what was kept."""
 
 
-__all__ = ["InputNotFound", "Interrupted", "NonFinite", "OutputExists", "UserError"]
+__all__ = ["FolderBusy", "InputNotFound", "Interrupted", "NonFinite", "OutputExists",
+           "UserError"]
