@@ -8,8 +8,10 @@ ValueError keep working; ``InputNotFound`` and ``OutputExists`` are also the OSE
 ``NonFinite`` is training that met a NaN or infinite loss or gradient (a UserError: the settings
 diverge). ``DiskError`` is a write the disk refused (full, over quota, read-only, failing): not bad
 input and not a bug, also one line (exit 1) naming the file and the space it needed; nothing partial
-was published (engram.files). ``Interrupted`` is not an error: SIGINT or SIGTERM stopped the work at a safe point (the
-command line exits 130 with its message, which says what was kept).
+was published (engram.files). ``FolderBusy``: another process writes the folder a command would
+write (one writer per folder, engram.outputs). ``Interrupted`` is not an error: SIGINT or SIGTERM
+stopped the work at a safe point (the command line exits 130 with its message, which says what was
+kept).
 
 The foundation layer: imports nothing else of engram, so every layer may raise it.
 """

@@ -235,7 +235,8 @@ def _lock(path: Path, folder: Path, label: str) -> int:
             holder = _holder(fd)
             os.close(fd)
             raise FolderBusy(f"{label} {folder} is being written by {holder}; one writer per "
-                             "folder: wait for it to end, or stop it (nothing was written)") from None
+                             "folder: wait for it to end, or stop it (nothing was written)"
+                             ) from None
         except BaseException:
             os.close(fd)
             raise
@@ -346,5 +347,5 @@ def read_text(path: str | Path, label: str) -> str:
 
 
 __all__ = ["COMMAND_LINE", "FILE", "LOCK", "MARKER", "SIGNATURES", "WRITTEN_BY", "check_file",
-           "check_folder", "check_input", "check_new_folder", "claim_folder", "finite", "make_folders",
-           "mark", "read_marker", "read_text", "release", "write_json", "writer"]
+           "check_folder", "check_input", "check_new_folder", "claim_folder", "finite",
+           "make_folders", "mark", "read_marker", "read_text", "release", "write_json", "writer"]
