@@ -50,6 +50,24 @@ def open_beside(path: str | os.PathLike) -> tuple[int, str]:
             continue
 
 
+def sweep_temporaries(folder: str | os.PathLike) -> int:
+    """Remove the temporaries (:func:`open_beside`'s ``.NAME.<8 hex>.tmp``) a killed writer left
+    anywhere in ``folder``; only for the folder's one writer (outputs.writer), who knows no other
+    process is filling them. Returns how many went."""
+    gone = 0
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            stem = name[:-4].rsplit(".", 1)
+            if name.startswith(".") and name.endswith(".tmp") and len(stem) == 2 and \
+                    len(stem[1]) == 8 and all(c in "0123456789abcdef" for c in stem[1]):
+                try:
+                    os.unlink(os.path.join(dirpath, name))
+                    gone += 1
+                except FileNotFoundError:
+                    pass
+    return gone
+
+
 def publish(path: str | os.PathLike, write: Callable[[str], object], need: int | None = None
             ) -> Path:
     """Call ``write(tmp_path)`` to fill a temporary file beside ``path``, then make it ``path``;

@@ -18,7 +18,8 @@ One rule for every command (``engram.options.Command`` applies it to what each d
   ``FOLDER/.engram.lock`` (:func:`writer`: ``flock``, so the kernel lets go when the process dies,
   however it dies); a second writer is refused in one line naming the holder's pid and command.
   The file is removed when the writer ends; a stale one (a killed writer's) locks nothing and is
-  taken over. Readers never look at it: opening a run writes nothing and waits for nobody.
+  taken over, and the new writer removes the temporaries a killed one left (``.NAME.*.tmp``).
+  Readers never look at it: opening a run writes nothing and waits for nobody.
 
 Inputs: :func:`check_input` (the path exists) and :func:`read_text` (UTF-8 text, no NUL bytes: a
 binary file named as text is refused, naming the file).
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .errors import FolderBusy, InputNotFound, OutputExists, UserError
-from .files import publish_text
+from .files import publish_text, sweep_temporaries
 
 MARKER = ".engram"  # in every folder a command claimed: {"kind", "command"[, "of"]}
 LOCK = ".engram.lock"  # in a folder while a command writes it: {"pid", "command"}, flock'd
@@ -211,6 +212,8 @@ def writer(folder: str | Path, label: str = "folder", beside: bool = False) -> I
         _held[key][1] += 1
     else:
         _held[key] = [_lock(path, folder, label), 1]
+        if not beside:  # the one writer now: what a killed one was filling is nobody's
+            sweep_temporaries(folder)
     try:
         yield
     finally:

@@ -211,6 +211,9 @@ def write_corpus(docs: Iterable[Doc], out: str | Path, tok: Any, eos_token: str,
         raise Interrupted(f"{sum(made)} shards written and {len(made) - sum(made)} kept from an "
                           f"earlier run are whole in {out}; the same command resumes from "
                           "them") from None
+    except BaseException:  # a full disk: the error's line comes after the bar's
+        bar.close()
+        raise
     bar.close()
     shards.remove_shards(folder, keep=len(metas))
     counts = np.zeros((2, vocab_size), dtype=np.int64)  # [2, V]
