@@ -267,3 +267,43 @@ def test_prepare_stops_within_a_second_and_the_rerun_resumes(big_text, tmp_path,
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "manifest.json").read_text())["summary"]
     assert summary["shards_made"] + summary["shards_kept"] == summary["shards"] == 2
+
+
+def _stderr_lines(p: subprocess.Popen, into: list[str]) -> None:
+    for chunk in iter(lambda: p.stderr.read(1), ""):
+        into.append(chunk)
+
+
+# (argv with {root} and {text}, what its stderr shows once it works, what its last line says)
+LONG = [
+    ("eval {root}/run --text {text}/0.txt", "eval windows:", "nothing was kept"),
+    ("prepare --input {text} --out {tmp}/corpus --shard_mb 0.5", "prepare:", "resumes"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv,working,said", LONG, ids=[c[0].split()[0] for c in LONG])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_long_command_stops_on_a_signal_in_one_line(tree, big_text, tmp_path, argv, working,
+                                                      said, sig):
+    import threading
+
+    args = argv.format(root=tree, text=big_text, tmp=tmp_path).split()
+    p = subprocess.Popen([sys.executable, "-m", "engram", *args], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(SRC)})
+    err: list[str] = []
+    reader = threading.Thread(target=_stderr_lines, args=(p, err), daemon=True)
+    reader.start()
+    t0 = time.time()
+    while working not in "".join(err):  # it has begun the work
+        assert p.poll() is None, "".join(err)[-3000:]
+        assert time.time() - t0 < 300, "it never started"
+        time.sleep(0.02)
+    p.send_signal(sig)
+    assert p.wait(timeout=120) == 130, "".join(err)[-3000:]
+    reader.join(timeout=60)
+    text = "".join(err)
+    assert "Traceback" not in text, text[-3000:]
+    last = text.replace("\r", "\n").strip().splitlines()[-1]
+    assert last.startswith(f"engram {args[0]}: interrupted; ") and said in last, last

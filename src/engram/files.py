@@ -50,12 +50,16 @@ def open_beside(path: str | os.PathLike) -> tuple[int, str]:
             continue
 
 
-def sweep_temporaries(folder: str | os.PathLike) -> int:
+def sweep_temporaries(folder: str | os.PathLike, others: str | None = None) -> int:
     """Remove the temporaries (:func:`open_beside`'s ``.NAME.<8 hex>.tmp``) a killed writer left
-    anywhere in ``folder``; only for the folder's one writer (outputs.writer), who knows no other
-    process is filling them. Returns how many went."""
+    in ``folder``; only for the folder's one writer (outputs.writer), who knows no other process
+    is filling them. A subfolder holding a file named ``others`` (a marker) is another output,
+    with writers of its own (RUN/tables): not entered. Returns how many went."""
     gone = 0
-    for dirpath, _, names in os.walk(folder):
+    for dirpath, dirnames, names in os.walk(folder):
+        if others is not None:
+            dirnames[:] = [d for d in dirnames
+                           if not os.path.exists(os.path.join(dirpath, d, others))]
         for name in names:
             stem = name[:-4].rsplit(".", 1)
             if name.startswith(".") and name.endswith(".tmp") and len(stem) == 2 and \

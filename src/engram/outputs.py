@@ -29,7 +29,6 @@ The foundation layer: imports nothing else of engram but errors and files.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
@@ -37,6 +36,11 @@ import sys
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; one writer per folder is not enforced there
+    fcntl = None  # type: ignore[assignment]
 
 from .errors import FolderBusy, InputNotFound, OutputExists, UserError
 from .files import publish_text, sweep_temporaries
@@ -208,12 +212,15 @@ def writer(folder: str | Path, label: str = "folder", beside: bool = False) -> I
     folder = Path(folder)
     path = folder.parent / f".{folder.name}{LOCK}" if beside else folder / LOCK
     key = os.path.realpath(path)
+    if fcntl is None:
+        yield
+        return
     if key in _held:
         _held[key][1] += 1
     else:
         _held[key] = [_lock(path, folder, label), 1]
         if not beside:  # the one writer now: what a killed one was filling is nobody's
-            sweep_temporaries(folder)
+            sweep_temporaries(folder, others=MARKER)
     try:
         yield
     finally:
