@@ -13,7 +13,8 @@ file byte for byte (prepare), every file byte for byte (export-hf) -- or it refu
 
 The default run tries one point per command (the reference and the rerun in this process); the
 slow run tries every point, killed and with the disk full, and with
-``ENGRAM_CRASH_JSON=benchmarks/results/crash.json``, records the counts there:
+``ENGRAM_CRASH_JSON=benchmarks/results/crash.json``, records the counts there (each command's as it
+ends; ``ENGRAM_CRASH_COMMANDS=train`` and ``=prepare,export-hf`` split it over two processes):
 
     ENGRAM_CRASH_JSON=benchmarks/results/crash.json python -m pytest -m slow tests/test_crash.py
 
@@ -206,7 +207,6 @@ SWEEP = 36  # points tried per command and action in the slow run: every one, or
 def test_every_point_of_every_command(shim, inputs, tmp_path):
     """Every point of train, prepare and export-hf (at most SWEEP, spread evenly from the first to
     the last), killed and with the disk full there."""
-    t0 = time.time()
     record = {"what": "tests/test_crash.py: each command stopped at every point where it publishes "
               "bytes (write, fsync, rename under its output folder; all of them, or SWEEP spread "
               "evenly), by SIGKILL and by a full disk (ENOSPC from that call on), then run again; "
@@ -214,7 +214,10 @@ def test_every_point_of_every_command(shim, inputs, tmp_path):
               "losses; prepare, export-hf: every file's bytes), 'refused': one line, exit 2",
               "rerun": "ENGRAM_CRASH_JSON=benchmarks/results/crash.json python -m pytest -m slow "
               "tests/test_crash.py", "cpu": _cpu(), "commands": {}}
-    for name in COMMANDS:
+    names = os.environ.get("ENGRAM_CRASH_COMMANDS", ",".join(COMMANDS)).split(",")
+    path = os.environ.get("ENGRAM_CRASH_JSON")
+    for name in names:
+        t1 = time.time()
         n, want = reference(name, shim, inputs, tmp_path)
         row = {"points": n}
         points = sorted({1 + round(i * (n - 1) / (SWEEP - 1)) for i in range(SWEEP)})
@@ -223,9 +226,9 @@ def test_every_point_of_every_command(shim, inputs, tmp_path):
             outcomes = [crash(name, action, k, shim, inputs, tmp_path, want, here=True)
                         for k in points]
             row[action] = {o: outcomes.count(o) for o in ("resumed", "refused")}
-        record["commands"][name] = row
-    record["wall_s"] = round(time.time() - t0, 1)
-    path = os.environ.get("ENGRAM_CRASH_JSON")
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(record, indent=2) + "\n")
+        row["wall_s"] = round(time.time() - t1, 1)
+        if path:  # after each command: merged with what is there (commands split over processes)
+            old = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+            record["commands"] = {**old.get("commands", {}), name: row}
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps(record, indent=2) + "\n")

@@ -50,6 +50,13 @@ def open_beside(path: str | os.PathLike) -> tuple[int, str]:
             continue
 
 
+def is_temporary(name: str) -> bool:
+    """Whether file ``name`` is one of :func:`open_beside`'s temporaries."""
+    stem = name[:-4].rsplit(".", 1)
+    return name.startswith(".") and name.endswith(".tmp") and len(stem) == 2 and \
+        len(stem[1]) == 8 and all(c in "0123456789abcdef" for c in stem[1])
+
+
 def sweep_temporaries(folder: str | os.PathLike, others: str | None = None) -> int:
     """Remove the temporaries (:func:`open_beside`'s ``.NAME.<8 hex>.tmp``) a killed writer left
     in ``folder``; only for the folder's one writer (outputs.writer), who knows no other process
@@ -61,9 +68,7 @@ def sweep_temporaries(folder: str | os.PathLike, others: str | None = None) -> i
             dirnames[:] = [d for d in dirnames
                            if not os.path.exists(os.path.join(dirpath, d, others))]
         for name in names:
-            stem = name[:-4].rsplit(".", 1)
-            if name.startswith(".") and name.endswith(".tmp") and len(stem) == 2 and \
-                    len(stem[1]) == 8 and all(c in "0123456789abcdef" for c in stem[1]):
+            if is_temporary(name):
                 try:
                     os.unlink(os.path.join(dirpath, name))
                     gone += 1

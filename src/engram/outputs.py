@@ -43,7 +43,7 @@ except ImportError:  # Windows: no flock; one writer per folder is not enforced 
     fcntl = None  # type: ignore[assignment]
 
 from .errors import FolderBusy, InputNotFound, OutputExists, UserError
-from .files import publish_text, sweep_temporaries
+from .files import disk_errors, is_temporary, publish_text, sweep_temporaries
 
 MARKER = ".engram"  # in every folder a command claimed: {"kind", "command"[, "of"]}
 LOCK = ".engram.lock"  # in a folder while a command writes it: {"pid", "command"}, flock'd
@@ -147,7 +147,8 @@ def check_folder(path: str | Path, kind: str, label: str, of: str | None = None)
         return True
     if any(test(path) for test in SIGNATURES.get(kind, ())):
         return True
-    entries = [p for p in path.iterdir() if p.name != LOCK]  # a killed writer's lock is no content
+    # A killed writer's lock and temporaries are no content: the next writer sweeps them.
+    entries = [p for p in path.iterdir() if p.name != LOCK and not is_temporary(p.name)]
     if all(p.is_dir() and (p / MARKER).is_file() for p in entries):
         return False  # empty, or a folder of outputs (out/ with out/sweep): nothing to overwrite
     other = next((k for k, tests in SIGNATURES.items() if any(t(path) for t in tests)), None)
@@ -182,9 +183,17 @@ def claim_folder(path: str | Path, kind: str, command: str, label: str,
     path = Path(path)
     check_folder(path, kind, label, of)
     created = make_folders(path)
-    if hold is not None:  # before the marker: of two writers racing for a new folder, one marks it
-        hold.enter_context(writer(path, label))
-    mark(path, kind, command, of)
+    with ExitStack() as mine:
+        try:
+            if hold is not None:  # before the marker: of two writers racing for a new folder,
+                mine.enter_context(writer(path, label))  # one marks it
+            mark(path, kind, command, of)
+        except BaseException:  # a full disk, another writer: the folder made here goes again
+            mine.close()
+            release(created, path)
+            raise
+        if hold is not None:
+            hold.push(mine.pop_all())
     return created
 
 
@@ -259,8 +268,16 @@ def _lock(path: Path, folder: Path, label: str) -> int:
         os.close(fd)
     line = " ".join(COMMAND_LINE or sys.argv)
     body = json.dumps({"pid": os.getpid(), "command": line[:300]}).encode()
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, body + b"\n", 0)
+    try:
+        with disk_errors(path, len(body) + 1):  # a full disk fails even this: one line
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, body + b"\n", 0)
+    except BaseException:
+        try:
+            os.unlink(path)
+        finally:
+            os.close(fd)
+        raise
     return fd
 
 

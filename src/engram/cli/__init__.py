@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         if disk is None:
             raise  # any other OSError is a bug: its traceback
         rank = f" (rank {os.environ['RANK']})" if distributed else ""
-        code, line = 1, f"engram {name}{rank}: error: {disk}; {disk.kept or cmd.interrupted}"
+        kept = f"; {disk.kept}" if disk.kept else ""  # else the line says to rerun
+        code, line = 1, f"engram {name}{rank}: error: {disk}{kept}"
         disk = None  # its traceback holds what the work held open (a progress bar): let it close
     # Printed once the exception is gone: what it held (a progress bar) has closed by now, so the
     # line stands on its own, last.

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from ..errors import InputNotFound, Interrupted, UserError
+from ..errors import DiskError, InputNotFound, Interrupted, UserError
 from ..outputs import claim_folder
 from ..ranges import NON_NEGATIVE, POSITIVE, Range, check_ranges
 from ..retrieval.compress import build_compression, default_tokenizer, tokenizer_fingerprint
@@ -206,12 +206,15 @@ def write_corpus(docs: Iterable[Doc], out: str | Path, tok: Any, eos_token: str,
                 entry.submitted = True
                 settle(2 * n_workers)
             settle(0)
-    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: the shards written are whole, say how many
+    except (KeyboardInterrupt, DiskError) as e:  # Ctrl-C, SIGTERM, a full disk: say what is kept
         bar.close()
-        raise Interrupted(f"{sum(made)} shards written and {len(made) - sum(made)} kept from an "
-                          f"earlier run are whole in {out}; the same command resumes from "
-                          "them") from None
-    except BaseException:  # a full disk: the error's line comes after the bar's
+        kept = (f"{sum(made)} shards written and {len(made) - sum(made)} kept from an earlier run "
+                f"are whole in {out}; the same command resumes from them")
+        if isinstance(e, DiskError):
+            e.kept = kept
+            raise
+        raise Interrupted(kept) from None
+    except BaseException:  # the error's line comes after the bar's
         bar.close()
         raise
     bar.close()
