@@ -18,8 +18,9 @@ A :class:`Command` is one subcommand's declaration (its positional :class:`Arg` 
 :class:`Config` list, the function that runs it, the places it reads (:class:`In`) and writes
 (:class:`Out`)); engram's commands are ``engram.cli.COMMANDS``. Calling one applies the rule every
 command follows (engram/outputs.py) before its work starts: inputs exist (text inputs are text),
-every output is checked, then its folders are created and marked; a command that fails removes the
-folders it created that are still empty, so bad input leaves the file tree as it was.
+every output is checked, then its folders are created, locked (one writer per folder, held until the
+command ends) and marked; a command that fails removes the folders it created that are still empty,
+so bad input leaves the file tree as it was.
 
 The foundation layer: imports nothing above the foundation, so every layer may use it.
 """

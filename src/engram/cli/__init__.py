@@ -24,7 +24,9 @@ Before the function runs, every command follows one rule for its places (engram/
 applied by ``options.Command``): inputs exist (text inputs decode as text); outputs are checked
 before any work: a folder output is new, empty or marked as this kind of folder (``.engram``),
 never a file or a folder of something else; a file output is new or this command's own earlier
-output. A command that fails leaves no folder it created behind.
+output. While it runs, a command holds each output folder's writer lock (``FOLDER/.engram.lock``):
+a second command writing the same folder is refused in one line naming the first. A command that
+fails leaves no folder it created behind.
 
 A config whose module imports torch is named ``"module:Class"``; every config is read from its
 source (:mod:`engram.schema`), so ``engram --help`` and ``engram CMD --help`` import no torch, and a
