@@ -185,6 +185,41 @@ def test_a_full_disk_is_one_line_and_the_rerun_finishes(tree, tmp_path, monkeypa
     assert main(args) == 0
 
 
+@pytest.mark.parametrize("code,says", [(errno.ENOSPC, "no space left on device"),
+                                       (errno.EDQUOT, "disk quota exceeded"),
+                                       (errno.EROFS, "read-only file system"),
+                                       (errno.EIO, "input/output error")])
+@pytest.mark.parametrize("writer", ["os", "safetensors"])
+def test_every_disk_error_is_one_line_naming_the_file_and_keeps_the_old_one(
+        tmp_path, monkeypatch, code, says, writer):
+    """Through the one publishing path (engram.files): the OS's error, or safetensors' own
+    exception carrying the OS's text."""
+    import torch
+    from safetensors.torch import save_file
+
+    from engram.errors import DiskError
+    from engram.files import publish
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"the old file")
+    if writer == "os":
+        monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(
+            OSError(code, os.strerror(code))))
+        write = lambda tmp: save_file({"w": torch.zeros(4)}, tmp)  # noqa: E731
+    else:
+        def write(tmp):
+            save_file({"w": torch.zeros(4)}, tmp)
+            raise RuntimeError(f"Error while serializing: IoError({os.strerror(code)} "
+                               f"(os error {code}))")
+    with pytest.raises(DiskError) as e:
+        publish(path, write, need=2_000_000)
+    line = str(e.value)
+    assert e.value.errno == code and "\n" not in line
+    assert line.startswith(f"{says} writing {path}"), line
+    assert ("it needs 2.0 MB" in line) == (code in (errno.ENOSPC, errno.EDQUOT))
+    assert path.read_bytes() == b"the old file" and sorted(tmp_path.iterdir()) == [path]
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 16 MB tmpfs at tmp_path/disk (root only); resized by calling it with a size."""
