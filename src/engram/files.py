@@ -51,7 +51,10 @@ def open_beside(path: str | os.PathLike) -> tuple[int, str]:
 
 
 def is_temporary(name: str) -> bool:
-    """Whether file ``name`` is one of :func:`open_beside`'s temporaries."""
+    """Whether file ``name`` is one of :func:`open_beside`'s temporaries, or one safetensors makes
+    beside the file it writes (Rust's tempfile: ``.tmp`` and 6 letters or digits)."""
+    if name.startswith(".tmp") and len(name) == 10 and name[4:].isascii() and name[4:].isalnum():
+        return True
     stem = name[:-4].rsplit(".", 1)
     return name.startswith(".") and name.endswith(".tmp") and len(stem) == 2 and \
         len(stem[1]) == 8 and all(c in "0123456789abcdef" for c in stem[1])
