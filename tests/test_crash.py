@@ -107,7 +107,9 @@ def state(name: str, out: Path) -> dict:
         tensors = load_file(out / "checkpoints" / latest["file"])
         losses = [(r["step"], r["loss"], r.get("val_loss"))
                   for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
-        return {"step": latest["step"], "losses": losses,
+        return {"step": latest["step"], "losses": losses,  # and no file left over:
+                "files": sorted(str(p.relative_to(out)) for p in out.rglob("*")
+                                if p.name != ".engram.lock"),
                 "tensors": {k: hashlib.sha256(v.numpy().tobytes()).hexdigest()
                             for k, v in tensors.items()}}
     files = {}

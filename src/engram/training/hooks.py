@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..files import publish_text
+from ..files import disk_errors, publish_text
 from ..outputs import finite, mark
 from . import settings
 from .loop import ONE_PROCESS, Checkpoints, Ranks, Run, evaluate
@@ -72,7 +72,8 @@ class LogMetrics:
                              lambda full: evaluate(run, full, self.ranks))
             run.history.append(rec)
             if self.ranks.logs:
-                with open(Path(cfg.out_dir) / "metrics.jsonl", "a") as f:
+                path = Path(cfg.out_dir) / "metrics.jsonl"  # a torn last line is rewritten
+                with disk_errors(path), open(path, "a") as f:  # from the checkpoint on resume
                     f.write(_line(rec))
                 self.settings = settings.write(cfg.out_dir, self.settings)  # new buckets, if any
             run.window, self.t_last = (0, 0.0), time.perf_counter()  # eval is not training time
