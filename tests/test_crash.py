@@ -198,7 +198,8 @@ def _cpu() -> str:
         return platform.machine()
     info = dict(ln.split(":", 1) for ln in out.splitlines() if ":" in ln)
     flags = info.get("Flags", "")
-    return (f"{info.get('Model name', '?').strip()}, {info.get('CPU(s)', '?').strip()} CPUs, "
+    return (f"{info.get('Model name', '?').strip()} (family {info.get('CPU family', '?').strip()}"
+            f" model {info.get('Model', '?').strip()}), {info.get('CPU(s)', '?').strip()} CPUs, "
             f"{'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'no AVX2'}")
 
 
