@@ -18,8 +18,9 @@ A :class:`Command` is one subcommand's declaration (its positional :class:`Arg` 
 :class:`Config` list, the function that runs it, the places it reads (:class:`In`) and writes
 (:class:`Out`)); engram's commands are ``engram.cli.COMMANDS``. Calling one applies the rule every
 command follows (engram/outputs.py) before its work starts: inputs exist (text inputs are text),
-every output is checked, then its folders are created and marked; a command that fails removes the
-folders it created that are still empty, so bad input leaves the file tree as it was.
+every output is checked, then its folders are created, locked (one writer per folder, held until the
+command ends) and marked; a command that fails removes the folders it created that are still empty,
+so bad input leaves the file tree as it was.
 
 The foundation layer: imports nothing above the foundation, so every layer may use it.
 """
@@ -27,6 +28,7 @@ The foundation layer: imports nothing above the foundation, so every layer may u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -310,13 +312,16 @@ class Command:
         if getattr(ns, _PRINT, None):
             print(self.effective(values[len(self.args):], getattr(ns, _PRINT)))
             return 0
-        claimed = self.prepare(values)
-        try:
-            return self.run(*values) or 0
-        except BaseException:  # bad input found late, a bug, an interrupt: no empty folders left
-            for created, path in claimed:
-                outputs.release(created, path)
-            raise
+        outputs.COMMAND_LINE[:] = [f"engram {self.name}", *argv]  # what a writer lock names
+        with contextlib.ExitStack() as hold:  # the writer locks of the output folders
+            claimed = self.prepare(values, hold)
+            try:
+                return self.run(*values) or 0
+            except BaseException:  # bad input found late, a bug, an interrupt: no empty folders
+                hold.close()  # unlocked first: a lock file is content to release()
+                for created, path in claimed:
+                    outputs.release(created, path)
+                raise
 
     # -- config files ------------------------------------------------------------------------------
     def _owners(self, p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -385,9 +390,11 @@ class Command:
         i, _ = self._where(name)
         return getattr(values[i], name) if i >= len(self.args) else values[i]
 
-    def prepare(self, values: list[Any]) -> list[tuple[Path | None, Path]]:
-        """Check every input and output, fill in outputs' defaults (in ``values``), then create
-        and mark the output folders; returns (top folder created, folder) per folder claimed."""
+    def prepare(self, values: list[Any], hold: contextlib.ExitStack | None = None
+                ) -> list[tuple[Path | None, Path]]:
+        """Check every input and output, fill in outputs' defaults (in ``values``), then create,
+        lock (into ``hold``: one writer per folder, outputs.writer) and mark the output folders;
+        returns (top folder created, folder) per folder claimed."""
         for r in self.reads:
             _, label = self._where(r.name)
             given = self._get(values, r.name)
@@ -398,7 +405,7 @@ class Command:
                     outputs.read_text(v, label)
                 else:
                     outputs.check_input(v, label)
-        places = []
+        places, wholes = [], []
         by = f"engram {self.name}"
         # Under torchrun, rank 0 checks, creates and marks the output folders; the other ranks
         # do not look (they would race rank 0's writes: a marker being published is a stray file
@@ -419,11 +426,18 @@ class Command:
                 outputs.check_file(path, by, label)
             elif w.whole:
                 outputs.check_new_folder(path, label)
+                wholes.append((path, label))
             else:
                 outputs.check_folder(path, w.kind, label, of)
                 places.append((w, path, label, of))
-        return [(outputs.claim_folder(path, w.kind, by, label, of), Path(path))
-                for w, path, label, of in places]
+        claimed = [(outputs.claim_folder(path, w.kind, by, label, of, hold), Path(path))
+                   for w, path, label, of in places]
+        for path, label in wholes:  # locked beside: the folder appears whole, by a rename
+            parent = Path(path).parent
+            claimed.append((outputs.make_folders(parent), parent))
+            if hold is not None:
+                hold.enter_context(outputs.writer(path, label, beside=True))
+        return claimed
 
     def _undeprecate(self, argv: list[str]) -> list[str]:
         """``--run DIR`` -> ``DIR`` first (the deprecated spelling of the first positional)."""

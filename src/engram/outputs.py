@@ -14,6 +14,12 @@ One rule for every command (``engram.options.Command`` applies it to what each d
   the command under ``"written_by"``); never a folder, never a path under a file.
 - A command that fails (bad input found late, a bug, an interrupt) removes a folder it created
   that still holds nothing but its marker, so bad input leaves the file tree as it was.
+- One writer per folder: while a command writes a folder it holds an advisory lock on
+  ``FOLDER/.engram.lock`` (:func:`writer`: ``flock``, so the kernel lets go when the process dies,
+  however it dies); a second writer is refused in one line naming the holder's pid and command.
+  The file is removed when the writer ends; a stale one (a killed writer's) locks nothing and is
+  taken over, and the new writer removes the temporaries a killed one left (``.NAME.*.tmp``).
+  Readers never look at it: opening a run writes nothing and waits for nobody.
 
 Inputs: :func:`check_input` (the path exists) and :func:`read_text` (UTF-8 text, no NUL bytes: a
 binary file named as text is refused, naming the file).
@@ -26,13 +32,21 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from .errors import InputNotFound, OutputExists, UserError
-from .files import publish_text
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; one writer per folder is not enforced there
+    fcntl = None  # type: ignore[assignment]
+
+from .errors import FolderBusy, InputNotFound, OutputExists, UserError
+from .files import disk_errors, is_temporary, publish_text, sweep_temporaries
 
 MARKER = ".engram"  # in every folder a command claimed: {"kind", "command"[, "of"]}
+LOCK = ".engram.lock"  # in a folder while a command writes it: {"pid", "command"}, flock'd
 FILE = "file"  # the kind of a one-file output
 WRITTEN_BY = "written_by"  # the key naming the command in a JSON file output
 
@@ -133,7 +147,8 @@ def check_folder(path: str | Path, kind: str, label: str, of: str | None = None)
         return True
     if any(test(path) for test in SIGNATURES.get(kind, ())):
         return True
-    entries = list(path.iterdir())
+    # A killed writer's lock and temporaries are no content: the next writer sweeps them.
+    entries = [p for p in path.iterdir() if p.name != LOCK and not is_temporary(p.name)]
     if all(p.is_dir() and (p / MARKER).is_file() for p in entries):
         return False  # empty, or a folder of outputs (out/ with out/sweep): nothing to overwrite
     other = next((k for k, tests in SIGNATURES.items() if any(t(path) for t in tests)), None)
@@ -161,19 +176,118 @@ def check_new_folder(path: str | Path, label: str) -> None:
 
 
 def claim_folder(path: str | Path, kind: str, command: str, label: str,
-                 of: str | None = None) -> Path | None:
-    """:func:`check_folder`, then create the folder (and missing parents) and mark it. Returns the
+                 of: str | None = None, hold: ExitStack | None = None) -> Path | None:
+    """:func:`check_folder`, then create the folder (and missing parents), take its writer lock
+    into ``hold`` (:func:`writer`; held until ``hold`` closes) when given, and mark it. Returns the
     top folder this call created (for :func:`release`), None when the folder was there."""
     path = Path(path)
     check_folder(path, kind, label, of)
-    created = None
-    if not path.exists():
-        created = path
-        while not created.parent.exists():
-            created = created.parent
-        path.mkdir(parents=True, exist_ok=True)
-    mark(path, kind, command, of)
+    created = make_folders(path)
+    with ExitStack() as mine:
+        try:
+            if hold is not None:  # before the marker: of two writers racing for a new folder,
+                mine.enter_context(writer(path, label))  # one marks it
+            mark(path, kind, command, of)
+        except BaseException:  # a full disk, another writer: the folder made here goes again
+            mine.close()
+            release(created, path)
+            raise
+        if hold is not None:
+            hold.push(mine.pop_all())
     return created
+
+
+def make_folders(path: Path) -> Path | None:
+    """Create folder ``path`` with its missing parents; the top one created, or None."""
+    if path.exists():
+        return None
+    created = path
+    while not created.parent.exists():
+        created = created.parent
+    path.mkdir(parents=True, exist_ok=True)
+    return created
+
+
+_held: dict[str, list[int]] = {}  # lock file -> [fd, depth]: this process's (a lock nests)
+COMMAND_LINE: list[str] = []  # the command line a lock names: ``engram CMD ...`` (options.Command)
+
+
+@contextmanager
+def writer(folder: str | Path, label: str = "folder", beside: bool = False) -> Iterator[None]:
+    """Hold the one-writer lock of ``folder`` for the block (the module docstring); FolderBusy
+    (one line: the holder's pid and command) when another process holds it. ``beside``: the lock
+    file is ``.NAME.engram.lock`` next to the folder, for an output that appears whole by a rename
+    (nothing may be in it before). Nested holds in one process share the lock."""
+    folder = Path(folder)
+    path = folder.parent / f".{folder.name}{LOCK}" if beside else folder / LOCK
+    key = os.path.realpath(path)
+    if fcntl is None:
+        yield
+        return
+    if key in _held:
+        _held[key][1] += 1
+    else:
+        _held[key] = [_lock(path, folder, label), 1]
+        if not beside:  # the one writer now: what a killed one was filling is nobody's
+            sweep_temporaries(folder, others=MARKER)
+    try:
+        yield
+    finally:
+        entry = _held[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _held[key]
+            try:  # unlinked while held: whoever opens the name next makes a new file
+                os.unlink(path)
+            except OSError:
+                pass
+            os.close(entry[0])
+
+
+def _lock(path: Path, folder: Path, label: str) -> int:
+    """An fd holding ``flock(LOCK_EX)`` on the file at ``path`` (its content: this process)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise FolderBusy(f"{label} {folder} is being written by {holder}; one writer per "
+                             "folder: wait for it to end, or stop it (nothing was written)"
+                             ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:  # the file may have been removed (its holder ended) between open and flock: again
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    line = " ".join(COMMAND_LINE or sys.argv)
+    body = json.dumps({"pid": os.getpid(), "command": line[:300]}).encode()
+    try:
+        with disk_errors(path, len(body) + 1):  # a full disk fails even this: one line
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, body + b"\n", 0)
+    except BaseException:
+        try:
+            os.unlink(path)
+        finally:
+            os.close(fd)
+        raise
+    return fd
+
+
+def _holder(fd: int) -> str:
+    """"pid N (`COMMAND`)" from a held lock file; "another process" before it has written it."""
+    try:
+        data = json.loads(os.pread(fd, 4096, 0).decode())
+        return f"pid {int(data['pid'])} (`{data['command']}`)"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
 
 
 def release(created: Path | None, path: str | Path) -> None:
@@ -259,6 +373,6 @@ def read_text(path: str | Path, label: str) -> str:
     return text
 
 
-__all__ = ["FILE", "MARKER", "SIGNATURES", "WRITTEN_BY", "check_file", "check_folder",
-           "check_input", "check_new_folder", "claim_folder", "finite", "mark", "read_marker", "read_text", "release",
-           "write_json"]
+__all__ = ["COMMAND_LINE", "FILE", "LOCK", "MARKER", "SIGNATURES", "WRITTEN_BY", "check_file",
+           "check_folder", "check_input", "check_new_folder", "claim_folder", "finite",
+           "make_folders", "mark", "read_marker", "read_text", "release", "write_json", "writer"]

@@ -24,7 +24,9 @@ Before the function runs, every command follows one rule for its places (engram/
 applied by ``options.Command``): inputs exist (text inputs decode as text); outputs are checked
 before any work: a folder output is new, empty or marked as this kind of folder (``.engram``),
 never a file or a folder of something else; a file output is new or this command's own earlier
-output. A command that fails leaves no folder it created behind.
+output. While it runs, a command holds each output folder's writer lock (``FOLDER/.engram.lock``):
+a second command writing the same folder is refused in one line naming the first. A command that
+fails leaves no folder it created behind.
 
 A config whose module imports torch is named ``"module:Class"``; every config is read from its
 source (:mod:`engram.schema`), so ``engram --help`` and ``engram CMD --help`` import no torch, and a
@@ -33,9 +35,10 @@ exist only on the command line (the prompts, resume, where tables live) are data
 commands that take them.
 
 Errors: :class:`engram.errors.UserError` (bad input) and argparse errors print one line,
-``engram CMD: error: MESSAGE``, and exit 2; SIGINT / SIGTERM print one line saying what was kept
-(training saves a checkpoint first) and exit 130; any other exception is a bug and keeps its
-traceback (exit 1).
+``engram CMD: error: MESSAGE``, and exit 2; a disk that refuses a write (ENOSPC, EDQUOT, EROFS, EIO:
+:class:`engram.errors.DiskError`, engram/files.py) prints one line naming the file and what was
+kept, and exits 1; SIGINT / SIGTERM print one line saying what was kept (training saves a
+checkpoint first) and exit 130; any other exception is a bug and keeps its traceback (exit 1).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from ..errors import Interrupted, UserError
+from ..files import disk_error
 from ..options import ConfigParser, new_parser
 # Each declares its commands, in `engram --help` order: making a run, studies, serving.
 from . import training  # noqa: F401, I001
@@ -109,6 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         code, line = 130, f"engram {name}: interrupted; {said}"
         if distributed and os.environ["RANK"] != "0":
             line = ""
+    except OSError as e:  # a disk that refused a write (full, read-only, failing): one line, 1
+        disk = disk_error(e, None)
+        if disk is None:
+            raise  # any other OSError is a bug: its traceback
+        rank = f" (rank {os.environ['RANK']})" if distributed else ""
+        kept = f"; {disk.kept}" if disk.kept else ""  # else the line says to rerun
+        code, line = 1, f"engram {name}{rank}: error: {disk}{kept}"
+        disk = None  # its traceback holds what the work held open (a progress bar): let it close
     # Printed once the exception is gone: what it held (a progress bar) has closed by now, so the
     # line stands on its own, last.
     if line:

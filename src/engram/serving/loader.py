@@ -130,6 +130,8 @@ def write_tables(run_dir: str | Path, table_dir: str | Path | None = None, dtype
     """The table files of a run's newest checkpoint in ``table_dir`` (default RUN/tables), for the
     file tiers; nothing is written when they are current. The folder must be new, empty or one of
     ours (a "tables" folder)."""
+    from contextlib import ExitStack
+
     from ..outputs import claim_folder
     from ..training.export import export_tables
 
@@ -147,10 +149,11 @@ def write_tables(run_dir: str | Path, table_dir: str | Path | None = None, dtype
         raise UserError(f"{run_dir} has no Engram layers: it has no tables to write")
     if not stale_tables(folder, rt.hasher, rt.checkpoint, dtype):
         return folder
-    claim_folder(folder, "tables", "engram export-tables", "table_dir")
-    if say is not None:
-        say(f"writing the table files of {rt.checkpoint} ({dtype}) to {folder}")
-    export_tables(rt.model, folder, dtype=dtype, hasher=rt.hasher, tag=rt.checkpoint)
+    with ExitStack() as hold:  # its writer lock (outputs.writer), nested in a command's own
+        claim_folder(folder, "tables", "engram export-tables", "table_dir", hold=hold)
+        if say is not None:
+            say(f"writing the table files of {rt.checkpoint} ({dtype}) to {folder}")
+        export_tables(rt.model, folder, dtype=dtype, hasher=rt.hasher, tag=rt.checkpoint)
     return folder
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from ..files import publish_text
 from ..training.corpus import build_corpus
 from ..training.train import TrainConfig
 from .common import job, largest_spread, run_jobs, seed_spread, train_run
@@ -97,7 +98,7 @@ def run_ablate(ac: AblateConfig, base: TrainConfig | None = None) -> dict[str, A
     results = run_jobs(jobs, train_run, ac.workers, "ablation runs")
     summary = summarise(results, {n: configs[n] for n in names}, corpus.vocab_size,
                         time.perf_counter() - t0, ac)
-    (out / "ablate.json").write_text(json.dumps(summary, indent=2))
+    publish_text(out / "ablate.json", json.dumps(summary, indent=2))
     from .ablate_report import plot_ablation, write_ablation_report
 
     plot_ablation(summary, out / "ablate.png")

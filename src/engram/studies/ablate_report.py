@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..files import publish_text
 from .common import RESOLVE, RULE, resolved, save, spread_note, subplots
 
 
@@ -104,4 +105,4 @@ def write_ablation_report(summary: dict[str, Any], path: Path) -> None:
               "|---|---|---|"]
     lines += [f"| {c} | {m} | {v} |" for c, m, v in claims(summary)]
     lines += ["", "![ablations](ablate.png)", ""]
-    path.write_text("\n".join(lines))
+    publish_text(path, "\n".join(lines))

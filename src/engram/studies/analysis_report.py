@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ..files import publish_text
 from .common import RULE, save, subplots
 
 
@@ -87,7 +88,7 @@ def gate_examples(batches, ho: dict[str, Any], lang: np.ndarray, tok, vocab, out
             f"{html.escape(x).replace(chr(10), '&#8629;')}</span>"
             for x, a, b in zip(words, g.tolist(), np.clip(d, 0, None).tolist()))
         rows.append(f"<p>{spans}</p>")
-    (out / "gates.html").write_text(
+    publish_text(out / "gates.html",
         "<!doctype html><meta charset='utf-8'><title>Engram gates</title><style>body{font:15px/2.1 "
         "sans-serif;max-width:60em;margin:2em auto}</style><h2>Engram gate (red) and the loss a "
         "token gains when the Engram output is zeroed (blue underline)</h2>" + "".join(rows))
@@ -111,7 +112,7 @@ def write_analysis(res, out: Path, model, hasher, vocab, tok, batches, ho, lang)
         plot_cka(res["cka"], out / "cka.png")
     plot_retention(res["retention"], out / "retention.png")
     gate_examples(batches, ho, lang, tok, vocab, out)
-    (out / "report.md").write_text(report(res))
+    publish_text(out / "report.md", report(res))
 
 
 def _f(x, spec=".3f") -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UserError
+from ..files import publish_text
 from .analysis_report import verdicts
 from .common import RULE, largest_spread, resolved, save, seed_spread, subplots
 
@@ -202,8 +203,8 @@ def write_seeds(results: list[dict[str, Any]], out: Path) -> dict[str, Any]:
     c = combine(results)
     out.mkdir(parents=True, exist_ok=True)
     plot_seeds(c, out / "seeds.png")
-    (out / "report.md").write_text(seeds_report(c))
-    (out / "analysis.json").write_text(json.dumps(c, indent=2))
+    publish_text(out / "report.md", seeds_report(c))
+    publish_text(out / "analysis.json", json.dumps(c, indent=2))
     return c
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..files import publish_text
 from ..ranges import AT_LEAST_1, NON_NEGATIVE, check_ranges
 from ..models.surgery import engram_zeroed, forced_gate
 from ..training.batches import val_batches
@@ -256,7 +257,7 @@ def run_analyze(run_dir: str, baseline: str | None, ac: AnalyzeConfig,
     write_analysis(res, out, model, hasher, vocab, tok, batches, ho, lang)
     steps.update()
     steps.close()
-    (out / "analysis.json").write_text(json.dumps(res, indent=2))
+    publish_text(out / "analysis.json", json.dumps(res, indent=2))
     return res
 
 

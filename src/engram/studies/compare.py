@@ -31,6 +31,7 @@ import torch
 
 from .. import gemm
 from ..errors import UserError
+from ..files import publish_text
 from ..models.model import EngramLM
 from ..ranges import AT_LEAST_1, NON_NEGATIVE, check_ranges
 from ..training.corpus import build_corpus
@@ -126,7 +127,7 @@ def run_compare(cc: CompareConfig, base: TrainConfig | None = None) -> dict[str,
         results = [finished(j) for j in jobs]
     runs_done = time.perf_counter()
     summary = summarise(results, configs, corpus, runs_done - t0)
-    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    publish_text(out / "results.json", json.dumps(summary, indent=2))
     from .report import plot_losses, render_gates, write_report
 
     plot_losses(results, out / "loss.png")
@@ -135,7 +136,7 @@ def run_compare(cc: CompareConfig, base: TrainConfig | None = None) -> dict[str,
     summary["gates"] = gate_stats
     summary["wall_s"] = wall = time.perf_counter() - t0
     summary["time"] = timing(results, est, wall, runs_done - t0, cc.workers, load0)
-    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    publish_text(out / "results.json", json.dumps(summary, indent=2))
     write_report(summary, out / "report.md")
     if est is not None:
         print(f"compare: took {wall / 60:.1f} min, {wall / est.total_s:.2f}x the estimate "

@@ -13,6 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from ..files import publish_text
 from .common import RULE, largest_spread, resolved, save, seed_spread, spread_note, subplots
 from .report import corpus_name
 
@@ -146,9 +147,9 @@ def findings(cfgs: dict[str, dict], sc) -> dict[str, Any]:
 
 # -- outputs -----------------------------------------------------------------------------------------
 def write_outputs(summary: dict[str, Any], out: Path) -> None:
-    (out / "nine.json").write_text(json.dumps(summary, indent=1))
+    publish_text(out / "nine.json", json.dumps(summary, indent=1))
     plot_all(summary, out)
-    (out / "report.md").write_text(report(summary))
+    publish_text(out / "report.md", report(summary))
 
 
 def plot_all(summary: dict[str, Any], out: Path) -> None:

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..files import publish_text
 from .common import save, subplots
 from .pool_tiers import break_even
 
@@ -198,6 +199,6 @@ def markdown(summary: dict) -> str:
 
 
 def write_report(summary: dict, out_dir: Path) -> None:
-    (out_dir / "budget.json").write_text(json.dumps(summary, indent=1, default=str))
+    publish_text(out_dir / "budget.json", json.dumps(summary, indent=1, default=str))
     plot(summary, out_dir / "budget.png")
-    (out_dir / "report.md").write_text(markdown(summary))
+    publish_text(out_dir / "report.md", markdown(summary))

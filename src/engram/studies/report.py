@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..files import publish_text
 from ..retrieval.compress import default_tokenizer
 from ..training.batches import val_batches
 from .common import RULE, figure, largest_spread, resolved, save, spread_note, subplots
@@ -75,7 +76,7 @@ def render_gates(run, corpus, html_path: Path, png_path: Path | None = None,
             spans.append(f'<span title="{g:.3f}" style="background: rgba(220,40,40,{g:.3f})">'
                          f"{html.escape(text).replace(chr(10), '&#8629;<br>')}</span>")
         rows.append(f"<p>{''.join(spans)}</p>")
-    html_path.write_text(
+    publish_text(html_path,
         "<!doctype html><meta charset='utf-8'><title>Engram gates</title>"
         "<style>body{font:15px/1.9 sans-serif;max-width:60em;margin:2em auto}"
         "span{padding:1px 0}</style>"
@@ -207,7 +208,7 @@ def write_report(summary: dict[str, Any], path: Path) -> None:
               f"- Gates (layer {summary.get('gates', {}).get('layer')}): mean "
               f"{summary.get('gates', {}).get('mean', float('nan')):.3f}; see gates.html / gates.png.",
               "", "![losses](loss.png)", ""]
-    path.write_text("\n".join(lines))
+    publish_text(path, "\n".join(lines))
 
 
 def _interval_line(what: str, summary: dict[str, Any], key: str) -> list[str]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..files import publish_text
 from ..ranges import AT_LEAST_1, UNIT, Range, check_ranges
 from ..training.corpus import build_corpus
 from ..training.train import TrainConfig
@@ -99,9 +100,9 @@ def run_sweep(kind: str, sc: SweepConfig, base: TrainConfig | None = None) -> di
         p["resolved_vs_best"] = resolved(p["vs_best"], spread)
     summary = {"kind": kind, "points": points, "best": best, "max_seed_spread": spread,
                "rule": RULE}
-    (out / f"{kind}.json").write_text(json.dumps(summary, indent=2))
+    publish_text(out / f"{kind}.json", json.dumps(summary, indent=2))
     _plot(summary, out / f"{kind}.png")
-    (out / f"{kind}.md").write_text(_report(summary))
+    publish_text(out / f"{kind}.md", _report(summary))
     return summary
 
 

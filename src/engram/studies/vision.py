@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from ..files import publish
+from ..files import publish, publish_text
 from ..ranges import AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_ranges
 from ..models.encoder import eject_triggers, inject_triggers
 from ..models.trigger import TriggerMatcher, trigger_ids
@@ -203,7 +203,7 @@ def _base_model(cfg: VisionConfig, tok, minilm, train: D.Digits, out: Path):
                 "params": sum(p.numel() for p in unet.parameters()), "curve": curve[::10]}
         state = {k: v.contiguous() for k, v in unet.state_dict().items()}
         publish(path, lambda p: save_file(state, p))
-        path.with_suffix(".json").write_text(json.dumps(base))
+        publish_text(path.with_suffix(".json"), json.dumps(base))
     unet.eval().requires_grad_(False)
     return unet, base
 
@@ -262,7 +262,7 @@ def run_vision(cfg: VisionConfig) -> dict[str, Any]:
         entry["grid"] = save_grid(grids, out / f"grid_{name}.png", cfg, concept)
         result["concepts"][name] = entry
     result["total_s"] = time.perf_counter() - t_start
-    (out / "vision.json").write_text(json.dumps(result, indent=1))
+    publish_text(out / "vision.json", json.dumps(result, indent=1))
     write_report(result, out / "report.md")
     return result
 

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..files import publish_text
 from .common import save, subplots
 
 COLUMNS = 8  # images per prompt group in a grid row
@@ -89,7 +90,7 @@ def write_report(result: dict[str, Any], path: Path) -> None:
                 f"{s['control_pixel_change_max']['max']:.4f} | "
                 f"{_fmt(s, 'control_images_changed')} | {s['train_s']['mean']:.0f} |")
         lines += ["", f"![grid]({c['grid']})", ""]
-    path.write_text("\n".join(lines) + "\n")
+    publish_text(path, "\n".join(lines) + "\n")
 
 
 __all__ = ["save_grid", "write_report"]

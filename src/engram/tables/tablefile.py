@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import UserError
-from ..files import open_beside
+from ..files import disk_errors, open_beside
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import PARTS, Hasher, differences
 from ..retrieval.primes import rows_per_layer
@@ -178,50 +178,51 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
                             else header.data_offset + data_bytes)
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = open_beside(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            from tqdm.auto import tqdm
+    with disk_errors(path, header.file_size):  # a full disk: one line, the old file kept
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = open_beside(path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                from tqdm.auto import tqdm
 
-            for c in tqdm(range(n_chunks), disable=not progress, desc=path.name, leave=False):
-                a, b = c * chunk_rows, min(num_rows, (c + 1) * chunk_rows)
-                x = rows(a, b)
-                if isinstance(x, tuple) and dtype == "fp8":
-                    q, sc = check_quantized(*x, b - a, dim, block, header.scale_format,
-                                            f"rows {a}:{b}")
-                    data, scales = _row_bytes(q), _row_bytes(sc)
-                elif tuple(x.shape) != (b - a, dim):
-                    raise ValueError(f"row source gave {tuple(x.shape)} for rows {a}:{b}, "
-                                     f"expected {(b - a, dim)}")
-                elif dtype == "fp8":
-                    q, s = (quantize_fp8_e8m0(x, block) if header.scale_format == "e8m0"
-                            else quantize_fp8(x, block))
-                    data, scales = _row_bytes(q), _row_bytes(s)
-                else:
-                    data, scales = _row_bytes(x.to(DTYPES[dtype][0])), b""
-                f.seek(header.data_offset + a * dim * esize)
-                f.write(data)
-                crc = zlib.crc32(data)
-                if block:
-                    f.seek(header.scale_offset + a * header.scale_row_bytes)
-                    f.write(scales)
-                    crc = zlib.crc32(scales, crc)
-                header.chunks[c] = f"{crc:08x}"
-            body = header.to_json()
-            assert len(body) == hlen, "header length moved"
-            f.truncate(header.file_size)
-            f.seek(0)
-            f.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, hlen, zlib.crc32(body), 0,
-                                   header.file_size))
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic: readers see the old file or this one, never a mix
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    _fsync_dir(path.parent)  # the rename itself survives a crash
+                for c in tqdm(range(n_chunks), disable=not progress, desc=path.name, leave=False):
+                    a, b = c * chunk_rows, min(num_rows, (c + 1) * chunk_rows)
+                    x = rows(a, b)
+                    if isinstance(x, tuple) and dtype == "fp8":
+                        q, sc = check_quantized(*x, b - a, dim, block, header.scale_format,
+                                                f"rows {a}:{b}")
+                        data, scales = _row_bytes(q), _row_bytes(sc)
+                    elif tuple(x.shape) != (b - a, dim):
+                        raise ValueError(f"row source gave {tuple(x.shape)} for rows {a}:{b}, "
+                                         f"expected {(b - a, dim)}")
+                    elif dtype == "fp8":
+                        q, s = (quantize_fp8_e8m0(x, block) if header.scale_format == "e8m0"
+                                else quantize_fp8(x, block))
+                        data, scales = _row_bytes(q), _row_bytes(s)
+                    else:
+                        data, scales = _row_bytes(x.to(DTYPES[dtype][0])), b""
+                    f.seek(header.data_offset + a * dim * esize)
+                    f.write(data)
+                    crc = zlib.crc32(data)
+                    if block:
+                        f.seek(header.scale_offset + a * header.scale_row_bytes)
+                        f.write(scales)
+                        crc = zlib.crc32(scales, crc)
+                    header.chunks[c] = f"{crc:08x}"
+                body = header.to_json()
+                assert len(body) == hlen, "header length moved"
+                f.truncate(header.file_size)
+                f.seek(0)
+                f.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, hlen, zlib.crc32(body), 0,
+                                       header.file_size))
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)  # atomic: readers see the old file or this one, never a mix
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        _fsync_dir(path.parent)  # the rename itself survives a crash
     return header
 
 

@@ -79,7 +79,8 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any],
     skeleton = _flatten(state, "s", tensors)
     path = directory / f"step_{step:08d}.safetensors"
     publish(path, lambda tmp: save_file(tensors, tmp, metadata={
-        "skeleton": json.dumps(skeleton), "meta": json.dumps(meta), "step": str(step)}))
+        "skeleton": json.dumps(skeleton), "meta": json.dumps(meta), "step": str(step)}),
+        need=sum(t.numel() * t.element_size() for t in tensors.values()))
     publish_text(directory / LATEST, json.dumps(
         {"file": path.name, "step": step, "sha256": _sha256(path)}))
     old = sorted(directory.glob("step_*.safetensors"))[:-keep] if keep > 0 else []

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..files import disk_errors, publish_text
 from ..outputs import finite, mark
 from . import settings
 from .loop import ONE_PROCESS, Checkpoints, Ranks, Run, evaluate
@@ -47,11 +48,11 @@ class LogMetrics:
         if self.ranks.logs:
             out.mkdir(parents=True, exist_ok=True)
             mark(out, "run", "engram train")
-            (out / "config.json").write_text(json.dumps(self.config or cfg.to_dict(), indent=2))
+            publish_text(out / "config.json", json.dumps(self.config or cfg.to_dict(), indent=2))
             write_model_files(run, out)
             self.settings = settings.write(out)  # GEMM routes and threads: a repeat reuses them
             # Records past a resumed checkpoint are dropped: they are written again, identically.
-            (out / "metrics.jsonl").write_text("".join(_line(r) for r in run.history))
+            publish_text(out / "metrics.jsonl", "".join(_line(r) for r in run.history))
             if run.step and self.progress:
                 print(f"engram: resuming {out} from step {run.step} (of {cfg.steps})",
                       file=sys.stderr)
@@ -71,7 +72,8 @@ class LogMetrics:
                              lambda full: evaluate(run, full, self.ranks))
             run.history.append(rec)
             if self.ranks.logs:
-                with open(Path(cfg.out_dir) / "metrics.jsonl", "a") as f:
+                path = Path(cfg.out_dir) / "metrics.jsonl"  # a torn last line is rewritten
+                with disk_errors(path), open(path, "a") as f:  # from the checkpoint on resume
                     f.write(_line(rec))
                 self.settings = settings.write(cfg.out_dir, self.settings)  # new buckets, if any
             run.window, self.t_last = (0, 0.0), time.perf_counter()  # eval is not training time
@@ -80,6 +82,8 @@ class LogMetrics:
 
     def end(self, run: Run) -> None:
         self.bar.close()
+
+    abort = end
 
 
 def _line(rec: dict[str, Any]) -> str:

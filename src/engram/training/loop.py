@@ -210,7 +210,8 @@ class Checkpoints(Protocol):
 class Hook(Protocol):
     """Something :func:`fit` calls; state a hook needs back on resume goes in run.hook_state.
     A hook that keeps the step reached when a signal stops the loop sets ``saves = True`` (the
-    stop message says so)."""
+    stop message says so); one that opens something in ``start`` (a progress bar) may have
+    ``abort(run)``, called instead of ``end`` when a step or a hook fails."""
 
     def start(self, run: Run) -> None:
         """Before the first step (of this process: a resumed run starts at its checkpoint)."""
@@ -341,23 +342,30 @@ def _fit(run: Run, hooks: Sequence[Hook], ranks: Ranks) -> bool:
     run.optim.zero_grad(set_to_none=True)  # a grad left on a parameter would join the first step
     for h in hooks:
         h.start(run)
-    while run.step < run.cfg.steps:
-        if ranks.sum([float(interrupts.requested())])[0]:  # any rank's signal stops them all
-            stopped = True
-            break
-        try:
-            lr = lr_at(run.step, run.cfg)
-            run.optim.set_lr(lr)
-            loss = train_step(run, ranks)
-            run.step += 1
-            run.window = (run.window[0] + 1, run.window[1] + loss)
-            for h in hooks:
-                h.after_step(run, lr, loss)
-        except RuntimeError as e:
-            err = ranks.explain(e, f"step {run.step + 1}")
-            if err is e:
-                raise
-            raise err from e
+    try:
+        while run.step < run.cfg.steps:
+            if ranks.sum([float(interrupts.requested())])[0]:  # any rank's signal stops them all
+                stopped = True
+                break
+            try:
+                lr = lr_at(run.step, run.cfg)
+                run.optim.set_lr(lr)
+                loss = train_step(run, ranks)
+                run.step += 1
+                run.window = (run.window[0] + 1, run.window[1] + loss)
+                for h in hooks:
+                    h.after_step(run, lr, loss)
+            except RuntimeError as e:
+                err = ranks.explain(e, f"step {run.step + 1}")
+                if err is e:
+                    raise
+                raise err from e
+    except BaseException:  # a failed step or save (a full disk): close what start() opened, so
+        for h in hooks:  # the error's line is the last printed; save nothing
+            abort = getattr(h, "abort", None)
+            if abort is not None:
+                abort(run)
+        raise
     for h in hooks:
         h.end(run)
     return stopped

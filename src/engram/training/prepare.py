@@ -21,6 +21,7 @@ import hashlib
 import itertools
 import json
 import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,7 +32,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from ..errors import InputNotFound, UserError
+from ..errors import DiskError, InputNotFound, Interrupted, UserError
 from ..outputs import claim_folder
 from ..ranges import NON_NEGATIVE, POSITIVE, Range, check_ranges
 from ..retrieval.compress import build_compression, default_tokenizer, tokenizer_fingerprint
@@ -162,45 +163,60 @@ def write_corpus(docs: Iterable[Doc], out: str | Path, tok: Any, eos_token: str,
     metas: list[dict[str, Any]] = []
     made: list[bool] = []  # per shard: tokenised by this run (not kept from an earlier one)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", disable=not progress)
-    with _tokenisers(workers) as (pool, n_workers):
-        # Shards in input order, written in order once their batches are done. Batches in flight
-        # are bounded, and with them the text and ids held.
-        shards_q: deque[_Shard] = deque()
-        queued: deque[Future] = deque()  # batches submitted and not yet waited on, oldest first
+    stop = threading.Event()  # set when the work fails or is stopped: batches in flight give up
+    try:
+        with _tokenisers(workers, stop) as (pool, n_workers):
+            # Shards in input order, written in order once their batches are done. Batches in
+            # flight are bounded, and with them the text and ids held.
+            shards_q: deque[_Shard] = deque()
+            queued: deque[Future] = deque()  # batches submitted and not yet waited on, oldest first
 
-        def settle(limit: int) -> None:
-            while len(queued) > limit:
-                queued.popleft().result()
-            while shards_q and shards_q[0].ready():
-                sh = shards_q.popleft()
-                new = sh.kept is None
-                meta = sh.kept if not new else write_tokens(
-                    str(folder), sh.name, sh.digest, sh.docs, [f.result() for f in sh.batches],
-                    eos, vocab_size)
-                metas.append(meta)
-                made.append(new)
-                _trim_heap()
-                bar.update(sum(v["bytes"] for st in meta["stats"].values() for v in st.values()))
+            def settle(limit: int) -> None:
+                while len(queued) > limit:
+                    queued.popleft().result()
+                while shards_q and shards_q[0].ready():
+                    sh = shards_q.popleft()
+                    new = sh.kept is None
+                    meta = sh.kept if not new else write_tokens(
+                        str(folder), sh.name, sh.digest, sh.docs,
+                        [f.result() for f in sh.batches], eos, vocab_size)
+                    metas.append(meta)
+                    made.append(new)
+                    _trim_heap()
+                    bar.update(sum(v["bytes"] for st in meta["stats"].values()
+                                   for v in st.values()))
 
-        for k, group in enumerate(_groups(docs, val_fraction, split_seed, shard_mb)):
-            name = f"{k:05d}"
-            digest = _input_digest(settings, group)
-            entry = _Shard(name, digest, group, kept=shards.finished_shard(folder, name, digest))
-            shards_q.append(entry)
-            if entry.kept is None:
-                for i, j in batches(group):
-                    texts = [d[3] for d in group[i:j]]
-                    if pool is None:
-                        fut: Future = Future()
-                        fut.set_result(encode_texts(texts, tok))
-                    else:
-                        fut = pool.submit(encode_texts, texts, tok)
-                    entry.batches.append(fut)
-                    queued.append(fut)
-                    settle(2 * n_workers)
-            entry.submitted = True
-            settle(2 * n_workers)
-        settle(0)
+            for k, group in enumerate(_groups(docs, val_fraction, split_seed, shard_mb)):
+                name = f"{k:05d}"
+                digest = _input_digest(settings, group)
+                entry = _Shard(name, digest, group,
+                               kept=shards.finished_shard(folder, name, digest))
+                shards_q.append(entry)
+                if entry.kept is None:
+                    for i, j in batches(group):
+                        texts = [d[3] for d in group[i:j]]
+                        if pool is None:
+                            fut: Future = Future()
+                            fut.set_result(encode_texts(texts, tok))
+                        else:
+                            fut = pool.submit(encode_texts, texts, tok, stop)
+                        entry.batches.append(fut)
+                        queued.append(fut)
+                        settle(2 * n_workers)
+                entry.submitted = True
+                settle(2 * n_workers)
+            settle(0)
+    except (KeyboardInterrupt, DiskError) as e:  # Ctrl-C, SIGTERM, a full disk: say what is kept
+        bar.close()
+        kept = (f"{sum(made)} shards written and {len(made) - sum(made)} kept from an earlier run "
+                f"are whole in {out}; the same command resumes from them")
+        if isinstance(e, DiskError):
+            e.kept = kept
+            raise
+        raise Interrupted(kept) from None
+    except BaseException:  # the error's line comes after the bar's
+        bar.close()
+        raise
     bar.close()
     shards.remove_shards(folder, keep=len(metas))
     counts = np.zeros((2, vocab_size), dtype=np.int64)  # [2, V]
@@ -271,8 +287,11 @@ def _input_digest(settings: str, group: list[tuple[str, str, int, str]]) -> str:
 
 
 @contextmanager
-def _tokenisers(workers: int | None) -> Iterator[tuple[ThreadPoolExecutor | None, int]]:
-    """(``workers`` threads, and how many), or (None, 0): tokenise in the calling thread.
+def _tokenisers(workers: int | None, stop: threading.Event
+                ) -> Iterator[tuple[ThreadPoolExecutor | None, int]]:
+    """(``workers`` threads, and how many), or (None, 0): tokenise in the calling thread. When the
+    block fails (Ctrl-C included), ``stop`` is set and the batches not begun are dropped, so the
+    threads are done within one encode call (``tokenise.ENCODE_CHARS``), not the batches queued.
 
     Threads, not processes: the tokenizer lets go of the GIL while it encodes, one copy of it serves
     every thread, and nothing is pickled. Its own thread pool (Rust's rayon) is sized by the
@@ -286,7 +305,12 @@ def _tokenisers(workers: int | None) -> Iterator[tuple[ThreadPoolExecutor | None
         yield None, 0
         return
     with ThreadPoolExecutor(n, thread_name_prefix="tokenise") as pool:
-        yield pool, n
+        try:
+            yield pool, n
+        except BaseException:
+            stop.set()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
 
 
 @contextmanager
