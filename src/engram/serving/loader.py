@@ -132,11 +132,10 @@ def write_tables(run_dir: str | Path, table_dir: str | Path | None = None, dtype
     ours (a "tables" folder)."""
     from contextlib import ExitStack
 
-    from ..outputs import claim_folder
-    from ..training.export import export_tables
-
     from ..models.run_files import read_run_files
+    from ..outputs import claim_folder
     from ..training.checkpoint import newest_checkpoint
+    from ..training.export import export_tables
 
     run_dir = Path(run_dir)
     folder = Path(table_dir) if table_dir is not None else run_dir / "tables"
