@@ -14,7 +14,6 @@ nothing lost.
 """
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_bad_input import snapshot  # every path's mode and SHA-256
 
 import engram
 from engram.cli import main
@@ -47,15 +47,6 @@ def tree(tmp_path_factory):
     (root / "text.txt").write_text("In the beginning God created the heaven and the earth.\n" * 50)
     (root / "v41").mkdir()
     return root
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    out = {}
-    for p in sorted(root.rglob("*")):
-        mode = oct(p.lstat().st_mode)
-        out[str(p.relative_to(root))] = (mode + " " + hashlib.sha256(p.read_bytes()).hexdigest()
-                                         if p.is_file() else mode)
-    return out
 
 
 # -- one writer per folder --------------------------------------------------------------------------

@@ -172,10 +172,12 @@ def test_state_bytes_per_row_are_constant_not_row_sized(e):
 
 
 # -- checkpoints -----------------------------------------------------------------------------
-@pytest.mark.parametrize("name", CLASSES)
+@pytest.mark.parametrize("name", ["adam", *CLASSES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("via", ["torch", "safetensors"])
 def test_state_dict_round_trip_resumes_bit_exactly(name, dtype, via):
+    """Every table optimiser: saved mid-run (torch or safetensors) and resumed == never stopped."""
+    cls = {"adam": RowAdam, **CLASSES}[name]
     rows, e = 3000, 4  # 6 x 700 ids outgrow the first 1024 slots, so capacities differ on resume
     w0 = torch.randn(rows, e, generator=torch.Generator().manual_seed(9)).to(dtype)
     gen = torch.Generator().manual_seed(10)
@@ -188,9 +190,9 @@ def test_state_dict_round_trip_resumes_bit_exactly(name, dtype, via):
             opt.step()
 
     full = nn.Parameter(w0.clone())
-    run(full, CLASSES[name]([full], lr=0.01), batches)
+    run(full, cls([full], lr=0.01), batches)
     first = nn.Parameter(w0.clone())
-    opt = CLASSES[name]([first], lr=0.01)
+    opt = cls([first], lr=0.01)
     run(first, opt, batches[:3])
     sd = opt.state_dict()
     if via == "torch":
@@ -204,11 +206,12 @@ def test_state_dict_round_trip_resumes_bit_exactly(name, dtype, via):
         loaded = {"param_groups": sd["param_groups"],
                   "state": {i: {k: back[f"{i}.{k}"] for k in s} for i, s in sd["state"].items()}}
     resumed = nn.Parameter(first.detach().clone())
-    opt2 = CLASSES[name]([resumed], lr=0.5)  # lr comes back from the checkpoint
+    opt2 = cls([resumed], lr=0.5)  # lr comes back from the checkpoint
     opt2.load_state_dict(loaded)
     assert opt2.param_groups[0]["lr"] == 0.01
     run(resumed, opt2, batches[3:])
     assert torch.equal(resumed, full)
+    assert torch.equal(opt2.touched_rows(resumed), torch.unique(torch.cat([b[0] for b in batches])))
 
 
 def test_state_of_another_table_optimizer_or_shape_is_refused():

@@ -63,11 +63,22 @@ class RowOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             _check_group(group, type(self).__name__)
             for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
+                if p.grad is None:
+                    continue
+                g = self._row_grad(p)
+                rows = g.indices()[0]  # [k]
+                if not rows.numel():
+                    continue
+                st = self.state[p]
+                if not st:
+                    self._start(st, p, rows.numel())
+                slots = self._assign_slots(st, rows)  # [k] int64
+                self._update(p, group, st, rows, slots, g.values().float())  # grad [k, e]
         return loss
 
-    def _update(self, p: torch.Tensor, group: dict) -> None:
+    def _update(self, p: torch.Tensor, group: dict, st: dict, rows: torch.Tensor,
+                slots: torch.Tensor, grad: torch.Tensor) -> None:
+        """Rows [k] of p (their state slots [k]) take one step on their gradient [k, e]."""
         raise NotImplementedError
 
     def _row_grad(self, p: torch.Tensor) -> torch.Tensor:
@@ -238,16 +249,8 @@ class RowAdam(RowOptimizer):
         self.kernel_steps = 0  # table updates done by the compiled kernel (inspection)
 
     # -- the step ---------------------------------------------------------------------------------
-    def _update(self, p: torch.Tensor, group: dict) -> None:
-        g = self._row_grad(p)
-        rows = g.indices()[0]  # [k]
-        if not rows.numel():
-            return
-        grad = g.values().float()  # [k, e]
-        st = self.state[p]
-        if not st:
-            self._start(st, p, rows.numel())
-        slots = self._assign_slots(st, rows)  # [k] int64
+    def _update(self, p: torch.Tensor, group: dict, st: dict, rows: torch.Tensor,
+                slots: torch.Tensor, grad: torch.Tensor) -> None:
         beta1, beta2 = group["betas"]
         st["t_max"] += 1  # no row's step count can pass the number of updates
         if (self.kernels and sparse_rows.fits(p.detach()) and sparse_rows.fits(grad)
@@ -344,16 +347,8 @@ class RowAdagrad(RowOptimizer):
             raise ValueError(f"invalid {type(self).__name__} hyper-parameters lr={lr}, eps={eps}")
         super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay), kernels)
 
-    def _update(self, p: torch.Tensor, group: dict) -> None:
-        g = self._row_grad(p)
-        rows = g.indices()[0]  # [k]
-        if not rows.numel():
-            return
-        grad = g.values().float()  # [k, e]
-        st = self.state[p]
-        if not st:
-            self._start(st, p, rows.numel())
-        slots = self._assign_slots(st, rows)  # [k] int64
+    def _update(self, p: torch.Tensor, group: dict, st: dict, rows: torch.Tensor,
+                slots: torch.Tensor, grad: torch.Tensor) -> None:
         g2 = grad.square().mean(1)  # [k]
         denom = self._denominator(st, slots, g2, group)  # [k]
         mult = torch.div(group["lr"], denom).unsqueeze(1)  # [k, 1]
