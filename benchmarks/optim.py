@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from engram.training.optim import RowAdam
+from engram.training.row_optim import RowAdam
 
 
 def peak_rss_gib() -> float:

@@ -24,7 +24,7 @@ _EXPORTS = {
     "HashStream": "retrieval.hashing", "NgramHasher": "retrieval.hashing",
     "prime_table_sizes": "retrieval.primes", "rows_per_layer": "retrieval.primes",
     "MemoryTable": "tables.store", "TableStore": "tables.store",
-    "RowAdam": "training.optim", "build_optimizers": "training.optim",
+    "RowAdam": "training.row_optim", "build_optimizers": "training.optim",
     "Runtime": "serving.runtime", "open_model": "serving.loader",
     "GenerationConfig": "serving.generate", "Generator": "serving.generate",
 }

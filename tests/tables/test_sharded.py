@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from engram.tables.sharded import ShardedTable, init_rows, read_shards, shard_bounds, write_shard
 from engram.tables.store import MemoryTable, TableStore
-from engram.training.optim import RowAdam
+from engram.training.row_optim import RowAdam
 from engram.training.process_group import init_distributed, spawn_local
 
 R, E = 101, 8  # prime rows: the shards are uneven (101 = 33 + 34 + 34)

@@ -13,7 +13,8 @@ from torch import nn
 
 import engram
 from engram.tables.store import MemoryTable
-from engram.training.optim import Optimizers, RowAdam, build_optimizers, clip_grad_norm_
+from engram.training.optim import Optimizers, build_optimizers, clip_grad_norm_
+from engram.training.row_optim import RowAdam
 
 
 def sparse_grad(ids, grads, num_rows):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram.training import sparse_rows
-from engram.training.optim import RowAdam
+from engram.training.row_optim import RowAdam
 
 pytestmark = pytest.mark.skipif(not sparse_rows.available(), reason="numba is not installed")
 

@@ -18,14 +18,8 @@ from engram.errors import UserError
 from engram.tables.store import MemoryTable
 from engram.training.checkpoint import CheckpointError
 from engram.training.corpus import DataConfig, build_corpus
-from engram.training.optim import (
-    TABLE_OPTIMIZERS,
-    RowAdagrad,
-    RowAdam,
-    RowRMSprop,
-    build_optimizers,
-    make_table_optimizer,
-)
+from engram.training.optim import TABLE_OPTIMIZERS, build_optimizers, make_table_optimizer
+from engram.training.row_optim import RowAdagrad, RowAdam, RowRMSprop
 from engram.training.train import TrainConfig, train
 
 CLASSES = {"adagrad": RowAdagrad, "rmsprop": RowRMSprop}

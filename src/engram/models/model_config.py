@@ -75,7 +75,7 @@ class ModelConfig:
     engram_fixed_gate: bool = False
     # Ablation: with hc_mult > 1, one key projection and key norm shared by all branches.
     engram_shared_key: bool = False
-    # Tables produce sparse row gradients (pair with a row-wise optimiser, engram.training.optim.RowAdam).
+    # Tables produce sparse row gradients (pair with a row-wise optimiser, engram.training.row_optim.RowAdam).
     sparse_tables: bool = True
     # Std of the tables' normal init (1.0 = nn.Embedding and the official demo).
     table_init_std: float = 1.0

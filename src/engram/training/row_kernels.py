@@ -39,7 +39,7 @@ def coalesce(idx, vals, rows, sums, r):
 @kernel()
 def adam(p, rows, g, slots, mom, steps, lr, w1, b2, c2, eps, bias1_inv, bias2_sqrt):
     """RowAdam's step for rows [k] of p [r, e] with grads g [k, e], state mom [c, 2, e], steps [c]
-    at slots [k]: the torch twin's ops (optim.RowAdam._update) fused into one pass per row."""
+    at slots [k]: the torch twin's ops (row_optim.RowAdam._update) fused into one pass per row."""
     k, e = g.shape
     # torch's lerp, exact at both ends of the weight: start + w (end - start) for w < 0.5,
     # else end + (w - 1)(end - start)
