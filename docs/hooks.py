@@ -119,8 +119,8 @@ def cli_page() -> str:
                 if not a.option_strings or a.help == argparse.SUPPRESS or a.dest == "help":
                     continue
                 spell = ", ".join(f"`{o}`" for o in a.option_strings)
-                if a.dest.startswith(options._SET):
-                    i, fname = a.dest[len(options._SET):].split(".", 1)
+                if a.dest.startswith(options.SET_PREFIX):
+                    i, fname = a.dest[len(options.SET_PREFIX):].split(".", 1)
                     f = fields[int(i)][fname]
                     kind = f.type + (f" ({' / '.join(map(str, f.choices))})" if f.choices else "")
                     default = "required" if f.required else options._show(f.default)

@@ -9,10 +9,10 @@ import pytest
 import engram
 
 SRC = Path(engram.__file__).parent
-# Lowest first. errors, ranges, schema, files, outputs, interrupts, configfile, options, jit and
-# gemm are the foundation every layer may use; the root re-exports.
+# Lowest first. errors, ranges, schema, files, outputs, interrupts, configfile, options, command,
+# jit and gemm are the foundation every layer may use; the root re-exports.
 LAYERS = ["errors", "ranges", "schema", "files", "outputs", "interrupts", "configfile", "options",
-          "jit", "gemm",
+          "command", "jit", "gemm",
           "retrieval", "tables", "module", "models", "training", "serving", "studies", "cli",
           "__main__", "__init__"]
 

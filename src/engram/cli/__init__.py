@@ -21,7 +21,7 @@ result. Every command with configs also takes ``--config FILE`` and ``--print_co
         print(json.dumps(run_eval(run_dir, ec)))
 
 Before the function runs, every command follows one rule for its places (engram/outputs.py,
-applied by ``options.Command``): inputs exist (text inputs decode as text); outputs are checked
+applied by ``command.Command``): inputs exist (text inputs decode as text); outputs are checked
 before any work: a folder output is new, empty or marked as this kind of folder (``.engram``),
 never a file or a folder of something else; a file output is new or this command's own earlier
 output. While it runs, a command holds each output folder's writer lock (``FOLDER/.engram.lock``):

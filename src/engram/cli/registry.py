@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from ..options import Arg, Command, Config, In, Out
+from ..command import Arg, Command, Config, In, Out
 
 TRAIN = "engram.training.train:TrainConfig"
 

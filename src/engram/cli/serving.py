@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputNotFound, UserError
-from ..options import Arg, Config, In, Out
+from ..command import Arg, Config, In, Out
 from .registry import GENERATION, RUN_DIR, RUN_RECORDS, TRAIN, command
 
 @dataclass

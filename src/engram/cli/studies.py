@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..errors import UserError
-from ..options import Arg, In, Out
+from ..command import Arg, In, Out
 from .registry import RUN_DIR, RUNS_KEPT, STUDY_BASE, _on_this_machine, command
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ..errors import Interrupted, NonFinite, UserError
 from ..files import disk_error
-from ..options import Config, In, Out
+from ..command import Config, In, Out
 from ..ranges import AT_LEAST_1, POSITIVE, Range, check_ranges
 from .registry import RUN_RECORDS, TRAIN, command
 
