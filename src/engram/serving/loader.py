@@ -6,8 +6,9 @@ writes nothing; the table files a run's file tiers read are written by :func:`wr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import InputNotFound, UserError
 from ..models.run_files import load_dense_state
@@ -38,7 +39,16 @@ def open_model(path: str | Path, *, tier: str = "memory", table_dir: str | Path 
     if device is not None:
         resolve(device, precision)  # this machine can run it: before loading
     path = Path(path)
-    if (path / "config.json").is_file() and not (path / "checkpoints").is_dir():
+    from ..models.adapter import is_adapter
+
+    if is_adapter(path):  # `engram finetune`'s folder: a transformers model + its Engram
+        from .hf_adapter import open_adapter
+
+        if engram_layers is not None or table_dir is not None:
+            raise UserError(f"{path} is a finetuned adapter: --engram_layers and --table_dir "
+                            "apply to a run folder")
+        rt = open_adapter(path, tier)
+    elif (path / "config.json").is_file() and not (path / "checkpoints").is_dir():
         if engram_layers is not None:
             raise UserError(f"{path} is an export: --engram_layers applies to a run folder")
         rt = open_export(path, {"tier": tier, "cache_fraction": cache_fraction,
@@ -128,11 +138,10 @@ def write_tables(run_dir: str | Path, table_dir: str | Path | None = None, dtype
     """The table files of a run's newest checkpoint in ``table_dir`` (default RUN/tables), for the
     file tiers; nothing is written when they are current. The folder must be new, empty or one of
     ours (a "tables" folder)."""
-    from ..outputs import claim_folder
-    from ..training.export import export_tables
-
     from ..models.run_files import read_run_files
+    from ..outputs import claim_folder
     from ..training.checkpoint import latest_checkpoint
+    from ..training.export import export_tables
 
     run_dir = Path(run_dir)
     folder = Path(table_dir) if table_dir is not None else run_dir / "tables"
