@@ -17,25 +17,11 @@ from engram.models.adapter import AdapterMismatch, from_pretrained, save_engram 
 from engram.models.hf import engram_runtime, inject  # noqa: E402
 from engram.retrieval.compress import build_compression  # noqa: E402
 from engram.serving.generate import GenerationConfig, Generator  # noqa: E402
+from hf_models import tiny_model  # noqa: E402
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 PROMPTS = ["In the beginning God created the heaven", "And the earth was", "Let there be light"]
 NEW = 10
-
-
-def tiny_model(family, vocab, seed=0):
-    t = transformers
-    ids = dict(pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, **ids)
-    make = {
-        "llama": lambda: t.LlamaForCausalLM(t.LlamaConfig(**common)),
-        "qwen2": lambda: t.Qwen2ForCausalLM(t.Qwen2Config(**common)),
-        "gpt2": lambda: t.GPT2LMHeadModel(t.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2,
-                                                       n_head=4, n_positions=128, **ids)),
-    }[family]
-    torch.manual_seed(seed)
-    return make().eval()
 
 
 def make_adapter(tmp_path, family, tok):

@@ -287,9 +287,10 @@ def finetune(model: str, cfg: FinetuneConfig, progress: bool = True,
                            seed=cfg.seed)
     run = Run(cfg, corpus, None, hf, batches, opt,
               loss=lambda module, b: lm_loss(module, b.inputs, b.targets))
-    identity = {"model": name, "base": base, "data": corpus.fingerprint,
-                "tokenizer": corpus.tokenizer_fingerprint, "layers": list(layers),
-                **{k: v for k, v in cfg.to_dict().items() if k not in _BOOKKEEPING}}
+    identity = {**{k: v for k, v in cfg.to_dict().items() if k not in _BOOKKEEPING},
+                "model": name, "base": base, "data": corpus.fingerprint,
+                "tokenizer": corpus.tokenizer_fingerprint, "layers": list(layers)}
+    identity = json.loads(json.dumps(identity))  # as a checkpoint's meta reads back
     checkpoints = AdapterCheckpoints(cfg.out_dir, identity)
     restore(run, checkpoints, resume)
     out = Path(cfg.out_dir)
