@@ -10,36 +10,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import engram  # noqa: E402
-from engram import EngramConfig  # noqa: E402
 from engram.cli import main  # noqa: E402
 from engram.errors import UserError  # noqa: E402
-from engram.models.adapter import AdapterMismatch, from_pretrained, save_engram  # noqa: E402
-from engram.models.hf import engram_runtime, inject  # noqa: E402
-from engram.retrieval.compress import build_compression  # noqa: E402
+from engram.models.adapter import AdapterMismatch, from_pretrained  # noqa: E402
 from engram.serving.generate import GenerationConfig, Generator  # noqa: E402
-from hf_models import tiny_model  # noqa: E402
+from hf_models import make_adapter, tiny_model  # noqa: E402
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 PROMPTS = ["In the beginning God created the heaven", "And the earth was", "Let there be light"]
 NEW = 10
-
-
-def make_adapter(tmp_path, family, tok):
-    """base/ (a saved tiny model) and adapter/ (random Engram on it: zero-init would hide bugs)."""
-    base = tiny_model(family, len(tok))
-    base.save_pretrained(tmp_path / "base")
-    tok.save_pretrained(tmp_path / "base")
-    backend = tok.backend_tokenizer
-    cfg = EngramConfig(engram_vocab_size=[101, 211], max_ngram_size=3, n_embed_per_ngram=16,
-                       n_head_per_ngram=4, layer_ids=[0, 1], pad_id=1)
-    inject(base, cfg, compression=build_compression(backend, cache=False))
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in engram_runtime(base).engram_parameters():
-            p.normal_(0, 0.5)
-    save_engram(base, tmp_path / "adapter", base_model=str(tmp_path / "base"), tokenizer=backend,
-                eos_id=1)
-    return tmp_path / "adapter"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
