@@ -40,6 +40,13 @@ def test_runtime_equals_transformers(family, tok, tmp_path):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
                           eos_token_id=None)
         assert got == ref[0, len(p):].tolist()
+    # A row that stops early leaves the batch (the KV cache and conv states drop its row): the
+    # others go on exactly as before.
+    stop = out.tokens[1][2]
+    cut = Generator(rt, config=GenerationConfig(max_new_tokens=NEW, stop_ids=(stop,)))
+    for full, got in zip(out.tokens, cut.generate(prompts).tokens):
+        end = full.index(stop) + 1 if stop in full else len(full)
+        assert got == full[:end]
 
 
 def test_engram_generate_command_equals_transformers(tok, tmp_path, capsys):

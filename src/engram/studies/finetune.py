@@ -400,7 +400,7 @@ def _stats(xs: list[float]) -> dict[str, Any]:
 def verdict(diff: float, spread: float | None) -> str:
     """Engram - LoRA judged by the project's rule (common.RULE)."""
     if spread is None:
-        return "one seed: not judged"
+        return "a method with one seed: not judged"
     who = "Engram lower" if diff < 0 else "LoRA lower"
     if resolved(diff, spread):
         return f"resolved: {who} by {abs(diff):.4f} > {RESOLVE:g}x the largest seed spread {spread:.4f}"
@@ -413,14 +413,17 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     verdicts of Engram vs LoRA on each."""
     sets = list(runs[0]["before"])
     ft, forget = sets[0], sets[1:]
-    methods = [m for m in runs[0]["methods"] if all(m in r["methods"] for r in runs)]
     out: dict[str, Any] = {}
-    for m in methods:
-        ms = [r["methods"][m] for r in runs]
-        out[m] = {"gain": _stats([x["delta"][ft] for x in ms]),
+    # A run stopped after its first method still counts for that method (its seeds are listed).
+    for m in dict.fromkeys(m for r in runs for m in r["methods"]):
+        have = [r for r in runs if m in r["methods"]]
+        ms = [r["methods"][m] for r in have]
+        out[m] = {"seeds": [r["seed"] for r in have],
+                  "gain": _stats([x["delta"][ft] for x in ms]),
                   "forgetting": {s: _stats([x["delta"][s] for x in ms]) for s in forget},
                   "tokens_per_second": _stats([x["tokens_per_second"] for x in ms]),
-                  "tokens_per_cpu_second": _stats([cfg_tps(x, r) for x, r in zip(ms, runs)]),
+                  "tokens_per_cpu_second": _stats([_tokens_per_cpu_second(x, r)
+                                                   for x, r in zip(ms, have)]),
                   "trainable_params": ms[0]["trainable_params"]}
     verdicts = {}
     if {"engram", "lora"} <= set(out):
@@ -428,7 +431,9 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         pairs = [("gain", e["gain"], l["gain"])] + \
             [(f"forgetting:{s}", e["forgetting"][s], l["forgetting"][s]) for s in forget]
         for name, a, b in pairs:
-            spread = largest_spread([a["spread"], b["spread"]])
+            # One seed resolves nothing (common.RULE): both need a spread.
+            spread = None if None in (a["spread"], b["spread"]) else \
+                largest_spread([a["spread"], b["spread"]])
             diff = a["mean"] - b["mean"]
             verdicts[name] = {"engram_minus_lora": diff, "largest_seed_spread": spread,
                               "resolved": resolved(diff, spread), "verdict": verdict(diff, spread)}
@@ -436,7 +441,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "methods": out, "verdicts": verdicts, "rule": RULE}
 
 
-def cfg_tps(stats: dict[str, Any], run: dict[str, Any]) -> float:
+def _tokens_per_cpu_second(stats: dict[str, Any], run: dict[str, Any]) -> float:
     """Tokens per CPU second (all threads): less dependent on the neighbours than wall time."""
     cfg = run["config"]
     return cfg["steps"] * cfg["batch_size"] * cfg["seq_len"] / stats["train_cpu_seconds"]
