@@ -33,11 +33,10 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn

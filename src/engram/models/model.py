@@ -35,18 +35,8 @@ from ..gemm import Linear
 from ..module import Engram, EngramState, build_engram
 from ..module.engram import compile_ready
 from ..tables.store import TableStore
-from .layers import (
-    AdaptiveHead,
-    Attend,
-    Block,
-    CacheAttention,
-    Memory,
-    MoE,
-    SwiGLU,
-    causal_attention,
-    engram_memory,
-    rope_tables,
-)
+from .layers import (AdaptiveHead, Attend, Block, CacheAttention, Memory, MoE, SwiGLU,
+                     causal_attention, engram_memory, rope_tables)
 from .model_config import ModelConfig
 from .surgery import fix_gate, share_key
 
@@ -100,7 +90,8 @@ class DecodeCache:
         return DecodeCache(
             keys=[torch.cat([x, y]) for x, y in zip(self.keys, other.keys)],
             values=[torch.cat([x, y]) for x, y in zip(self.values, other.values)],
-            engram={i: EngramState(None if s.conv is None else torch.cat([s.conv, other.engram[i].conv]))
+            engram={i: EngramState(None if s.conv is None
+                                   else torch.cat([s.conv, other.engram[i].conv]))
                     for i, s in self.engram.items()},
             pos=self.pos)
 

@@ -6,9 +6,8 @@ writes nothing; the table files a run's file tiers read are written by :func:`wr
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import InputNotFound, UserError
 from ..models.run_files import load_dense_state
@@ -138,10 +137,11 @@ def write_tables(run_dir: str | Path, table_dir: str | Path | None = None, dtype
     """The table files of a run's newest checkpoint in ``table_dir`` (default RUN/tables), for the
     file tiers; nothing is written when they are current. The folder must be new, empty or one of
     ours (a "tables" folder)."""
-    from ..models.run_files import read_run_files
     from ..outputs import claim_folder
-    from ..training.checkpoint import latest_checkpoint
     from ..training.export import export_tables
+
+    from ..models.run_files import read_run_files
+    from ..training.checkpoint import latest_checkpoint
 
     run_dir = Path(run_dir)
     folder = Path(table_dir) if table_dir is not None else run_dir / "tables"
