@@ -143,7 +143,8 @@ def test_study_over_seeds_on_a_prepared_corpus(tok, tmp_path):
     assert v["engram_minus_lora"] == pytest.approx(
         study["methods"]["engram"]["gain"]["mean"] - study["methods"]["lora"]["gain"]["mean"])
     assert v["verdict"].startswith(("resolved", "not resolved"))
-    assert set(study["verdicts"]) == {"gain", "forgetting:forget:peoples-daily"}
+    assert set(study["verdicts"]) == {"gain", "forgetting:forget:peoples-daily",
+                                      "tokens_per_cpu_second"}
     assert (tmp_path / "study" / "finetune.png").stat().st_size > 10_000
     seed0 = (tmp_path / "study" / "seed0" / "results.json").read_text()
     again = run_study(cfg)  # finished seeds are read back, not trained again

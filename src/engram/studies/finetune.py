@@ -429,7 +429,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if {"engram", "lora"} <= set(out):
         e, l = out["engram"], out["lora"]
         pairs = [("gain", e["gain"], l["gain"])] + \
-            [(f"forgetting:{s}", e["forgetting"][s], l["forgetting"][s]) for s in forget]
+            [(f"forgetting:{s}", e["forgetting"][s], l["forgetting"][s]) for s in forget] + \
+            [("tokens_per_cpu_second", e["tokens_per_cpu_second"], l["tokens_per_cpu_second"])]
         for name, a, b in pairs:
             # One seed resolves nothing (common.RULE): both need a spread.
             spread = None if None in (a["spread"], b["spread"]) else \
@@ -477,7 +478,8 @@ def run_study(cfg: FinetuneStudyConfig, model: nn.Module | None = None,
 
 
 def plot_study(study: dict[str, Any], path: Path) -> None:
-    """Gain and forgetting per method, each seed a dot on its mean's bar; tokens/s beside."""
+    """Gain and forgetting per method, each seed a dot on its mean's bar; training tokens per CPU
+    second beside (wall time on a shared machine says more about the neighbours)."""
     from .common import save, subplots
 
     colors = {"engram": "tab:red", "lora": "tab:blue"}
@@ -493,16 +495,18 @@ def plot_study(study: dict[str, Any], path: Path) -> None:
         v = study["verdicts"].get(key, {}).get("verdict", "")
         ax.axhline(0, color="gray", lw=0.8)
         ax.set_xticks(range(len(ms)), list(ms))
-        ax.set_title(f"{'gain' if key == 'gain' else 'forgetting'}: {label}\n{v[:40]}", fontsize=8)
+        ax.set_title(f"{'gain' if key == 'gain' else 'forgetting'}: {label}\n{v.split(':')[0]}",
+                     fontsize=9)
         ax.set_ylabel("held-out loss change (nats)")
         ax.grid(alpha=0.3)
     ax = axes[-1]
     for i, (name, m) in enumerate(ms.items()):
-        st = m["tokens_per_second"]
+        st = m["tokens_per_cpu_second"]
         ax.bar(i, st["mean"], color=colors.get(name), alpha=0.6)
         ax.scatter([i] * len(st["per_seed"]), st["per_seed"], color="k", s=12, zorder=3)
     ax.set_xticks(range(len(ms)), list(ms))
-    ax.set(ylabel="training tokens/s (wall)", title=f"{len(study['seeds'])} seeds, {study['cpu'][:30]}")
+    ax.set_ylabel("training tokens per CPU second")
+    ax.set_title(f"{len(study['seeds'])} seeds\n{study['cpu']}", fontsize=9)
     ax.grid(alpha=0.3)
     save(fig, path)
 
@@ -514,7 +518,8 @@ def format_study(study: dict[str, Any]) -> str:
         parts = [f"gain {g['mean']:+.4f} (spread {g['spread'] or 0:.4f})"]
         parts += [f"forgetting {s} {f['mean']:+.4f} (spread {f['spread'] or 0:.4f})"
                   for s, f in m["forgetting"].items()]
-        parts.append(f"{m['tokens_per_second']['mean']:.0f} tok/s")
+        parts.append(f"{m['tokens_per_cpu_second']['mean']:.0f} tokens per CPU second "
+                     f"({m['tokens_per_second']['mean']:.0f} tok/s wall)")
         lines.append(f"{name} ({m['trainable_params']:,} trainable): " + "; ".join(parts))
     for k, v in study["verdicts"].items():
         lines.append(f"{k}: {v['verdict']}")
