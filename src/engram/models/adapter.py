@@ -67,8 +67,10 @@ def base_fingerprint(model: nn.Module) -> dict[str, Any]:
         if id(p) in mine:
             continue
         flat = p.detach().reshape(-1)
+        # float32 positions round the last one up past the end from 2**24 values on (SmolLM2's
+        # embedding): clamp, which keeps every fingerprint that could be computed before.
         idx = torch.linspace(0, flat.numel() - 1, min(_SAMPLES, flat.numel()),
-                             device=flat.device).long()
+                             device=flat.device).long().clamp_(max=flat.numel() - 1)
         h.update(f"{name}:{tuple(p.shape)}:".encode())
         h.update(flat[idx].float().cpu().numpy().tobytes())
         n += 1
