@@ -89,7 +89,14 @@ CASES = [
     ("ablate --out_dir {root}/export", "holds an engram export"),
     ("study-nine --out_dir {root}/foreign", "not a study-nine folder"),
     ("study-vision --out_dir {root}/plain.txt", "is a file, not a folder"),
-    ("finetune --out_dir {root}/foreign", "not a finetune folder"),
+    ("finetune-study --out_dir {root}/foreign", "not a finetune folder"),
+    ("finetune smollm2 --data {root}/run --out_dir {root}/foreign", "not an adapter folder"),
+    ("finetune smollm2 --data {root}/nope", "--data {root}/nope: no such file"),
+    # finetune: a model of a family Engram does not inject into, data that is no corpus
+    ("finetune {root}/run --data {root}/run", "Engram injects into llama, mistral"),
+    ("finetune {root}/export --data {root}/run", "Engram injects into llama, mistral"),
+    ("finetune {root}/nope --data {root}/run", "model {root}/nope: no such folder"),
+    ("finetune smollm2 --data {root}/run", "{root}/run"),
     ("pool-budget {root}/run --out_dir {root}/foreign", "not a pool-budget folder"),
     ("pool-budget {root}/run --table_dir {root}/run", "holds an engram run"),
     ("pool-budget {root}/nope", "RUN_DIR {root}/nope: no such file"),
@@ -174,7 +181,8 @@ CASES = [
     ("ablate --ckpt_every 0", "ckpt_every must be >= 1"),
     ("study-nine --hot_rows 0", "each of hot_rows must be >= 1"),
     ("study-vision --lr nan", "lr must be a finite number"),
-    ("finetune --threads 0", "threads must be >= 1, got 0"),
+    ("finetune-study --threads 0", "threads must be >= 1, got 0"),
+    ("finetune smollm2 --data {root}/run --steps 0", "steps must be >= 1, got 0"),
     ("analyze {root}/run --batches 0", "batches must be >= 1, got 0"),
     ("analyze {root}/run --out_dir {root}/an", "the probes need 36 (--context=32 + a 4-gram)"),
     ("pool-budget --threads 0", "threads must be >= 1, got 0"),
@@ -188,7 +196,7 @@ CASES = [
     ("train --engram_profile v5", "(choose from demo-v1, v4.1)"),
     ("ablate --variants nope", "bad value for --variants: nope"),
     ("eval {root}/run --source nope", "bad value for --source: nope (choose from kjv"),
-    ("finetune --forget_sources kjv,nope", "bad value for --forget_sources: nope"),
+    ("finetune-study --forget_sources kjv,nope", "bad value for --forget_sources: nope"),
     ("pool-budget --modes train", "bad value for --modes: train (choose from prefill, decode)"),
     ("train --stepz 3", "did you mean --steps?"),
     # device, precision, compile (issue 25): what this machine cannot run, before any work
@@ -202,7 +210,9 @@ CASES = [
     ("compare --device cuda:99 --out_dir {root}/late", "device 'cuda:99'"),
     ("sweep-slots --precision fp64", "bad value for --precision: fp64"),
     ("ablate --device cuda:99 --out_dir {root}/late", "device 'cuda:99'"),
-    ("finetune --device cuda:99 --out_dir {root}/late", "device 'cuda:99'"),
+    ("finetune-study --device cuda:99 --out_dir {root}/late", "device 'cuda:99'"),
+    ("finetune smollm2 --data {root}/run --device cuda:99 --out_dir {root}/late",
+     "device 'cuda:99'"),
     ("CXX=/nonexistent/c++ train --compile --out_dir {root}/late", "--compile on the CPU needs a C++ compiler"),
     ("CXX=/nonexistent/c++ compare --compile --out_dir {root}/late", "--compile on the CPU needs a C++ compiler"),
     # found only once the work started: the folder it made is removed again
@@ -218,7 +228,8 @@ if not torch.cuda.is_available():  # on a machine with a GPU these run (the GPU 
     CASES += [(f"{cmd} --device cuda", "torch sees no CUDA device here") for cmd in (
         "train --out_dir {root}/late", "compare --out_dir {root}/late",
         "eval {root}/run --source kjv", "generate {root}/run --prompt God",
-        "finetune --out_dir {root}/late", "study-nine --out_dir {root}/late")]
+        "finetune-study --out_dir {root}/late", "study-nine --out_dir {root}/late",
+        "finetune smollm2 --data {root}/run --out_dir {root}/late")]
 # Machines without a precision's autocast cannot be made here (this torch has bf16 and fp16 on
 # the CPU): tests/training/test_precision.py refuses one on the meta device instead.
 

@@ -54,8 +54,10 @@ def test_generate_and_finetune_help(capsys):
     text = help_text(capsys, "generate")
     assert "--max_new_tokens" in text and "--max-new-tokens" in text and "default: 32" in text
     pytest.importorskip("peft")
-    text = " ".join(help_text(capsys, "finetune").split())
+    text = " ".join(help_text(capsys, "finetune-study").split())
     assert "--lora_lr" in text and "default: 0.001" in text
+    text = " ".join(help_text(capsys, "finetune").split())
+    assert "MODEL" in text and "--data" in text and "--table_lr_mult" in text
 
 
 def test_both_spellings_and_flags():

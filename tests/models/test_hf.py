@@ -295,7 +295,7 @@ def test_mismatched_adapter_refused(tok, comp, tmp_path):
 @pytest.mark.slow
 def test_smollm2_identity_and_cached_generate():
     pytest.importorskip("gguf")
-    from engram.studies.finetune import load_pretrained
+    from engram.models.pretrained import load_pretrained
 
     try:
         model, tokenizer = load_pretrained()

@@ -122,3 +122,33 @@ def test_rolling_windows_score_each_target_once():
                 assert t <= seq_len and k <= t and (start == 0 or t == seq_len)
                 covered += list(range(start + t - k + 1, start + t + 1))  # targets scored
             assert covered == list(range(1, n))
+
+
+def test_a_finetuned_adapter_scores_as_engram_eval(tok, tmp_path, monkeypatch, capsys):
+    """`engram finetune`'s folder (here: random memory on a tiny llama) through lm-eval: the same
+    rolling log-likelihoods as `engram eval` on it."""
+    from hf_models import make_adapter
+
+    adapter = make_adapter(tmp_path, "llama", tok)
+    monkeypatch.chdir(TASKS)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["lm-eval", "--model_args", f"pretrained={adapter},max_length=64", "--tasks",
+                 "engram_docs", "--include_path", str(TASKS), "--output_path",
+                 str(tmp_path / "res"), "--log_samples", "--batch_size", "4"]) == 0
+    (path,) = glob.glob(str(tmp_path / "res" / "**" / "samples_engram_docs_*.jsonl"),
+                        recursive=True)
+    rows = sorted((json.loads(line) for line in open(path)), key=lambda r: r["doc_id"])
+    got = [float(r["resps"][0][0]) for r in rows]
+    docs = [json.loads(line)["text"] for line in open(TASKS / "docs.jsonl")]
+    text = tmp_path / "docs.txt"
+    text.write_text("\n\n".join(docs))
+    capsys.readouterr()
+    assert main(["eval", str(adapter), "--text", str(text), "--per_document", "--batch_size", "4",
+                 "--seq_len", "64", "--json", str(tmp_path / "eval.json")]) == 0
+    want = [d["loglikelihood"] for d in json.load(open(tmp_path / "eval.json"))["per_document"]]
+    assert got == want and len(got) == 6 and all(np.isfinite(got))
+    rc = main(["lm-eval", "--model_args", f"pretrained={adapter},tier=file", "--tasks",
+               "engram_docs", "--include_path", str(TASKS)])
+    assert rc == 2 and "served from memory only" in capsys.readouterr().err

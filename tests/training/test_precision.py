@@ -294,7 +294,7 @@ def test_compile_option_trains_like_eager(tmp_path, corpus, kw):
 
 
 def test_study_and_eval_configs_carry_device_and_precision():
-    from engram.studies.finetune import FinetuneConfig
+    from engram.studies.finetune import FinetuneStudyConfig as FinetuneConfig
 
     assert FinetuneConfig().device == "cpu" and FinetuneConfig().precision == "fp32"
     with pytest.raises(UserError):

@@ -1,5 +1,5 @@
 """The `engram` command line: every command declared once, by ``@command``
-(``registry``), in the file of its kind: ``training`` (demo, train, prepare, finetune),
+(``registry``), in the file of its kind: ``training`` (demo, train, prepare, finetune, finetune-study),
 ``studies`` (compare, the sweeps, study-nine, study-vision, eval, ablate, analyze), ``serving``
 (generate, export-hf, pool-budget, lm-eval, import-v41, export-v41).
 

@@ -217,6 +217,13 @@ def _check_model_args(args: dict[str, str]) -> None:
     if "pretrained" not in args:
         raise UserError("--model_args needs pretrained=DIR (an `engram export-hf` directory)")
     root = Path(args["pretrained"])
+    from ..models.adapter import is_adapter
+
+    if is_adapter(root):  # `engram finetune`'s folder
+        if args.get("tier", "memory") != "memory":
+            raise UserError(f"pretrained={root} is a finetuned adapter: its tables are served from "
+                            "memory only")
+        return
     if not (root / "config.json").is_file():
         raise InputNotFound(f"pretrained={root}: no config.json there (an `engram export-hf` "
                             "directory is expected)")

@@ -1,4 +1,4 @@
-"""Commands that make a run: demo, train, prepare, finetune."""
+"""Commands that make a run: demo, train, prepare, finetune, finetune-study."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import Interrupted, NonFinite, UserError
+from ..command import Arg, Config, In, Out
 from ..files import disk_error
-from ..command import Config, In, Out
 from ..ranges import AT_LEAST_1, POSITIVE, Range, check_ranges
 from .registry import RUN_RECORDS, TRAIN, command
+
 
 @dataclass
 class DemoOptions:
@@ -98,7 +99,12 @@ def _train(cfg, launch: Launch) -> None:
          about="Rerunning the same command resumes: finished shards are kept, changed ones redone.",
          interrupted="the shards finished so far are kept; the same command resumes from them")
 def _prepare(cfg) -> None:
-    from ..training.prepare import prepare, release_large_blocks, summary_lines, tokenizer_threads
+    from ..training.prepare import (
+        prepare,
+        release_large_blocks,
+        summary_lines,
+        tokenizer_threads,
+    )
 
     # Process-wide settings, here rather than inside prepare(): this process only prepares.
     if cfg.workers != 0:  # on worker threads
@@ -107,15 +113,44 @@ def _prepare(cfg) -> None:
         print("\n".join(summary_lines(prepare(cfg), cfg.out)))
 
 
-@command("finetune", "memory-only training of Engram injected into SmolLM2 vs LoRA",
-         configs=("engram.studies.finetune:FinetuneConfig",), reads=(In("model", check=False),),
-         writes=(Out("out_dir", "finetune"),),
-         about="Train only Engram injected into a frozen pretrained model (SmolLM2-135M) and LoRA "
-         "at the same trainable parameters; report fit and forgetting.")
-def _finetune(cfg) -> None:
-    from ..studies.finetune import format_summary, run_finetune
+@command("finetune", "Engram memory for your pretrained transformers model: train it on your "
+         "prepared text (backbone frozen), save an adapter that generate, eval and lm-eval open",
+         args=(Arg("model", "a transformers model folder (llama, mistral, qwen2, qwen3 or gpt2 "
+                   "family), or smollm2 (the packaged SmolLM2-135M-Instruct)"),),
+         configs=("engram.training.finetune:FinetuneConfig",),
+         reads=(In("model", check=False), In("data")), writes=(Out("out_dir", "adapter"),),
+         about="--data is a folder of `engram prepare --tokenizer MODEL`. Ctrl-C or SIGTERM saves "
+         "a checkpoint of the step reached; the same command resumes from it exactly.",
+         interrupted="stopped at once (before training began, or a second Ctrl-C): the newest "
+         "checkpoint in OUT_DIR/checkpoints, if any, is intact and the same command resumes from it")
+def _finetune(model: str, cfg) -> None:
+    from ..training.checkpoint import saved_step
+    from ..training.finetune import finetune
 
-    summary = run_finetune(cfg)
-    print(format_summary(summary))
+    try:
+        summary = finetune(model, cfg)
+    except (NonFinite, Interrupted) as e:  # say what the folder keeps
+        step = saved_step(cfg.out_dir)
+        kept = (f"the newest checkpoint is step {step} in {cfg.out_dir}/checkpoints; the same "
+                "command resumes from it" if step is not None else
+                f"no checkpoint yet in {cfg.out_dir}: nothing to resume from")
+        raise type(e)(f"{e}; {kept}") from None
+    print(f"held-out loss {summary['base_val_loss']:.4f} -> {summary['val_loss']:.4f} "
+          f"({summary['val_gain']:+.4f} nats) after {summary['steps']} steps; adapter in "
+          f"{cfg.out_dir} (engram generate {cfg.out_dir} --prompt ...)")
+
+
+@command("finetune-study", "Engram memory vs LoRA at equal trainable parameters on a frozen "
+         "pretrained model (SmolLM2), over seeds: gain, forgetting, tokens/s",
+         configs=("engram.studies.finetune:FinetuneStudyConfig",),
+         reads=(In("model", check=False), In("data")),
+         writes=(Out("out_dir", "finetune"),),
+         about="Both methods train on the same batches through the same loop as `engram finetune`; "
+         "each seed's results are kept in OUT_DIR/seedN and a rerun trains only the missing ones.")
+def _finetune_study(cfg) -> None:
+    from ..studies.finetune import format_study, run_study
+
+    summary = run_study(cfg)
+    print(format_study(summary))
     print(f"wrote {cfg.out_dir}/results.json and finetune.png "
           f"({summary['wall_seconds']:.0f}s in all)")

@@ -12,6 +12,12 @@ and two fingerprints, and the same JSON as ``engram_config.json`` for people to 
 
 ``load_engram`` refuses an adapter made on another base model, tokenizer or config, naming what
 differs: the rows would load without error and mean nothing.
+
+A self-contained adapter (``engram finetune``'s output) also names its base model (``base_model``:
+a packaged name or a folder, models/pretrained.py) and holds the tokenizer (``tokenizer.json``),
+its compression map (``compression.npy``) and the end-of-text id, so :func:`from_pretrained`
+loads base + Engram from the folder alone, and ``engram.open`` serves it
+(serving/hf_adapter.py).
 """
 
 from __future__ import annotations
@@ -22,19 +28,23 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from ..files import publish, publish_text
-from ..retrieval.compress import Compression, build_compression
+from ..errors import InputNotFound, UserError
+from ..files import publish, publish_bytes, publish_text
+from ..retrieval.compress import Compression, build_compression, tokenizer_fingerprint
 from ..retrieval.config import EngramConfig
 from .hf import InjectOptions, engram_runtime, inject
 
 FORMAT = "engram-hf-adapter-1"
 WEIGHTS = "engram.safetensors"
 META = "engram_config.json"
+TOKENIZER = "tokenizer.json"
+COMPRESSION = "compression.npy"
 # Config fields that fix the architecture; names differ by family, absent ones are skipped.
 _ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer",
               "num_attention_heads", "n_head", "num_key_value_heads", "intermediate_size", "n_inner",
@@ -42,7 +52,7 @@ _ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "n_embd", "num_hidden_l
 _SAMPLES = 64
 
 
-class AdapterMismatch(ValueError):
+class AdapterMismatch(UserError):
     """The adapter was made for another base model, tokenizer or Engram config."""
 
 
@@ -57,8 +67,10 @@ def base_fingerprint(model: nn.Module) -> dict[str, Any]:
         if id(p) in mine:
             continue
         flat = p.detach().reshape(-1)
+        # float32 positions round the last one up past the end from 2**24 values on (SmolLM2's
+        # embedding): clamp, which keeps every fingerprint that could be computed before.
         idx = torch.linspace(0, flat.numel() - 1, min(_SAMPLES, flat.numel()),
-                             device=flat.device).long()
+                             device=flat.device).long().clamp_(max=flat.numel() - 1)
         h.update(f"{name}:{tuple(p.shape)}:".encode())
         h.update(flat[idx].float().cpu().numpy().tobytes())
         n += 1
@@ -74,17 +86,33 @@ def compression_fingerprint(compression: Compression) -> str:
     return "lookup:" + hashlib.sha256(compression.lookup.tobytes()).hexdigest()[:32]
 
 
-def save_engram(model: nn.Module, directory: str | os.PathLike) -> Path:
-    """Write the adapter into ``directory`` (created if needed); returns the weights path."""
+def save_engram(model: nn.Module, directory: str | os.PathLike, *, base_model: str | None = None,
+                tokenizer: Any = None, eos_id: int | None = None,
+                base: dict[str, Any] | None = None) -> Path:
+    """Write the adapter into ``directory`` (created if needed); returns the weights path.
+
+    ``base_model`` (a packaged name or folder), ``tokenizer`` (a tokenizers.Tokenizer, the one
+    the compression was built from) and ``eos_id`` make it self-contained (:func:`from_pretrained`);
+    ``base``: the base fingerprint when the caller has it already (it reads every weight)."""
     rt = engram_runtime(model)
     meta = {"format": FORMAT, "config": rt.config.to_dict(),
             "options": {"gate": rt.options.gate, "conv": rt.options.conv},
-            "base": base_fingerprint(model), "tokenizer": compression_fingerprint(rt.compression),
+            "base": base if base is not None else base_fingerprint(model),
+            "tokenizer": compression_fingerprint(rt.compression),
             "compressed_vocab": len(rt.compression)}
-    tensors = {f"layers.{lid}.{k}": v.detach().cpu().contiguous().clone()
-               for lid, eng in rt.engrams.items() for k, v in eng.state_dict().items()}
+    if base_model is not None:
+        meta["base_model"] = base_model
+    if eos_id is not None:
+        meta["eos_id"] = int(eos_id)
+    tensors = engram_state_dict(model)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        if tokenizer_fingerprint(tokenizer) != meta["tokenizer"]:
+            raise ValueError("the tokenizer given is not the one the injected compression was "
+                             "built from")
+        publish_text(out / TOKENIZER, tokenizer.to_str())
+        publish_bytes(out / COMPRESSION, lambda f: np.save(f, rt.compression.lookup))
     text = json.dumps(meta, sort_keys=True)
     publish(out / WEIGHTS, lambda p: save_file(tensors, p, metadata={"engram": text}))
     publish_text(out / META, json.dumps(meta, indent=2, sort_keys=True))
@@ -94,7 +122,7 @@ def save_engram(model: nn.Module, directory: str | os.PathLike) -> Path:
 def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
     path = Path(directory) / WEIGHTS
     if not path.is_file():
-        raise FileNotFoundError(f"no Engram adapter at {path}")
+        raise InputNotFound(f"no Engram adapter at {path}")
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads((f.metadata() or {}).get("engram", "{}"))
     if meta.get("format") != FORMAT:
@@ -141,6 +169,59 @@ def load_engram(model: nn.Module, directory: str | os.PathLike, tokenizer: Any =
     return model
 
 
+def engram_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every Engram tensor of an injected model (CPU copies), as the adapter file keys them."""
+    return {f"layers.{lid}.{k}": v.detach().cpu().contiguous().clone()
+            for lid, eng in engram_runtime(model).engrams.items()
+            for k, v in eng.state_dict().items()}
+
+
+def load_engram_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Put :func:`engram_state_dict`'s tensors back (AdapterMismatch if they do not fit)."""
+    _copy_in(engram_runtime(model).engrams, tensors)
+
+
+def is_adapter(directory: str | os.PathLike) -> bool:
+    return (Path(directory) / WEIGHTS).is_file()
+
+
+def adapter_tokenizer(directory: str | os.PathLike) -> tuple[Any, Compression]:
+    """(tokenizers.Tokenizer, its compression map) a self-contained adapter holds."""
+    from tokenizers import Tokenizer
+
+    d = Path(directory)
+    if not (d / TOKENIZER).is_file() or not (d / COMPRESSION).is_file():
+        raise InputNotFound(f"{d} holds no {TOKENIZER} and {COMPRESSION}: an adapter written by "
+                            "save_engram without its tokenizer (load it with load_engram)")
+    tok = Tokenizer.from_file(str(d / TOKENIZER))
+    lookup = np.load(d / COMPRESSION, allow_pickle=False)
+    return tok, Compression(lookup, fingerprint=tokenizer_fingerprint(tok))
+
+
+def from_pretrained(directory: str | os.PathLike, base: str | None = None,
+                    device: str | None = None) -> tuple[nn.Module, Any]:
+    """(the base transformers model with the adapter's Engram injected and loaded, its tokenizer as
+    a transformers ``PreTrainedTokenizerFast``) from a self-contained adapter folder. ``base``
+    (default: the one the adapter names) must be the model it was trained on."""
+    from transformers import PreTrainedTokenizerFast
+
+    from .pretrained import load_pretrained
+
+    meta = read_meta(directory)
+    name = base if base is not None else meta.get("base_model")
+    if name is None:
+        raise UserError(f"{directory} names no base model: pass base=")
+    tok, comp = adapter_tokenizer(directory)
+    model, _ = load_pretrained(name, tokenizer=False)
+    if device is not None:
+        model.to(device)
+    load_engram(model, directory, compression=comp)
+    eos = meta.get("eos_id")
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, **({"eos_token": tok.id_to_token(eos)} if eos is not None else {}))
+    return model, hf_tok
+
+
 def _copy_in(engrams: dict[int, nn.Module], tensors: dict[str, torch.Tensor]) -> None:
     expected = {f"layers.{lid}.{k}": v for lid, e in engrams.items() for k, v in e.state_dict().items()}
     missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
@@ -179,5 +260,6 @@ def _diff(a: dict[str, Any], b: dict[str, Any]) -> str:
                      for k in keys if a.get(k) != b.get(k))
 
 
-__all__ = ["AdapterMismatch", "base_fingerprint", "compression_fingerprint", "load_engram",
-           "read_meta", "save_engram"]
+__all__ = ["AdapterMismatch", "adapter_tokenizer", "base_fingerprint", "compression_fingerprint",
+           "engram_state_dict", "from_pretrained", "is_adapter", "load_engram",
+           "load_engram_state_dict", "read_meta", "save_engram"]

@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -127,6 +128,7 @@ class EngramRuntime:
         self._handles: list[Any] = []
         self._states: dict[int, tuple[weakref.ref, SequenceState]] = {}  # id(cache) -> state
         self._call: _Call | None = None
+        self._given: _Call | None = None
         self._signature = inspect.signature(self.base.forward)
 
     # -- hooks ------------------------------------------------------------------------------------
@@ -153,7 +155,22 @@ class EngramRuntime:
             del layer.engram
         self._states.clear()
 
+    @contextmanager
+    def given(self, ids: dict[int, torch.Tensor],
+              convs: dict[int, EngramState] | None) -> Iterator[None]:
+        """Inside the block the decoder stack uses these hash ids ({layer: [b, t, H]}) and conv
+        states instead of hashing its input_ids: for a caller that hashes on its side and keeps
+        the decode state in a cache of its own (the one runtime, serving/hf_adapter.py)."""
+        self._given = _Call(ids, None, convs)
+        try:
+            yield
+        finally:
+            self._given = None
+
     def _stack_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._given is not None:
+            self._call = self._given
+            return
         bound = self._signature.bind_partial(*args, **kwargs).arguments
         extra = bound.get("kwargs", {})
         ids = bound.get("input_ids")

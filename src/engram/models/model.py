@@ -88,6 +88,16 @@ class DecodeCache:
         for state in self.engram.values():
             state.reorder(index)
 
+    def cat(self, other: DecodeCache) -> DecodeCache:
+        """This cache's rows, then ``other``'s (both at the same position)."""
+        return DecodeCache(
+            keys=[torch.cat([x, y]) for x, y in zip(self.keys, other.keys)],
+            values=[torch.cat([x, y]) for x, y in zip(self.values, other.values)],
+            engram={i: EngramState(None if s.conv is None
+                                   else torch.cat([s.conv, other.engram[i].conv]))
+                    for i, s in self.engram.items()},
+            pos=self.pos)
+
 
 def build_ffn(config: ModelConfig, layer: int) -> nn.Module:
     if config.is_moe_layer(layer):

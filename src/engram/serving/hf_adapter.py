@@ -1,0 +1,149 @@
+"""A finetuned adapter (``engram finetune``'s folder) served by the one runtime.
+
+``open_adapter(dir)`` loads the base transformers model the adapter names (models/pretrained.py),
+injects Engram and loads the trained memory (models/adapter.py, which refuses another base model),
+and returns a :class:`~engram.serving.runtime.Runtime` over :class:`InjectedLM`: the HF model behind
+the interface the runtime drives for our own LM (forward from model ids + hash ids with a decode
+cache, ``logits``, ``token_nll``, ``new_cache``), so ``engram generate``, ``engram eval`` and
+``engram lm-eval`` run it exactly as they run a trained run.
+
+Hashing stays the runtime's (paper 2.2: row ids from token ids alone, on the CPU): its hash ids and
+the conv states of the runtime's cache reach the injected layers through
+``EngramRuntime.given``, so the hooks' own per-KV-cache bookkeeping (for ``model.generate``) is
+not used here. The KV cache is transformers' ``DynamicCache``; :class:`InjectedCache` adds the
+position and the Engram conv states, and reorders and joins both (the Generator's batch compaction
+and its merge of prompt-length groups).
+
+Model ids are the tokenizer's ids (an HF model embeds every id of its tokenizer), so the vocabulary
+map is the identity. Tables stay in memory: the file tiers read table files, which an adapter
+does not have.
+
+Shape legend: b rows, t positions, d hidden size, V the model's vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UserError
+from ..models.hf import engram_runtime
+from ..models.model import ModelOutput
+from ..module import EngramState
+from .runtime import Runtime
+from .vocab import VocabMap
+
+
+@dataclass
+class InjectedCache:
+    """The decode state of rows of an :class:`InjectedLM`: transformers' KV cache, our position and
+    each Engram layer's conv context."""
+    kv: Any  # transformers.DynamicCache
+    engram: dict[int, EngramState] = field(default_factory=dict)
+    pos: int = 0
+    rows: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` (batch compaction)."""
+        if self.pos:
+            self.kv.reorder_cache(index.to(self.kv.layers[0].keys.device))
+        for s in self.engram.values():
+            s.reorder(index)
+        self.rows = int(index.numel())
+
+    def cat(self, other: InjectedCache) -> InjectedCache:
+        """This cache's rows, then ``other``'s (same position)."""
+        from transformers import DynamicCache
+
+        kv = DynamicCache([(torch.cat([a.keys, b.keys]), torch.cat([a.values, b.values]))
+                           for a, b in zip(self.kv.layers, other.kv.layers)])
+        convs = {i: EngramState(None if s.conv is None else torch.cat([s.conv, other.engram[i].conv]))
+                 for i, s in self.engram.items()}
+        return InjectedCache(kv, convs, self.pos, self.rows + other.rows)
+
+
+class InjectedLM(nn.Module):
+    """A transformers causal LM with Engram injected, driven as the runtime drives an EngramLM."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+        rt = engram_runtime(hf_model)
+        c = hf_model.config
+        n_pos = getattr(c, "max_position_embeddings", None) or c.n_positions
+        self.config = SimpleNamespace(vocab_size=hf_model.get_input_embeddings().num_embeddings,
+                                      max_seq_len=int(n_pos), engram=rt.config,
+                                      engram_layers=list(rt.config.layer_ids))
+
+    @property
+    def runtime(self):
+        return engram_runtime(self.hf)
+
+    @property
+    def embed(self) -> nn.Module:  # vocab.unknown_inputs hooks it
+        return self.hf.get_input_embeddings()
+
+    def engrams(self) -> dict[int, nn.Module]:
+        return dict(self.runtime.engrams)
+
+    def forward(self, tokens: torch.Tensor, hash_ids: dict[int, torch.Tensor] | None = None, *,
+                cache: InjectedCache | None = None) -> ModelOutput:
+        """tokens [b, t] -> final hidden [b, t, d]; with ``cache``, continuing at cache.pos."""
+        rt = self.runtime
+        if hash_ids is None:
+            raise ValueError("InjectedLM needs the runtime's hash ids")
+        with rt.given(hash_ids, None if cache is None else cache.engram):
+            out = rt.base(input_ids=tokens, cache=None if cache is None else cache.kv,
+                          use_cache=cache is not None)
+        if cache is not None:
+            cache.pos += tokens.shape[1]
+        hidden = out.last_hidden_state  # [b, t, d] after the final norm
+        return ModelOutput(hidden, hidden.new_zeros(()), head=self.logits)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., d] -> logits [..., V]: the model's own head (what its forward applies)."""
+        return self.hf.get_output_embeddings()(hidden)
+
+    def token_nll(self, output: ModelOutput, targets: torch.Tensor, *,
+                  ignore_index: int = -100) -> torch.Tensor:
+        return F.cross_entropy(output.logits.flatten(0, 1).float(), targets.flatten(),
+                               ignore_index=ignore_index, reduction="none").view_as(targets)
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> InjectedCache:
+        from transformers import DynamicCache
+
+        if max_len is not None and not 0 < max_len <= self.config.max_seq_len:
+            raise ValueError(f"max_len must be in [1, max_seq_len={self.config.max_seq_len}], got "
+                             f"{max_len}")
+        return InjectedCache(DynamicCache(config=self.hf.config),
+                             {i: EngramState() for i in self.config.engram_layers}, 0, batch_size)
+
+
+def open_adapter(path: Path, tier: str = "memory") -> Runtime:
+    """A :class:`Runtime` over the base model the adapter at ``path`` names, with its Engram."""
+    from ..models.adapter import adapter_tokenizer, from_pretrained, read_meta
+
+    if tier != "memory":
+        raise UserError(f"{path} is a finetuned adapter: its tables are served from memory only "
+                        f"(--tier {tier} reads table files, which an adapter does not have)")
+    meta = read_meta(path)
+    model, _ = from_pretrained(path)
+    tok, _ = adapter_tokenizer(path)
+    lm = InjectedLM(model).eval()
+    v = lm.config.vocab_size
+    return Runtime(lm, engram_runtime(model).hasher, VocabMap(torch.arange(v), v), tok,
+                   meta.get("eos_id"), path, f"adapter of {meta.get('base_model')}", tier,
+                   tokenizer_file=path / "tokenizer.json")
+
+
+__all__ = ["InjectedCache", "InjectedLM", "open_adapter"]
