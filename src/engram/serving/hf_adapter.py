@@ -37,7 +37,7 @@ from ..models.hf import engram_runtime
 from ..models.model import ModelOutput
 from ..module import EngramState
 from .runtime import Runtime
-from .vocab import VocabMap
+from ..models.vocab import VocabMap
 
 
 @dataclass
