@@ -17,7 +17,7 @@ A self-contained adapter (``engram finetune``'s output) also names its base mode
 a packaged name or a folder, models/pretrained.py) and holds the tokenizer (``tokenizer.json``),
 its compression map (``compression.npy``) and the end-of-text id, so :func:`from_pretrained`
 loads base + Engram from the folder alone, and ``engram.open`` serves it
-(serving/hf_adapter.py).
+(models/injected.py, serving/loader.py open_adapter).
 """
 
 from __future__ import annotations

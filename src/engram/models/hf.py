@@ -160,7 +160,7 @@ class EngramRuntime:
               convs: dict[int, EngramState] | None) -> Iterator[None]:
         """Inside the block the decoder stack uses these hash ids ({layer: [b, t, H]}) and conv
         states instead of hashing its input_ids: for a caller that hashes on its side and keeps
-        the decode state in a cache of its own (the one runtime, serving/hf_adapter.py)."""
+        the decode state in a cache of its own (the one runtime: models/injected.py)."""
         self._given = _Call(ids, None, convs)
         try:
             yield

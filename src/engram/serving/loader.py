@@ -11,11 +11,11 @@ from typing import Any, Callable
 
 from ..errors import UserError
 from ..models.run_files import load_dense_state
+from ..models.vocab import VocabMap
 from ..retrieval.hashing import Hasher
 from ..tables.registry import open_tier
 from ..training.precision import check_names, resolve
 from .runtime import Runtime
-from ..models.vocab import VocabMap
 
 
 def open_model(path: str | Path, *, tier: str = "memory", table_dir: str | Path | None = None,
@@ -37,12 +37,10 @@ def open_model(path: str | Path, *, tier: str = "memory", table_dir: str | Path 
                         "a tier such as file, or leave them out)")
     if device is not None:
         resolve(device, precision)  # this machine can run it: before loading
-    path = Path(path)
     from ..models.adapter import is_adapter
 
+    path = Path(path)
     if is_adapter(path):  # `engram finetune`'s folder: a transformers model + its Engram
-        from .hf_adapter import open_adapter
-
         if engram_layers is not None or table_dir is not None:
             raise UserError(f"{path} is a finetuned adapter: --engram_layers and --table_dir "
                             "apply to a run folder")
@@ -60,6 +58,30 @@ def open_model(path: str | Path, *, tier: str = "memory", table_dir: str | Path 
     if device is not None:
         rt.to(device)
     return rt
+
+
+def open_adapter(path: Path, tier: str = "memory") -> Runtime:
+    """``engram finetune``'s adapter folder: a :class:`Runtime` over the base transformers model it
+    names (models/pretrained.py) with its Engram loaded (models/adapter.py refuses another base
+    model), as models/injected.py's InjectedLM. Tables stay in memory: an adapter has no table
+    files."""
+    import torch
+
+    from ..models.adapter import adapter_tokenizer, from_pretrained, read_meta
+    from ..models.hf import engram_runtime
+    from ..models.injected import InjectedLM
+
+    if tier != "memory":
+        raise UserError(f"{path} is a finetuned adapter: its tables are served from memory only "
+                        f"(--tier {tier} reads table files, which an adapter does not have)")
+    meta = read_meta(path)
+    model, _ = from_pretrained(path)
+    tok, _ = adapter_tokenizer(path)
+    lm = InjectedLM(model).eval()
+    v = lm.config.vocab_size
+    return Runtime(lm, engram_runtime(model).hasher, VocabMap(torch.arange(v), v), tok,
+                   meta.get("eos_id"), path, f"adapter of {meta.get('base_model')}", tier,
+                   tokenizer_file=path / "tokenizer.json")
 
 
 def _open_run(run_dir: Path, *, tier: str, table_dir: str | Path | None, table_dtype: str | None,

@@ -1,22 +1,16 @@
-"""A finetuned adapter (``engram finetune``'s folder) served by the one runtime.
-
-``open_adapter(dir)`` loads the base transformers model the adapter names (models/pretrained.py),
-injects Engram and loads the trained memory (models/adapter.py, which refuses another base model),
-and returns a :class:`~engram.serving.runtime.Runtime` over :class:`InjectedLM`: the HF model behind
-the interface the runtime drives for our own LM (forward from model ids + hash ids with a decode
-cache, ``logits``, ``token_nll``, ``new_cache``), so ``engram generate``, ``engram eval`` and
-``engram lm-eval`` run it exactly as they run a trained run.
+"""A transformers causal LM with Engram injected (models/hf.py), behind the interface the one runtime
+(serving/runtime.py) drives for our own LM: forward from model ids + hash ids with a decode cache,
+``logits``, ``token_nll``, ``new_cache``. ``engram finetune``'s adapter folder opens as a runtime
+over it (serving/loader.py ``open_adapter``), so ``engram generate``, ``eval`` and ``lm-eval`` run
+it exactly as they run a trained run.
 
 Hashing stays the runtime's (paper 2.2: row ids from token ids alone, on the CPU): its hash ids and
 the conv states of the runtime's cache reach the injected layers through
 ``EngramRuntime.given``, so the hooks' own per-KV-cache bookkeeping (for ``model.generate``) is
 not used here. The KV cache is transformers' ``DynamicCache``; :class:`InjectedCache` adds the
 position and the Engram conv states, and reorders and joins both (the Generator's batch compaction
-and its merge of prompt-length groups).
-
-Model ids are the tokenizer's ids (an HF model embeds every id of its tokenizer), so the vocabulary
-map is the identity. Tables stay in memory: the file tiers read table files, which an adapter
-does not have.
+and its merge of prompt-length groups). Model ids are the tokenizer's ids (an HF model embeds every
+id of its tokenizer), so the runtime's vocabulary map is the identity.
 
 Shape legend: b rows, t positions, d hidden size, V the model's vocabulary.
 """
@@ -24,7 +18,6 @@ Shape legend: b rows, t positions, d hidden size, V the model's vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -32,12 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import UserError
-from ..models.hf import engram_runtime
-from ..models.model import ModelOutput
 from ..module import EngramState
-from .runtime import Runtime
-from ..models.vocab import VocabMap
+from .hf import engram_runtime
+from .model import ModelOutput
 
 
 @dataclass
@@ -129,21 +119,4 @@ class InjectedLM(nn.Module):
                              {i: EngramState() for i in self.config.engram_layers}, 0, batch_size)
 
 
-def open_adapter(path: Path, tier: str = "memory") -> Runtime:
-    """A :class:`Runtime` over the base model the adapter at ``path`` names, with its Engram."""
-    from ..models.adapter import adapter_tokenizer, from_pretrained, read_meta
-
-    if tier != "memory":
-        raise UserError(f"{path} is a finetuned adapter: its tables are served from memory only "
-                        f"(--tier {tier} reads table files, which an adapter does not have)")
-    meta = read_meta(path)
-    model, _ = from_pretrained(path)
-    tok, _ = adapter_tokenizer(path)
-    lm = InjectedLM(model).eval()
-    v = lm.config.vocab_size
-    return Runtime(lm, engram_runtime(model).hasher, VocabMap(torch.arange(v), v), tok,
-                   meta.get("eos_id"), path, f"adapter of {meta.get('base_model')}", tier,
-                   tokenizer_file=path / "tokenizer.json")
-
-
-__all__ = ["InjectedCache", "InjectedLM", "open_adapter"]
+__all__ = ["InjectedCache", "InjectedLM"]
