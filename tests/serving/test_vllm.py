@@ -51,10 +51,14 @@ def served(tmp_path_factory, deepseek):
     return out, ps, reference(model, hasher, vocab, ps, MAX_NEW), (model, hasher, vocab)
 
 
+# The memory tier in the default run; the others slow-marked: each is an engine start (~40 s), and
+# every tier's rows through the same PagedLM are checked in the default run on the mini engine
+# (tests/serving/test_hf_export.py test_every_tier_serves_generate_s_tokens).
 @pytest.mark.parametrize("overrides", [
     None,
-    {"engram_serving": {"tier": "file", "cache_fraction": 0.05, "prefetch": True}},
-    {"engram_serving": {"tier": "shared"}},
+    pytest.param({"engram_serving": {"tier": "file", "cache_fraction": 0.05, "prefetch": True}},
+                 marks=pytest.mark.slow),
+    pytest.param({"engram_serving": {"tier": "shared"}}, marks=pytest.mark.slow),
 ], ids=["memory", "file-cache-prefetch", "shared"])
 def test_vllm_greedy_equals_engram_generate(served, tmp_path, overrides):
     out, ps, want, _ = served
