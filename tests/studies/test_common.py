@@ -144,7 +144,7 @@ def _png(path: Path) -> bool:
 def test_plots_leave_the_backend_alone(svg_backend, tmp_path):
     import matplotlib
 
-    from engram.studies import analysis_report, analysis_seeds, finetune, nine_report, pool_report
+    from engram.studies import analysis_report, analysis_seeds, finetune_report, nine_report, pool_report
     from engram.studies import report, sweep, vision_report
     from engram.studies.ablate_report import plot_ablation
 
@@ -162,7 +162,7 @@ def test_plots_leave_the_backend_alone(svg_backend, tmp_path):
     analysis_report.plot_cka(one["cka"], tmp_path / "cka.png")
     analysis_report.plot_retention(one["retention"], tmp_path / "retention.png")
     pool_report.plot(load("pool", "budget.json"), tmp_path / "pool.png")
-    finetune.plot_finetune(load("finetune_smollm2.json"), tmp_path / "finetune.png")
+    finetune_report.plot_study(load("finetune_smollm2.json"), tmp_path / "finetune.png")
     history = [{"tokens": 32 * i, "loss": 7.0 - 0.1 * i, **({"val_loss": 7.1 - 0.1 * i}
                                                             if i % 2 == 0 else {})}
                for i in range(1, 5)]

@@ -148,7 +148,8 @@ def _finetune(model: str, cfg) -> None:
          about="Both methods train on the same batches through the same loop as `engram finetune`; "
          "each seed's results are kept in OUT_DIR/seedN and a rerun trains only the missing ones.")
 def _finetune_study(cfg) -> None:
-    from ..studies.finetune import format_study, run_study
+    from ..studies.finetune import run_study
+    from ..studies.finetune_report import format_study
 
     summary = run_study(cfg)
     print(format_study(summary))
