@@ -14,8 +14,9 @@ from engram.errors import UserError
 
 # What each command needs besides options to get as far as building its configs.
 POSITIONALS = {"eval": ["RUN"], "analyze": ["RUN"], "generate": ["RUN"], "export-tables": ["RUN"],
-               "export-hf": ["RUN", "OUT"]}
-REQUIRED = {"generate": ["--prompt", "hi"], "prepare": ["--out", "corpus", "--source", "kjv"]}
+               "export-hf": ["RUN", "OUT"], "finetune": ["MODEL"]}
+REQUIRED = {"generate": ["--prompt", "hi"], "prepare": ["--out", "corpus", "--source", "kjv"],
+            "finetune": ["--data", "corpus"]}
 
 
 def printed(capsys, name: str, *argv: str) -> str:
