@@ -218,10 +218,10 @@ class Runtime:
         if len(raw) < 2:
             raise UserError("need at least two tokens to score")
         plan = [(0, s, t, t) for s, t in windows(len(raw), seq_len)]
-        (total,), (scored,) = self._score([raw], plan, seq_len, batch_size, per_row=False,
-                                          progress=progress)
+        (total,), (scored,) = self.score_windows([raw], plan, seq_len, batch_size,
+                                                 per_row=False, progress=progress)
         targets = len(raw) - 1
-        unseen = self.ids.to_local(torch.from_numpy(raw)).numpy() < 0
+        unseen = self.ids.to_local(raw) < 0
         return {"loss": total / max(scored, 1), "tokens": int(len(raw)), "targets": targets,
                 "scored": scored, "left_out": targets - scored,
                 "left_out_fraction": (targets - scored) / targets,
@@ -236,12 +236,12 @@ class Runtime:
         streams = [np.asarray([start_id, *d], dtype=np.int64) for d in docs]
         plan = sorted(((i, *w) for i, s in enumerate(streams)
                        for w in rolling_windows(len(s), seq_len)), key=lambda w: w[2])
-        total, scored = self._score(streams, plan, seq_len, batch_size, per_row=True)
+        total, scored = self.score_windows(streams, plan, seq_len, batch_size, per_row=True)
         return [{"loglikelihood": -total[i], "targets": len(d), "scored": scored[i]}
                 for i, d in enumerate(docs)]
 
     @torch.no_grad()
-    def _score(self, streams: list[np.ndarray], plan: list[tuple[int, int, int, int]],
+    def score_windows(self, streams: list[np.ndarray], plan: list[tuple[int, int, int, int]],
                seq_len: int, batch_size: int, per_row: bool, progress: bool = False,
                greedy: list[bool] | None = None) -> tuple[list[float], list[int]]:
         """Summed NLL and scored targets per stream over ``plan``'s windows (stream, start, length
@@ -253,7 +253,7 @@ class Runtime:
 
         if seq_len > self.max_seq_len:
             raise UserError(f"seq_len={seq_len} exceeds the model's max_seq_len={self.max_seq_len}")
-        locs = [self.ids.to_local(torch.from_numpy(s)).numpy() for s in streams]
+        locs = [self.ids.to_local(s) for s in streams]
         groups: dict[int, list[tuple[int, int, int, int]]] = {}
         for w in plan:
             groups.setdefault(w[2], []).append(w)

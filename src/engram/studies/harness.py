@@ -8,15 +8,16 @@ engram`` is added when no model is named:
 
     engram lm-eval --model_args pretrained=OUT,tier=file --tasks wikitext --include_path DIR
 
-model_args: ``pretrained`` (an export, or an adapter: base model + Engram, tables in memory), the tier keys of ``engram_serving`` (``tier``,
-``cache_fraction``, ``prefetch``), ``batch_size``, ``max_length`` (default: the model's), ``device``.
+model_args: ``pretrained`` (an export, or an adapter: base model + Engram, tables in memory), the
+tier keys of ``engram_serving`` (``tier``, ``cache_fraction``, ``prefetch``), ``batch_size``,
+``max_length`` (default: the model's), ``device``.
 
 How each request type is scored (the model is EngramLMForCausalLM, serving/hf_model.py):
 - ``loglikelihood_rolling``: each document after EOS (the token that precedes every document in
   training) in rolling windows, by ``Runtime.score_documents``, what ``engram eval
   --per_document`` reports (tested equal). Unseen ids are context only, as there.
 - ``loglikelihood``: context + continuation cut to the last ``max_length + 1`` tokens, one forward
-  by the runtime's scorer; a continuation token the run never saw has probability 0
+  by the runtime's scorer (``Runtime.score_windows``); a continuation token the run never saw has probability 0
   (log-likelihood -inf), since leaving it out would favour continuations the model cannot write.
 - ``generate_until``: the runtime's Generator (``engram generate``'s decoding; greedy unless the
   task samples), cut at the first stop string.
@@ -105,8 +106,8 @@ class EngramHarnessLM(TemplateLM):
                       key=lambda w: w[2])  # one batch shape per length
         _, unseen = rt.local_ids(torch.from_numpy(np.concatenate(streams)))  # warned once
         greedy = [True] * len(streams)
-        total, _ = rt._score(streams, plan, self.max_length, self.batch_size, per_row=True,
-                             greedy=greedy)
+        total, _ = rt.score_windows(streams, plan, self.max_length, self.batch_size,
+                                    per_row=True, greedy=greedy)
         out, end = [], 0
         for i, s in enumerate(streams):
             end += len(s)
