@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import engram
+from engram.errors import UserError
 from engram.training.batches import Batch, TokenBatches, val_batches
 from engram.training.corpus import Corpus, DataConfig, build_corpus, load_documents
 
@@ -265,6 +266,32 @@ def test_batches_are_a_function_of_seed_and_step(corpus, hasher):
             assert torch.equal(getattr(x, f), getattr(y, f))
     assert not torch.equal(a.batch(0).raw, a.batch(1).raw)
     assert not torch.equal(a.batch(0).raw, TokenBatches(corpus.train, 4, 32, corpus, seed=8).batch(0).raw)
+
+
+def test_stratified_batches(corpus):
+    """Window i of every batch starts in the i-th b-th of the stream; (seed, step) alone decides;
+    the seed changes the windows; a stream too short for b strata falls back to uniform."""
+    b, t = 8, 32
+    span = len(corpus.train) - t
+    edges = np.arange(b + 1) * span // b
+    st = TokenBatches(corpus.train, b, t, corpus, seed=3, sampling="stratified")
+    windows = np.lib.stride_tricks.sliding_window_view(corpus.train, t)
+    seen = set()
+    for step in range(20):
+        raw = st.batch(step).raw.numpy()
+        for i in range(b):  # the window's start: where its tokens occur inside stratum i
+            lo, hi = edges[i], edges[i + 1]
+            assert (windows[lo:hi] == raw[i]).all(axis=1).any(), (step, i)
+        seen.add(raw.tobytes())
+    assert len(seen) == 20
+    again = TokenBatches(corpus.train, b, t, corpus, seed=3, sampling="stratified")
+    assert torch.equal(again.batch(7).raw, st.batch(7).raw)
+    other = TokenBatches(corpus.train, b, t, corpus, seed=4, sampling="stratified")
+    assert not torch.equal(other.batch(7).raw, st.batch(7).raw)
+    tiny = np.asarray(corpus.train[:t + 3])  # 3 starts, 8 windows: no 8 strata
+    assert TokenBatches(tiny, b, t, corpus, seed=0, sampling="stratified").batch(0).raw.shape == (b, t)
+    with pytest.raises(UserError, match="sampling must be one of"):
+        TokenBatches(corpus.train, b, t, corpus, sampling="sorted")
 
 
 def test_batch_contents(corpus, hasher):

@@ -60,24 +60,44 @@ def _make_batch(stream: TokenStream, corpus: Corpus, starts: np.ndarray, seq_len
     return Batch(x, loc[:, :-1].contiguous(), loc[:, 1:].contiguous(), hasher.hash(x) if hasher else {})
 
 
+SAMPLINGS = ("uniform", "stratified")
+
+
 class TokenBatches:
     """Random windows of a token stream; ``batch(step)`` depends on (seed, step) only, so a run
     resumed at step k gets exactly the batches it would have had, with no replay. A window may start
-    anywhere in the whole stream, across shard boundaries."""
+    anywhere in the whole stream, across shard boundaries.
+
+    ``sampling``: "uniform" draws each window's start anywhere; "stratified" cuts the stream into
+    b equal strata and draws window i of every batch inside stratum i. Each window is still uniform
+    over the stream (the gradient's expectation is unchanged) and the seed still sets the order, but
+    every batch holds the sources in their corpus proportions: on a stream of sources back to back
+    (two languages by default) a uniform batch's mix varies step to step, and the last steps' mix
+    moves a short run's final loss (studies/compare.py measures the effect).
+    """
 
     def __init__(self, tokens: TokenStream | np.ndarray, batch_size: int, seq_len: int,
-                 corpus: Corpus, hasher: NgramHasher | None = None, seed: int = 0):
+                 corpus: Corpus, hasher: NgramHasher | None = None, seed: int = 0,
+                 sampling: str = "uniform"):
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if sampling not in SAMPLINGS:
+            raise UserError(f"sampling must be one of {', '.join(SAMPLINGS)}, got {sampling!r}")
         self.tokens = _check_stream(tokens, batch_size, seq_len)  # [n] raw
         self.corpus = corpus
         self.batch_size, self.seq_len, self.hasher, self.seed = batch_size, seq_len, hasher, seed
+        self.sampling = sampling
 
     def batch(self, step: int) -> Batch:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         rng = np.random.default_rng([self.seed, step])  # a fresh stream per step: no state to resume
-        starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)  # [b]
+        span = len(self.tokens) - self.seq_len  # window starts are [0, span)
+        if self.sampling == "stratified" and span >= self.batch_size:
+            edges = np.arange(self.batch_size + 1) * span // self.batch_size  # [b + 1]
+            starts = rng.integers(edges[:-1], edges[1:])  # [b]: window i inside stratum i
+        else:  # (a stream shorter than b windows has no b strata: uniform)
+            starts = rng.integers(0, span, size=self.batch_size)  # [b]
         return _make_batch(self.tokens, self.corpus, starts, self.seq_len, self.hasher)
 
 

@@ -134,7 +134,7 @@ def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = Non
     # Unhashed: each rank hashes only its own rows of the global batch.
     # Every rank reads the global batch's windows from the same memory-mapped shards, then its rows.
     run.batches = TokenBatches(corpus.streams["train"], cfg.batch_size, cfg.seq_len, corpus,
-                               seed=cfg.seed)
+                               seed=cfg.seed, sampling=cfg.sampling)
     run.optim = sharded_optimizers(run.model, cfg)
     # The shards differ per rank: DDP must neither broadcast nor average them.
     DDP._set_params_and_buffers_to_ignore_for_model(run.model, [

@@ -107,6 +107,10 @@ class TrainConfig:
     # -- optimisation --
     steps: int = 300
     batch_size: int = 16
+    # How a batch's windows are drawn: "uniform" (anywhere in the stream) or "stratified" (window i
+    # of a batch in the i-th b-th of the stream: each batch holds the sources in proportion;
+    # training/batches.py).
+    sampling: str = field(default="uniform", metadata={"choices": "engram.training.batches:SAMPLINGS"})
     grad_accum: int = 1
     lr: float = 3e-3
     table_lr_mult: float = 5.0  # paper: tables at 5x the learning rate, no weight decay
@@ -268,7 +272,7 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None,
         run_settings.reuse(cfg.out_dir)  # the routes this run took before, whatever the cache says
         gemm.prepare(model, [cfg.batch_size * cfg.seq_len])  # routes measured now, not in a step
     batches = TokenBatches(corpus.streams["train"], cfg.batch_size, cfg.seq_len, corpus, hasher,
-                           seed=cfg.seed)
+                           seed=cfg.seed, sampling=cfg.sampling)
     optim = build_optimizers(model, cfg.lr, weight_decay=cfg.weight_decay,
                              table_lr_mult=cfg.table_lr_mult, table_optimizer=cfg.table_optimizer)
     optim.scaler = LossScaler() if cfg.precision == "fp16" else None
