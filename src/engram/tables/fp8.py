@@ -60,9 +60,7 @@ class StoredRows:
                 self.kernel = kernels.gather_bf16
                 self.args = (data.view(torch.int16).numpy().view(np.uint16),)
             elif kernels is not None:
-                block = data.shape[1] // scales.shape[1]
-                self.kernel = (kernels.gather_fp8 if block % kernels.LANES == 0
-                               else kernels.gather_fp8_any)
+                self.kernel = kernels.gather_fp8
                 lut = _E8M0_FLOATS if scales.dtype == torch.uint8 else None
                 self.args = (data.view(torch.uint8).numpy(), scales.numpy(), lut)
 
@@ -70,22 +68,36 @@ class StoredRows:
                out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``ids`` [n] (int64 on the CPU, in range; None: every row in order) as
         ``out_dtype`` [n, e] (into ``out`` when given): the values of ``dequantize_fp8(data[ids],
-        scales[ids])`` (fp8) or ``data[ids]`` (others) cast to out_dtype, bit for bit. fp8 and
-        bf16 rows on the CPU are read to fp32 in one pass by a compiled kernel, which holds no
-        lock of Python's (a large read can be split over threads)."""
+        scales[ids])`` (fp8) or ``data[ids]`` (others) cast to out_dtype, bit for bit; ids
+        outside the rows raise :func:`check_range`'s IndexError (tiers leave the check to this
+        read). fp8 and bf16 rows on the CPU are read to fp32 in one pass by a compiled kernel,
+        which checks the ids as it goes and holds no lock of Python's (a large read can be split
+        over threads)."""
         data, scales = self.data, self.scales
         n = data.shape[0] if ids is None else ids.shape[0]
         if out is None:
             out = torch.empty(n, self.dim, dtype=out_dtype, device=data.device)
         if self.kernel is None or out.dtype != torch.float32 or not out.is_contiguous():
+            if ids is not None and ids.device.type == "cpu":
+                check_range(ids.numpy(), data.shape[0])
             if scales is None and ids is not None and data.dtype == out.dtype:
                 return torch.index_select(data, 0, ids, out=out)
             raw = data if ids is None else data.index_select(0, ids)
             if scales is not None:
                 raw = dequantize_fp8(raw, scales if ids is None else scales.index_select(0, ids))
             return out.copy_(raw)
-        self.kernel(*self.args, np.arange(n) if ids is None else ids.numpy(), out.numpy())
+        at = np.arange(n) if ids is None else ids.numpy()
+        if self.kernel(*self.args, at, out.numpy()) < n:
+            check_range(at, data.shape[0])
         return out
+
+
+def check_range(ids: np.ndarray, num_rows: int) -> None:
+    """Row ids [n] (int64) all in [0, num_rows), or an IndexError saying which range came."""
+    if ids.size:
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= num_rows:
+            raise IndexError(f"row ids must be in [0, {num_rows}), got [{lo}, {hi}]")
 
 
 def gather_rows(data: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor | None,
