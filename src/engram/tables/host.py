@@ -66,7 +66,8 @@ class HostTable:
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         flat = check_rows(rows, self.num_rows, bounds=False)  # the read checks them
-        return self.rows.gather(flat, self.out_dtype).view(*rows.shape, self.dim)  # [..., e]
+        out = self.rows.gather(flat, self.out_dtype)  # [n, e]
+        return out if rows.dim() == 1 else out.view(*rows.shape, self.dim)  # [..., e]
 
     def prefetch(self, rows: torch.Tensor) -> None:
         pass

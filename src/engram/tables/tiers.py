@@ -48,11 +48,11 @@ def check_rows(rows: torch.Tensor, num_rows: int, bounds: bool = True) -> torch.
     """Flat int64 CPU row ids [n], with a clear error for ids the table does not have
     (``bounds=False``: left to the read, fp8.StoredRows.gather, which checks them as it reads:
     at a decode step the separate numpy pass cost ~5 us of a ~50 us read)."""
-    if rows.dtype.is_floating_point or rows.dtype == torch.bool:
-        raise TypeError(f"row ids must be an integer tensor, got {rows.dtype}")
-    flat = rows.reshape(-1)
-    if flat.dtype != torch.long or flat.device.type != "cpu":
-        flat = flat.to("cpu", torch.long)
+    flat = rows
+    if rows.dtype != torch.long or rows.dim() != 1 or rows.device.type != "cpu":
+        if rows.dtype.is_floating_point or rows.dtype == torch.bool:
+            raise TypeError(f"row ids must be an integer tensor, got {rows.dtype}")
+        flat = rows.reshape(-1).to("cpu", torch.long)
     if bounds:
         check_range(flat.numpy(), num_rows)
     return flat
@@ -270,7 +270,7 @@ class FileTable:
             self._split(lambda f, o: whole.gather(f, out=o), flat, out)
         else:  # windows: the stored rows copied out window by window, then widened
             StoredRows(*self._stored(data, scales, flat)).gather(None, out=out)
-        return out.view(*rows.shape, self.dim)
+        return out if rows.dim() == 1 else out.view(*rows.shape, self.dim)
 
     def _whole(self, data: _Region, scales: _Region | None) -> StoredRows:
         """The whole mapping's rows, made once per mapping (evict and close drop it)."""
