@@ -61,7 +61,7 @@ class StoredRows:
                 self.args = (data.view(torch.int16).numpy().view(np.uint16),)
             elif kernels is not None:
                 self.kernel = kernels.gather_fp8
-                lut = _E8M0_FLOATS if scales.dtype == torch.uint8 else None
+                lut = E8M0_TABLE if scales.dtype == torch.uint8 else None
                 self.args = (data.view(torch.uint8).numpy(), scales.numpy(), lut)
 
     def gather(self, ids: torch.Tensor | None, out_dtype: torch.dtype = torch.float32,
@@ -199,5 +199,7 @@ def table_memory(rows: dict[int, int], dim: int, block: int = 32) -> dict:
             "row_bytes": {f: row_bytes(dim, f, block) for f in ROW_FORMATS}}
 
 
-# Every E8M0 code's fp32 value [256], as e8m0_to_float reads it: the fused read's scale table.
-_E8M0_FLOATS = e8m0_to_float(torch.arange(256, dtype=torch.uint8)).numpy()
+# The fused read's scale table [2, 256]: every E8M0 code's fp32 value, as e8m0_to_float reads it,
+# and that x 2^120 (infinite from code 135), the scale its vector steps fold 2^120 into.
+_E8M0_FLOATS = e8m0_to_float(torch.arange(256, dtype=torch.uint8))
+E8M0_TABLE = torch.stack([_E8M0_FLOATS, _E8M0_FLOATS * 2.0 ** 120]).numpy()
