@@ -98,10 +98,11 @@ def _e4m3_lanes(folded: bool):
 # bit 31, its exponent and mantissa to bits 26..20: the fp32 of those bits is the value x 2^-120,
 # exactly (E4M3 subnormals as fp32 ones), so x 2^120 is the value, exactly, and x s the one
 # rounding torch's product makes; any s (infinities, NaN, subnormals) as torch's. Measured
-# faster than the fp16 route (vcvtph2ps) on Zen 4: 21 against 26 ns a 256-value row.
+# faster than the fp16 route (vcvtph2ps) on Zen 4: 22 against 25 ns a 256-value row in L2.
 e4m3_lanes = _e4m3_lanes(folded=False)
-# The same with s = scale x 2^120 (exact below 2^8, E8M0 codes < FOLD_CODE): one product a value
-# instead of two, the one rounding the same (6% faster rows, Zen 4).
+# The same with s = scale x 2^120 (exact below 2^8: E8M0 codes < FOLD_CODE; rows with a larger
+# code are read value by value): one product a value instead of two, the one rounding the same
+# (19 against 22 ns a row in L2, Zen 4; benchmarks/v41.py KERNEL_CHOICE).
 e4m3_lanes_folded = _e4m3_lanes(folded=True)
 FOLD_CODE = 135  # E8M0 2^(135 - 127) x 2^120 is past fp32's range
 
