@@ -5,6 +5,8 @@ whole and windowed, pinned, shared, pool, behind a cache) serving them bit for b
 scales, and bf16's for every bf16 pattern, on every registered tier, bare and behind cache and
 prefetch."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -154,15 +156,25 @@ EXTREME_FP32 = [0.0, -0.0, 1e-45, 1e-40, 2.0 ** -126, 2.0 ** -100, 0.37, 1.0, -5
                 float("nan")]
 
 
+def _nan_in_even_rows(q):
+    """E4M3 bytes [r, e] (uint8) -> float8 rows [2r, e]: rows 2k and 2k+1 hold q[k]'s bytes,
+    2k with a NaN pair first, 2k+1 with none (its NaN bytes made +-448), so the kernel's vector
+    steps are checked on every byte in rows it does not redo value by value (it redoes a row
+    holding a NaN byte)."""
+    q = q.repeat_interleave(2, 0)
+    q[::2, :2] = torch.tensor([0x7F, 0xFF], dtype=torch.uint8)
+    odd = q[1::2]
+    odd[(odd & 0x7F) == 0x7F] ^= 1
+    return q.view(torch.float8_e4m3fn)
+
+
 @pytest.mark.parametrize("dim,block", [(256, 32), (256, 16), (64, 64), (40, 40), (96, 32)])
 def test_fused_read_equals_dequantize_bit_for_bit(dim, block):
     """Every E4M3 byte (NaN 0x7F / 0xFF included) under every E8M0 code (0: zero, 1: products
     fp32 subnormals, 254, 255: infinity) and extreme fp32 scales; blocks of every shape the
     kernel splits differently. Bits, so NaNs and signed zeros count."""
     nb = dim // block
-    q = (torch.arange(256 * dim) % 256).to(torch.uint8).view(256, dim)  # [256, e]
-    q[:, :2] = torch.tensor([0x7F, 0xFF], dtype=torch.uint8)  # a NaN in every row
-    q = q.view(torch.float8_e4m3fn)
+    q = _nan_in_even_rows((torch.arange(128 * dim) % 256).to(torch.uint8).view(128, dim))
     codes = ((torch.arange(256)[:, None] + 37 * torch.arange(nb)) % 256).to(torch.uint8)
     codes[0] = 255  # a whole row at infinity
     ids = torch.cat([torch.arange(256), torch.randint(0, 256, (300,),
@@ -179,6 +191,40 @@ def test_fused_read_equals_dequantize_bit_for_bit(dim, block):
     assert gather_rows(q, codes, ids[:7], out=out) is out
     assert torch.equal(_bits(out), _bits(dequantize_fp8(q[ids[:7]], codes[ids[:7]])))
     assert gather_rows(q, codes, ids[:0]).shape == (0, dim)
+
+
+def test_fused_read_when_the_cpu_flushes_subnormals():
+    """torch.set_flush_denormal(True) (x86's DAZ) makes fp32 subnormal operands read as 0: the
+    kernel's vector steps would read E4M3 subnormals as 0, so it reads value by value then and
+    gives torch's values in that mode too (a scale that is an fp32 subnormal reads as 0 in both)."""
+    q = _nan_in_even_rows((torch.arange(128 * 64) % 256).to(torch.uint8).view(128, 64))
+    codes = ((torch.arange(256)[:, None] + 37 * torch.arange(2)) % 255).to(torch.uint8)
+    fp32 = torch.tensor(EXTREME_FP32[:-1])[torch.arange(512).view(256, 2) % 16]  # no NaN
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(2))
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-to-zero mode")
+    try:
+        for sc in (codes, fp32):
+            want = dequantize_fp8(q[ids], sc[ids])
+            assert torch.equal(_bits(gather_rows(q, sc, ids)), _bits(want))
+        assert bool((dequantize_fp8(q[1:2], codes[1:2])[0, :8] == 0).all())  # the mode is on
+    finally:
+        torch.set_flush_denormal(False)
+    assert not bool((dequantize_fp8(q[1:2], codes[1:2])[0, 1:8] == 0).any())
+
+
+@pytest.mark.parametrize("stored", ["fp8+e8m0", "fp8+fp32", "bf16", "fp32"])
+def test_fused_read_refuses_ids_outside_the_rows(stored):
+    """The kernels check ids as they read (tiers leave it to them): one line naming the range,
+    as the torch path gives it."""
+    x = torch.randn(10, 64)
+    q, codes = quantize_fp8_e8m0(x, 32)
+    data, sc = {"fp8+e8m0": (q, codes), "fp8+fp32": (q, e8m0_to_float(codes)),
+                "bf16": (x.bfloat16(), None), "fp32": (x, None)}[stored]
+    for ids, got in (([3, 10, 2], "[2, 10]"), ([0, -1], "[-1, 0]"), ([-5], "[-5, -5]")):
+        with pytest.raises(IndexError, match=re.escape(f"row ids must be in [0, 10), got {got}")):
+            gather_rows(data, sc, torch.tensor(ids))
+    assert torch.equal(gather_rows(data, sc, torch.tensor([9, 0])), gather_rows(data, sc, None)[[9, 0]])
 
 
 def test_fused_bf16_read_and_other_dtypes():
@@ -218,7 +264,8 @@ def edge_table(request, tmp_path_factory):
         x = (torch.arange(n * e) * 7 % 65536 - 32768).to(torch.int16).view(n, e).view(torch.bfloat16)
         write_table(table_path(folder, 1), x, **kw)
         return folder, hasher, x.float()
-    q = (torch.arange(n * e) % 256).to(torch.uint8).view(n, e).view(torch.float8_e4m3fn)
+    half = (n + 1) // 2
+    q = _nan_in_even_rows((torch.arange(half * e) % 256).to(torch.uint8).view(half, e))[:n]
     if fmt == "e8m0":
         edge = torch.tensor([0, 1, 2, 3, 60, 100, 119, 127, 134, 135, 136, 200, 253, 254])
         sc = edge[torch.arange(n * e // 32) % edge.numel()].view(n, e // 32).to(torch.uint8)
@@ -247,6 +294,9 @@ def test_every_tier_reads_edge_rows_bit_for_bit(tier, front, edge_table):
                      torch.arange(0, 890, 31), torch.randint(0, 890, (40,), generator=g)):
             store.prefetch(rows)
             assert torch.equal(_bits(store.lookup(rows)), _bits(want[rows])), (tier, front)
+        for bad in ([5, 890], [3, -1]):  # one line (a sharded tier names the rank)
+            with pytest.raises(IndexError, match=re.escape("[0, 890)")):
+                store.lookup(torch.tensor(bad))
     finally:
         opened.close()
 

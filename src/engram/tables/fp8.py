@@ -60,32 +60,44 @@ class StoredRows:
                 self.kernel = kernels.gather_bf16
                 self.args = (data.view(torch.int16).numpy().view(np.uint16),)
             elif kernels is not None:
-                block = data.shape[1] // scales.shape[1]
-                self.kernel = (kernels.gather_fp8 if block % kernels.LANES == 0
-                               else kernels.gather_fp8_any)
-                lut = _E8M0_FLOATS if scales.dtype == torch.uint8 else None
+                self.kernel = kernels.gather_fp8
+                lut = E8M0_TABLE if scales.dtype == torch.uint8 else None
                 self.args = (data.view(torch.uint8).numpy(), scales.numpy(), lut)
 
     def gather(self, ids: torch.Tensor | None, out_dtype: torch.dtype = torch.float32,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``ids`` [n] (int64 on the CPU, in range; None: every row in order) as
         ``out_dtype`` [n, e] (into ``out`` when given): the values of ``dequantize_fp8(data[ids],
-        scales[ids])`` (fp8) or ``data[ids]`` (others) cast to out_dtype, bit for bit. fp8 and
-        bf16 rows on the CPU are read to fp32 in one pass by a compiled kernel, which holds no
-        lock of Python's (a large read can be split over threads)."""
+        scales[ids])`` (fp8) or ``data[ids]`` (others) cast to out_dtype, bit for bit; ids
+        outside the rows raise :func:`check_range`'s IndexError (tiers leave the check to this
+        read). fp8 and bf16 rows on the CPU are read to fp32 in one pass by a compiled kernel,
+        which checks the ids as it goes and holds no lock of Python's (a large read can be split
+        over threads)."""
         data, scales = self.data, self.scales
         n = data.shape[0] if ids is None else ids.shape[0]
         if out is None:
             out = torch.empty(n, self.dim, dtype=out_dtype, device=data.device)
         if self.kernel is None or out.dtype != torch.float32 or not out.is_contiguous():
+            if ids is not None and ids.device.type == "cpu":
+                check_range(ids.numpy(), data.shape[0])
             if scales is None and ids is not None and data.dtype == out.dtype:
                 return torch.index_select(data, 0, ids, out=out)
             raw = data if ids is None else data.index_select(0, ids)
             if scales is not None:
                 raw = dequantize_fp8(raw, scales if ids is None else scales.index_select(0, ids))
             return out.copy_(raw)
-        self.kernel(*self.args, np.arange(n) if ids is None else ids.numpy(), out.numpy())
+        at = np.arange(n) if ids is None else ids.numpy()
+        if self.kernel(*self.args, at, out.numpy()) < n:
+            check_range(at, data.shape[0])
         return out
+
+
+def check_range(ids: np.ndarray, num_rows: int) -> None:
+    """Row ids [n] (int64) all in [0, num_rows), or an IndexError saying which range came."""
+    if ids.size:
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= num_rows:
+            raise IndexError(f"row ids must be in [0, {num_rows}), got [{lo}, {hi}]")
 
 
 def gather_rows(data: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor | None,
@@ -187,5 +199,7 @@ def table_memory(rows: dict[int, int], dim: int, block: int = 32) -> dict:
             "row_bytes": {f: row_bytes(dim, f, block) for f in ROW_FORMATS}}
 
 
-# Every E8M0 code's fp32 value [256], as e8m0_to_float reads it: the fused read's scale table.
-_E8M0_FLOATS = e8m0_to_float(torch.arange(256, dtype=torch.uint8)).numpy()
+# The fused read's scale table [2, 256]: every E8M0 code's fp32 value, as e8m0_to_float reads it,
+# and that x 2^120 (infinite from code 135), the scale its vector steps fold 2^120 into.
+_E8M0_FLOATS = e8m0_to_float(torch.arange(256, dtype=torch.uint8))
+E8M0_TABLE = torch.stack([_E8M0_FLOATS, _E8M0_FLOATS * 2.0 ** 120]).numpy()

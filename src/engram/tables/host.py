@@ -65,8 +65,9 @@ class HostTable:
         self.rows = StoredRows(self.host, self.host_scales)
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
-        flat = check_rows(rows, self.num_rows)
-        return self.rows.gather(flat, self.out_dtype).view(*rows.shape, self.dim)  # [..., e]
+        flat = check_rows(rows, self.num_rows, bounds=False)  # the read checks them
+        out = self.rows.gather(flat, self.out_dtype)  # [n, e]
+        return out if rows.dim() == 1 else out.view(*rows.shape, self.dim)  # [..., e]
 
     def prefetch(self, rows: torch.Tensor) -> None:
         pass

@@ -339,12 +339,12 @@ class PoolTable:
         self.rows = StoredRows(self.data, self.scales)
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
-        flat = check_rows(rows, self.num_rows)  # [n]
+        flat = check_rows(rows, self.num_rows, bounds=False)  # [n]; the read checks them
         seq = self.region.seq
         self.region.check(seq)
         out = self.rows.gather(flat, self.out_dtype)  # [n, e], gathered + dequantised at once
         self.region.check(seq)  # seqlock: no row of this copy may come from a rewrite
-        return out.view(*rows.shape, self.dim)
+        return out if rows.dim() == 1 else out.view(*rows.shape, self.dim)
 
     def prefetch(self, rows: torch.Tensor) -> None:
         pass  # a mapping needs no warm-up; PrefetchTable reads it in the background
