@@ -99,6 +99,27 @@ def lm_tasks(tree):
     return folder
 
 
+@pytest.fixture(scope="module")
+def hf(tree, tok):
+    """root/hf/model (a tiny random Llama and a real BPE tokenizer), root/hf/corpus (KJV text
+    prepared with it), as tests/training/test_memory_finetune.py makes them."""
+    from hf_models import tiny_model
+
+    from engram.training.corpus import load_documents
+
+    root = tree / "hf"
+    if not root.exists():
+        tiny_model("llama", len(tok)).save_pretrained(root / "model")
+        tok.save_pretrained(root / "model")
+        (root / "text").mkdir()
+        docs = [d.text for d in load_documents("kjv", max_chars=40_000)][:40]
+        for i, d in enumerate(docs):
+            (root / "text" / f"{i}.txt").write_text(d)
+        assert main(["prepare", f"--input={root / 'text'}", f"--tokenizer={root / 'model'}",
+                     f"--out={root / 'corpus'}", "--workers=0", "--val_fraction=0.2"]) == 0
+    return root
+
+
 # -- running a command and stopping it --------------------------------------------------------------
 
 @dataclass
@@ -235,11 +256,42 @@ def _lm_eval(tree, tmp):
              str(tmp / "res"), "--batch_size=4"], said("Running loglikelihood_rolling"))
 
 
-def _study(command, *extra):
+def _finetune(tree, tmp):
+    hf = tree / "hf"
+    return (["finetune", str(hf / "model"), f"--data={hf / 'corpus'}", f"--out_dir={tmp / 'ft'}",
+             "--layers=0,1", "--steps=40", "--seq_len=32", "--batch_size=2", "--table_size=101",
+             "--n_embed_per_ngram=16", "--n_head_per_ngram=2", "--ckpt_every=20",
+             "--eval_batches=1", "--log_every=1", "--threads=1"], said("loss="))
+
+
+def _finetune_study(tree, tmp):
+    hf, out = tree / "hf", tmp / "study"
+    return (["finetune-study", f"--model={hf / 'model'}", f"--data={hf / 'corpus'}",
+             f"--out_dir={out}", "--seeds=0,1", "--forget_sources=peoples-daily",
+             "--max_chars=40000", "--steps=30", "--warmup=2", "--seq_len=32", "--batch_size=4",
+             "--eval_windows=6", "--engram_layers=0,1", "--table_size=300",
+             "--n_embed_per_ngram=16", "--n_head_per_ngram=2", "--log_every=4", "--threads=1"],
+            lambda text: _methods(out / "seed0") == 2)  # seed 0 finished: seed 1 is caught
+
+
+def _methods(seed: Path) -> int:
+    """How many methods a finetune-study seed has finished (its results.json, published whole
+    after each)."""
+    try:
+        return len(json.loads((seed / "results.json").read_text())["methods"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _study(command, *extra, only_base=False):
+    """A study's row; ``only_base``: its own options are ``extra``, STUDY gives the base model."""
+    base = STUDY if not only_base else [a for a in STUDY if a.split("=")[0] in (
+        "--n_layer", "--d_model", "--n_head", "--max_chars", "--workers")]
+
     def make(tree, tmp):
         out = tmp / "study"
-        return ([command, f"--out_dir={out}", *STUDY, *extra],
-                lambda text: any(out.glob("runs/*/checkpoints/step_*.safetensors")))
+        return ([command, f"--out_dir={out}", *base, *extra],
+                lambda text: any(out.glob("runs/**/checkpoints/step_*.safetensors")))
     return make
 
 
@@ -261,6 +313,14 @@ CASES = {
                          RUNS_KEPT, (pytest.mark.slow,)),
     "ablate": ((), _study("ablate", "--variants=gate1"), RUNS_KEPT, (pytest.mark.slow,)),
     "compare": ((), _study("compare"), RUNS_KEPT, (pytest.mark.slow,)),
+    "study-nine": ((), _study("study-nine", "--seeds=0", "--steps=40", "--batch_size=4",
+                              "--seq_len=32", "--eval_every=20", "--eval_batches=1",
+                              "--total_rows=500", "--hot_rows=100", "--small_rows=300",
+                              "--large_rows=800", "--ref_hot_rows=100", "--engram_layers=0,1",
+                              "--n_embed_per_ngram=32", only_base=True), RUNS_KEPT,
+                   (pytest.mark.slow,)),
+    "finetune": (("hf",), _finetune, "the same command resumes from it", (pytest.mark.slow,)),
+    "finetune-study": (("hf",), _finetune_study, "the seeds finished", (pytest.mark.slow,)),
 }
 SIGTERM_TOO = {"eval", "train", "export-hf", "sweep-slots", "generate"}  # SIGTERM: the same path
 PARAMS = [pytest.param(name, sig, id=f"{name}:{sig.name}",
@@ -354,8 +414,27 @@ def _rerun_study(tree, tmp, args, request):
         assert (out / "runs" / name / "result.json").read_bytes() == data
 
 
-RERUN = {"train": _rerun_train, "prepare": _rerun_prepare, "export-hf": _rerun_export_hf,
-         **{k: _rerun_study for k in ("sweep-slots", "sweep-allocation", "ablate", "compare")}}
+def _rerun_finetune(tree, tmp, args, request):
+    """The checkpoint of the step reached is the newest; the rerun resumes from it and finishes."""
+    step = json.loads((tmp / "ft" / "checkpoints" / "latest.json").read_text())["step"]
+    assert 0 < step < 40, step
+    _rerun(args)
+    assert json.loads((tmp / "ft" / "finetune.json").read_text())
+
+
+def _rerun_finetune_study(tree, tmp, args, request):
+    """Seed 0 (finished before the signal) is not trained again; the rerun finishes."""
+    seed0 = (tmp / "study" / "seed0" / "results.json").read_bytes()
+    assert _methods(tmp / "study" / "seed1") < 2  # caught in progress
+    _rerun(args)
+    assert (tmp / "study" / "seed0" / "results.json").read_bytes() == seed0
+    assert (tmp / "study" / "results.json").is_file()
+
+
+RERUN = {"finetune": _rerun_finetune, "finetune-study": _rerun_finetune_study,
+         "train": _rerun_train, "prepare": _rerun_prepare, "export-hf": _rerun_export_hf,
+         **{k: _rerun_study for k in ("sweep-slots", "sweep-allocation", "ablate", "compare",
+                                      "study-nine")}}
 
 
 def test_every_long_command_has_a_row():
@@ -363,10 +442,9 @@ def test_every_long_command_has_a_row():
     from engram.cli import COMMANDS
 
     quick = {"demo": "~3 s, writes one file at the end", "export-tables": "as export-hf's tables",
-             "study-nine": "a study over the same runner as compare (studies/common.py)",
-             "study-vision": "a study over the same runner as compare",
-             "finetune": "train's loop (training/loop.fit) and checkpoint hook",
-             "finetune-study": "finetune's loop, the studies' runner"}
+             "study-vision": "its runs go through the studies' runner (studies/common.py), "
+                             "as compare's; a tiny size is still minutes",
+             }
     assert set(COMMANDS) - set(CASES) - set(quick) == set()
 
 

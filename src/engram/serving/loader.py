@@ -183,7 +183,8 @@ def write_tables(run_dir: str | Path, table_dir: str | Path | None = None, dtype
         claim_folder(folder, "tables", "engram export-tables", "table_dir", hold=hold)
         if say is not None:
             say(f"writing the table files of {rt.checkpoint} ({dtype}) to {folder}")
-        export_tables(rt.model, folder, dtype=dtype, hasher=rt.hasher, tag=rt.checkpoint)
+        export_tables(rt.model, folder, dtype=dtype, hasher=rt.hasher, tag=rt.checkpoint,
+                      kept=[])  # after Ctrl-C: the files already written whole stay
     return folder
 
 
