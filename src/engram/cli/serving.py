@@ -120,9 +120,9 @@ def _export_hf(run_dir: str, out_dir: str, t: Tables) -> None:
                     cache_fraction=t.cache_fraction, prefetch=t.prefetch,
                     engram_layers=t.engram_layers, kept=kept)
     if kept:
+        names = ", ".join(str(p.relative_to(out)) for p in kept)
         print(f"engram export-hf: kept {len(kept)} file{'s' if len(kept) > 1 else ''} already "
-              "written: "
-              + ", ".join(str(p.relative_to(out)) for p in kept), file=sys.stderr)
+              f"written: {names}", file=sys.stderr)
     print(f"wrote {out}; serve with: vllm serve {out} --dtype float32")
 
 
