@@ -169,6 +169,18 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
+def holds(path: str | os.PathLike, data: bytes) -> bool:
+    """Whether file ``path`` holds exactly ``data``: a rerun keeps it rather than write it again
+    (a published file is whole, so what an interrupted command published is kept)."""
+    try:
+        if os.path.getsize(path) != len(data):
+            return False
+        with open(path, "rb") as f:
+            return f.read() == data
+    except OSError:
+        return False
+
+
 def publish_text(path: str | os.PathLike, text: str) -> Path:
     return publish(path, lambda tmp: Path(tmp).write_text(text), need=len(text))
 

@@ -125,6 +125,35 @@ def test_corruption_is_detected_and_named(tmp_path, hasher, weight):
         FileTable(path, verify=False)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "fp8"])
+def test_a_file_holding_these_rows_is_kept_and_any_other_written_again(tmp_path, hasher, weight,
+                                                                         dtype):
+    """``kept`` (an export's rerun): the same rows, header and verified checksums keep the file
+    (the same inode: not written again); another row, tag or dtype, a flipped byte or a torn file
+    is written again, and the result equals a fresh write byte for byte."""
+    path, fresh = tmp_path / "t.table", tmp_path / "fresh.table"
+    _write(fresh, weight, hasher, dtype, chunk_rows=100, tag="step_2")
+    want = fresh.read_bytes()
+    _write(path, weight, hasher, dtype, chunk_rows=100, tag="step_2")
+    kept = []
+    inode = path.stat().st_ino
+    _write(path, weight, hasher, dtype, chunk_rows=100, tag="step_2", kept=kept)
+    assert kept == [path] and path.stat().st_ino == inode
+    other = weight.clone()
+    other[250, 3] += 1  # chunk 2
+    h = _write(tmp_path / "other.table", other, hasher, dtype, chunk_rows=100, tag="step_2")
+    for spoil in (lambda: _write(path, other, hasher, dtype, chunk_rows=100, tag="step_2"),
+                  lambda: _write(path, weight, hasher, dtype, chunk_rows=100, tag="step_4"),
+                  lambda: _write(path, weight, hasher, "bf16", chunk_rows=100, tag="step_2"),
+                  lambda: _flip(path, h.data_offset + 250 * h.row_bytes + 5),
+                  lambda: os.truncate(path, path.stat().st_size - 1)):
+        _write(path, weight, hasher, dtype, chunk_rows=100, tag="step_2")
+        spoil()
+        kept, inode = [], path.stat().st_ino
+        _write(path, weight, hasher, dtype, chunk_rows=100, tag="step_2", kept=kept)
+        assert kept == [] and path.stat().st_ino != inode and path.read_bytes() == want
+
+
 def test_fp8_scale_corruption_is_detected(tmp_path, hasher, weight):
     path = tmp_path / "t.table"
     h = _write(path, weight, hasher, "fp8")

@@ -59,7 +59,7 @@ from . import studies  # noqa: F401
 from . import serving  # noqa: F401
 from .registry import COMMANDS, command
 
-__all__ = ["COMMANDS", "command", "main", "top_parser"]
+__all__ = ["COMMANDS", "command", "main", "run", "top_parser"]
 
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
@@ -125,6 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     # line stands on its own, last.
     if line:
         print(line, file=sys.stderr)
+    return code
+
+
+def run() -> int:
+    """The process's entry (the ``engram`` script, ``python -m engram``): :func:`main`, then the
+    process ends without a last garbage collection walking every object still held: a study's
+    parent spent ~1.2 s of a 2.5 s Ctrl-C there on 2 cores, for memory the OS takes back anyway
+    (atexit handlers still run first). Not in :func:`main`, which a caller's process outlives."""
+    import gc
+
+    code = main()
+    gc.freeze()
     return code
 
 

@@ -1,5 +1,5 @@
 """``python -m engram.cli``, as ``engram``."""
 
-from . import main
+from . import run
 
-raise SystemExit(main())
+raise SystemExit(run())

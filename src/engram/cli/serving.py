@@ -109,13 +109,20 @@ def _export_tables(run_dir: str, t: Tables) -> None:
          configs=(Config(Tables, skip=("table_dir",)),),
          reads=("run_dir",), writes=(Out("out_dir", "export", of="run_dir"),),
          about="The tier is a default: vLLM's --hf-overrides "
-         "'{\"engram_serving\": {\"tier\": \"file\"}}' changes it.")
+         "'{\"engram_serving\": {\"tier\": \"file\"}}' changes it. A rerun keeps the files "
+         "already written that hold what it would write, and writes the rest.",
+         interrupted="the files written whole so far are kept; the same command writes the rest")
 def _export_hf(run_dir: str, out_dir: str, t: Tables) -> None:
     from ..serving.loader import export_hf
 
+    kept: list[Path] = []
     out = export_hf(run_dir, out_dir, tier=t.tier, table_dtype=t.table_dtype,
                     cache_fraction=t.cache_fraction, prefetch=t.prefetch,
-                    engram_layers=t.engram_layers)
+                    engram_layers=t.engram_layers, kept=kept)
+    if kept:
+        names = ", ".join(str(p.relative_to(out)) for p in kept)
+        print(f"engram export-hf: kept {len(kept)} file{'s' if len(kept) > 1 else ''} already "
+              f"written: {names}", file=sys.stderr)
     print(f"wrote {out}; serve with: vllm serve {out} --dtype float32")
 
 

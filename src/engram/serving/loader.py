@@ -183,14 +183,17 @@ def write_tables(run_dir: str | Path, table_dir: str | Path | None = None, dtype
         claim_folder(folder, "tables", "engram export-tables", "table_dir", hold=hold)
         if say is not None:
             say(f"writing the table files of {rt.checkpoint} ({dtype}) to {folder}")
-        export_tables(rt.model, folder, dtype=dtype, hasher=rt.hasher, tag=rt.checkpoint)
+        export_tables(rt.model, folder, dtype=dtype, hasher=rt.hasher, tag=rt.checkpoint,
+                      kept=[])  # after Ctrl-C: the files already written whole stay
     return folder
 
 
 def export_hf(run_dir: str | Path, out_dir: str | Path, *, tier: str = "memory",
               table_dtype: str = "fp32", cache_fraction: float = 0.0,
-              prefetch: bool = False, engram_layers: str | Path | None = None) -> Path:
-    """Write an export (serving/hf_export.py) of the newest checkpoint of ``run_dir``;
+              prefetch: bool = False, engram_layers: str | Path | None = None,
+              kept: list[Path] | None = None) -> Path:
+    """Write an export (serving/hf_export.py) of the newest checkpoint of ``run_dir`` (files
+    already there and current are kept, named in ``kept``);
     ``engram_layers``: a V4.1 layer set replacing its Engram layers (fp8 tables keep E8M0 scales,
     so the served rows equal the layer set's bit for bit)."""
     from .hf_export import check_serving, export_model
@@ -201,4 +204,4 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, tier: str = "memory",
                         tier=tier, table_dtype=table_dtype, cache_fraction=cache_fraction,
                         prefetch=prefetch, tag=rt.checkpoint,
                         scale_format="fp32" if engram_layers is None else "e8m0",
-                        tokenizer_file=rt.tokenizer_file, eos_id=rt.eos_id)
+                        tokenizer_file=rt.tokenizer_file, eos_id=rt.eos_id, kept=kept)

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..files import publish_text
 from ..models.hf import eject, engram_runtime
 from ..models.pretrained import SMOLLM2, load_pretrained
 from ..ranges import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Range, check_ranges
@@ -363,7 +364,7 @@ def run_finetune(cfg: FinetuneStudyConfig, model: nn.Module | None = None, token
         summary["methods"][method] = stats
         summary["wall_seconds"] = time.perf_counter() - t_start
         # Written after each method, so a run stopped half way still leaves its numbers.
-        (out / "results.json").write_text(json.dumps(summary, indent=2))
+        publish_text(out / "results.json", json.dumps(summary, indent=2))  # whole or absent
     plot_finetune(summary, out / "finetune.png")
     return summary
 
@@ -416,6 +417,6 @@ def run_study(cfg: FinetuneStudyConfig, model: nn.Module | None = None,
              "per_seed": {str(r["seed"]): r for r in runs},
              "wall_seconds": time.perf_counter() - t0}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(study, indent=2))
+    publish_text(out / "results.json", json.dumps(study, indent=2))
     plot_study(study, out / "finetune.png")
     return study

@@ -133,7 +133,8 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
                 dim: int | None = None, layer_id: int, config: EngramConfig,
                 profile: dict[str, Any] | None = None, dtype: str = "fp32",
                 scale_block: int = 32, chunk_rows: int | None = None, tag: str = "",
-                progress: bool = False, scale_format: str = "fp32") -> TableHeader:
+                progress: bool = False, scale_format: str = "fp32",
+                kept: list[Path] | None = None) -> TableHeader:
     """Publish a table file atomically: write aside, fsync, rename over ``path``, fsync the folder.
 
     ``rows`` is a tensor [r, e] or a function ``(start, stop) -> rows [stop-start, e]`` (so a table
@@ -141,6 +142,9 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
     function may also return rows already quantised, ``(fp8 values, scales in scale_format)``:
     they are stored byte for byte (a DeepSeek-V4.1 table is imported without re-quantising).
     ``scale_format``: "fp32" scales, or "e8m0" power-of-two exponent bytes (fp8 only).
+    ``kept``: given, a file already at ``path`` that holds exactly these rows (the same header,
+    every chunk's crc32 that of the rows given, its own checksums verified) is kept, not written
+    again, and its path appended: the rerun of an interrupted export writes only what is missing.
     """
     if dtype not in DTYPES:
         raise UserError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -177,7 +181,28 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
         header.file_size = (header.scale_offset + num_rows * header.scale_row_bytes if block
                             else header.data_offset + data_bytes)
 
+    def chunk(c: int) -> tuple[int, bytes, bytes]:
+        """(first row, row bytes, scale bytes) of chunk ``c`` as stored."""
+        a, b = c * chunk_rows, min(num_rows, (c + 1) * chunk_rows)
+        x = rows(a, b)
+        if isinstance(x, tuple) and dtype == "fp8":
+            q, sc = check_quantized(*x, b - a, dim, block, header.scale_format, f"rows {a}:{b}")
+            return a, _row_bytes(q), _row_bytes(sc)
+        if tuple(x.shape) != (b - a, dim):
+            raise ValueError(f"row source gave {tuple(x.shape)} for rows {a}:{b}, expected "
+                             f"{(b - a, dim)}")
+        if dtype == "fp8":
+            q, s = (quantize_fp8_e8m0(x, block) if header.scale_format == "e8m0"
+                    else quantize_fp8(x, block))
+            return a, _row_bytes(q), _row_bytes(s)
+        return a, _row_bytes(x.to(DTYPES[dtype][0])), b""
+
     path = Path(path)
+    if kept is not None:
+        old = _holding(path, header, chunk)
+        if old is not None:
+            kept.append(path)
+            return old
     with disk_errors(path, header.file_size):  # a full disk: one line, the old file kept
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = open_beside(path)
@@ -186,21 +211,7 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
                 from tqdm.auto import tqdm
 
                 for c in tqdm(range(n_chunks), disable=not progress, desc=path.name, leave=False):
-                    a, b = c * chunk_rows, min(num_rows, (c + 1) * chunk_rows)
-                    x = rows(a, b)
-                    if isinstance(x, tuple) and dtype == "fp8":
-                        q, sc = check_quantized(*x, b - a, dim, block, header.scale_format,
-                                                f"rows {a}:{b}")
-                        data, scales = _row_bytes(q), _row_bytes(sc)
-                    elif tuple(x.shape) != (b - a, dim):
-                        raise ValueError(f"row source gave {tuple(x.shape)} for rows {a}:{b}, "
-                                         f"expected {(b - a, dim)}")
-                    elif dtype == "fp8":
-                        q, s = (quantize_fp8_e8m0(x, block) if header.scale_format == "e8m0"
-                                else quantize_fp8(x, block))
-                        data, scales = _row_bytes(q), _row_bytes(s)
-                    else:
-                        data, scales = _row_bytes(x.to(DTYPES[dtype][0])), b""
+                    a, data, scales = chunk(c)
                     f.seek(header.data_offset + a * dim * esize)
                     f.write(data)
                     crc = zlib.crc32(data)
@@ -224,6 +235,30 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
                 os.unlink(tmp)
         _fsync_dir(path.parent)  # the rename itself survives a crash
     return header
+
+
+def _holding(path: Path, header: TableHeader, chunk: Callable[[int], tuple[int, bytes, bytes]]
+             ) -> TableHeader | None:
+    """The header of the file at ``path`` when it holds what ``header`` (its crc32s not yet
+    filled) and ``chunk`` would write, checked chunk by chunk (the first that differs ends it,
+    so a stale file costs one chunk), then its own checksums verified; else None."""
+    try:
+        old = read_header(path)
+    except (OSError, TableFileError):
+        return None  # absent, torn or foreign: written again
+    mine = asdict(header)
+    if {k: v for k, v in asdict(old).items() if k != "chunks"} != \
+            {k: v for k, v in mine.items() if k != "chunks"} or len(old.chunks) != len(mine["chunks"]):
+        return None
+    for c, want in enumerate(old.chunks):
+        _, data, scales = chunk(c)
+        if f"{zlib.crc32(scales, zlib.crc32(data)):08x}" != want:
+            return None
+    try:
+        verify(path, old)
+    except (OSError, TableFileError):
+        return None
+    return old
 
 
 def _align(n: int) -> int:

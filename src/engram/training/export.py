@@ -27,7 +27,8 @@ _STATE_PARTS = {"weight": "cold", "cold.weight": "cold", "hot.weight": "hot"}
 
 def export_tables(source: Any, directory: str | Path, *, dtype: str = "fp32",
                   hasher: Hasher | None = None, tag: str = "", scale_block: int = 32,
-                  progress: bool = False, scale_format: str = "fp32") -> dict[int, Path]:
+                  progress: bool = False, scale_format: str = "fp32",
+                  kept: list[Path] | None = None) -> dict[int, Path]:
     """Write every table file of ``source`` into ``directory``; returns each layer's cold file.
 
     ``source`` is an EngramLM, or a checkpoint: a ``.safetensors`` file, a checkpoints folder, or a
@@ -41,6 +42,8 @@ def export_tables(source: Any, directory: str | Path, *, dtype: str = "fp32",
     the hot index (keys, MPHF, fingerprints) as ``layer{id}.hot.safetensors``; every file carries
     the stamp (``hasher.profile``). A table set shared by several layers is written once, under
     its first layer (the returned paths map every layer to the file it reads).
+    ``kept``: given, a table file already holding exactly its rows is kept and named there
+    (``tables.tablefile.write_table``).
     """
     config, sets, hasher, source_tag = _tables_of(source, hasher)
     kw = dict(config=config, dtype=dtype, scale_block=scale_block, tag=tag or source_tag,
@@ -49,7 +52,7 @@ def export_tables(source: Any, directory: str | Path, *, dtype: str = "fp32",
         for part, rows in parts.items():
             write_table(table_path(directory, lid, part), rows,
                         num_rows=getattr(rows, "num_rows", None), dim=getattr(rows, "dim", None),
-                        layer_id=lid, profile=hasher.profile(lid, part), **kw)
+                        layer_id=lid, profile=hasher.profile(lid, part), kept=kept, **kw)
     write_index_files(directory, hasher, config, tag=kw["tag"])
     return {lid: table_path(directory, hasher.owner(lid)) for lid in config.layer_ids}
 
