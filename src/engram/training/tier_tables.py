@@ -1,0 +1,373 @@
+"""Training from a file tier (``engram train --table_tier file``): each Engram table and its row
+optimiser's state live in memory-mapped files (training/tier_files.py); a step holds only its own
+rows in memory.
+
+Row ids are known from token ids before the forward (paper section 2.5), so per step:
+
+1. ``TierBatches.batch`` (the run's BatchSource, wrapped) starts step k: the distinct rows [u] each
+   table's layer reads in the step's micro-batches, with their optimiser state, become a small
+   dense working set (a :class:`WorkingTable`, which the layer looks up through remapped ids), and
+   step k+1's rows start loading in a background thread (when the budget holds both);
+2. the forward, backward, clip and table optimiser run on the working set as on a whole table:
+   the same floats (the gradient is coalesced in global row ids, as the in-memory table's is; the
+   optimiser's per-row state is the same, in other slots), so losses equal in-memory training's;
+3. ``Optimizers.after_step`` writes the rows and state back, sparse, journaled (tier_files.py);
+   rows of step k+1 that step k updated are patched from step k's result, not the file read.
+
+Shape legend: r rows of a table, e row width, n row ids of a step (repeats), u distinct rows.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UserError
+from ..tables.store import MemoryTable
+from . import sparse_rows
+from .checkpoint import CheckpointError
+from .optim import make_table_optimizer
+from .tier_files import JOURNAL, Journal, TierError, TierFiles, roll_back
+
+TIERS = ("memory", "file")  # engram train --table_tier
+
+
+class WorkingTable(MemoryTable):
+    """A layer's table during tier training: ``weight`` [u, e] holds the step's rows (global ids
+    ``uniq`` [u], sorted); outside a step (evaluation) rows are read from the file. A MemoryTable
+    to build_optimizers and clipping; its rows are not in the model's state dict (they are files)."""
+
+    def __init__(self, source: torch.Tensor):
+        nn.Module.__init__(self)
+        self.num_rows, self.dim = source.shape
+        self.sparse, self.init_std = True, 0.0
+        self.source = source  # [r, e] over the file
+        self.weight = nn.Parameter(torch.empty(0, self.dim))
+        self.uniq: torch.Tensor | None = None
+        self.last_micro = False  # set while the step's last micro-batch runs (TierBatches)
+        self.weight.register_post_accumulate_grad_hook(self._coalesce)
+
+    def reset_parameters(self) -> None:
+        pass
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.uniq is None:  # between steps (evaluation): the file's rows, no gradient
+            return self.source.index_select(0, rows.reshape(-1)).view(*rows.shape, self.dim)
+        local = torch.searchsorted(self.uniq, rows).clamp_(max=self.uniq.numel() - 1)
+        if not bool((self.uniq[local] == rows).all()):
+            raise RuntimeError("a row outside the step's working set was looked up")
+        return F.embedding(local, self.weight, sparse=True)
+
+    def _coalesce(self, p: torch.Tensor) -> None:
+        # Duplicates summed exactly as the whole table's gradient is (same function, same shape,
+        # same entries in the same order), so the clip and the optimiser see the same floats.
+        # Only after the last micro-batch: autograd adds micro-batches' gradients by concatenation,
+        # and a sum coalesced early would be added in another order.
+        g = p.grad
+        if g is None or g.is_coalesced() or not self.last_micro:
+            return
+        idx = self.uniq[g._indices()[0]]
+        full = sparse_rows.coalesce_rows(torch.sparse_coo_tensor(
+            idx.unsqueeze(0), g._values(), (self.num_rows, self.dim), check_invariants=False))
+        local = torch.searchsorted(self.uniq, full._indices()[0])
+        p.grad = torch.sparse_coo_tensor(local.unsqueeze(0), full._values(), p.shape,
+                                         is_coalesced=True, check_invariants=False)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        pass  # the rows live in the tier's files
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        pass
+
+    def extra_repr(self) -> str:
+        return f"rows={self.num_rows}, dim={self.dim}, tier=file"
+
+
+def state_layout(optimizer: str, dim: int) -> dict[str, tuple[list[int], str]]:
+    """The table optimiser's per-row state buffers: name -> (per-row shape, dtype name)."""
+    st: dict = {}
+    opt = make_table_optimizer(optimizer, [nn.Parameter(torch.zeros(1, dim))], lr=1.0)
+    opt._resize(st, dim, 1, torch.device("cpu"))
+    return {k: (list(st[k].shape[1:]), str(st[k].dtype).removeprefix("torch."))
+            for k in opt._buffers()}
+
+
+def step_bound(cfg: Any, engram: nn.Module) -> int:
+    """The most distinct rows one step can read from a layer's table."""
+    heads = len(engram.head_sizes) if engram.head_sizes is not None else engram.d_mem // \
+        engram.table.dim
+    return min(engram.table.num_rows, cfg.batch_size * cfg.seq_len * cfg.grad_accum * heads)
+
+
+class TierTables:
+    """The run's tables on the file tier: working sets, prefetch, write-back, checkpoints' part."""
+
+    def __init__(self, cfg: Any, engrams: dict[int, nn.Module], files: TierFiles, budget: int):
+        self.cfg, self.engrams, self.files, self.budget = cfg, engrams, files, budget
+        self.tables = {lid: e.table for lid, e in engrams.items()}
+        self.journal = Journal.open(files.folder / JOURNAL, files.run_id)
+        self.journaled = {lid: np.zeros(t.num_rows, dtype=bool) for lid, t in self.tables.items()}
+        self.fixed = sum(j.nbytes for j in self.journaled.values())  # resident whatever the step
+        self.optim = None  # the run's Optimizers (set by attach)
+        self.t_max = {lid: 0 for lid in engrams}
+        self.step: int | None = None
+        self.ws: dict[int, dict[str, torch.Tensor]] | None = None  # the step's working set
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="engram-tier")
+        self._next: tuple[int, Future] | None = None
+        self._batches: dict[int, list] = {}
+        self.peak = 0  # most bytes held in working sets at once (inspection, the benchmark)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def rows_of(self, batches: list) -> dict[int, torch.Tensor]:
+        """Each table's distinct rows [u] (sorted) of a step's micro-batches."""
+        return {lid: torch.unique(torch.cat([e.rows(b.hash_ids[lid]).reshape(-1)
+                                             for b in batches]))
+                for lid, e in self.engrams.items()}
+
+    def load(self, uniq: dict[int, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+        """Rows and state of ``uniq`` from the files, in the optimiser's buffer layout."""
+        out = {}
+        for lid, u in uniq.items():
+            arrays = self.files.arrays[lid]
+            st: dict = {}
+            self.optim.tables._resize(st, arrays["rows"].shape[1], u.numel(), u.device)
+            for name in arrays:
+                if name != "rows":
+                    torch.index_select(arrays[name], 0, u, out=st[name])
+            st["uniq"], st["weight"] = u, arrays["rows"].index_select(0, u)
+            out[lid] = st
+        return out
+
+    def _bytes(self, ws: dict) -> int:
+        return sum(s["uniq"].numel() * self.files.row_bytes(lid) for lid, s in ws.items())
+
+    def begin(self, step: int, batches) -> list:
+        """Make step ``step``'s working set current (from the prefetch, patched, or read now);
+        start reading step+1's. Returns the step's micro-batches."""
+        mine = self._take(step, batches)
+        self.ws, self.step = mine, step
+        opt = self.optim.tables
+        for lid, t in self.tables.items():
+            s = mine[lid]
+            t.uniq, t.weight.data = s["uniq"], s["weight"]
+            u = s["uniq"].numel()
+            st = {k: v for k, v in s.items() if k not in ("uniq", "weight")}
+            st.update(slot=torch.arange(u, dtype=torch.int32), n=u, dim=t.dim,
+                      t_max=self.t_max[lid])
+            st["rows"] = torch.arange(u)
+            opt.state[t.weight] = st
+        nxt = step + 1
+        if nxt < self.cfg.steps and self._bytes(mine) * 2 + self.fixed <= self.budget:
+            self._next = (nxt, self._pool.submit(self._prefetch, nxt, batches))
+        self.peak = max(self.peak, self._bytes(mine) * (2 if self._next else 1))
+        return self._batches.pop(step)
+
+    def _prefetch(self, step: int, batches) -> dict:
+        bs = [batches.batch(step * self.cfg.grad_accum + m) for m in range(self.cfg.grad_accum)]
+        self._batches[step] = bs
+        ws = self.load(self.rows_of(bs))
+        if self._bytes(ws) + self._bytes(self.ws or {}) + self.fixed > self.budget:
+            return None  # over the budget with this step's: read after the write-back instead
+        return ws
+
+    def _take(self, step: int, batches) -> dict:
+        if self._next is not None:
+            want, fut = self._next
+            self._next = None
+            ws = fut.result()  # the read of step-1's write-back overlap is patched below
+            if want == step and ws is not None:
+                self._patch(ws)
+                return ws
+        bs = self._batches.get(step) or [batches.batch(step * self.cfg.grad_accum + m)
+                                         for m in range(self.cfg.grad_accum)]
+        self._batches[step] = bs
+        return self.load(self.rows_of(bs))
+
+    def _patch(self, ws: dict) -> None:
+        """Rows the last step wrote back take its values (the prefetch may have read them before
+        the write)."""
+        last = getattr(self, "_last", None)
+        if last is None:
+            return
+        for lid, s in ws.items():
+            old = last[lid]
+            _, a, b = np.intersect1d(s["uniq"].numpy(), old["uniq"].numpy(), assume_unique=True,
+                                     return_indices=True)
+            if a.size:
+                a, b = torch.from_numpy(a), torch.from_numpy(b)
+                for k in ("weight", *self.files.arrays[lid]):
+                    if k != "rows":
+                        s[k].index_copy_(0, a, old[k].index_select(0, b))
+        self._last = None
+
+    def write_back(self) -> None:
+        """After the optimiser's step: the rows and their state to the files, old values first to
+        the journal (once per row per checkpoint)."""
+        if self.ws is None:
+            return
+        opt, entries, done = self.optim.tables, [], {}
+        for lid, t in self.tables.items():
+            st = opt.state.pop(t.weight, None) or {}
+            self.t_max[lid] = st.get("t_max", self.t_max[lid])
+            s = self.ws[lid]
+            s.update({k: st[k] for k in self.files.arrays[lid] if k in st})
+            u = s["uniq"]
+            fresh = ~self.journaled[lid][u.numpy()]
+            if fresh.any():
+                rows = u[torch.from_numpy(fresh)]
+                entries.append((lid, rows, [a.index_select(0, rows)
+                                            for a in self.files.arrays[lid].values()]))
+            done[lid] = fresh
+        self.journal.append(entries)  # durable before any table byte changes
+        for lid, t in self.tables.items():
+            s, arrays = self.ws[lid], self.files.arrays[lid]
+            self.journaled[lid][s["uniq"].numpy()[done[lid]]] = True
+            arrays["rows"].index_copy_(0, s["uniq"], s["weight"].detach())
+            for k in arrays:
+                if k != "rows":
+                    arrays[k].index_copy_(0, s["uniq"], s[k])
+            t.uniq, t.weight.data = None, t.weight.data.new_empty(0, t.dim)
+            t.weight.grad = None
+        self._last, self.ws = self.ws, None
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def saved(self, step: int) -> dict[str, Any]:
+        """Before the dense checkpoint of ``step``: tables durable; what it records of them."""
+        self.files.sync()
+        return {"run": self.files.run_id, "step": step}
+
+    def checkpointed(self, step: int) -> None:
+        """After it: the journal undoes to ``step`` now."""
+        self.journal.reset(step)
+        for j in self.journaled.values():
+            j[:] = False
+
+    def recover(self, step: int, record: dict | None, where: Any) -> None:
+        """The tables put back to checkpoint ``step``'s (refused in one line where they cannot be)."""
+        if record is None or record.get("run") != self.files.run_id:
+            raise CheckpointError(f"{self.files.folder} holds the tables of another run than "
+                                  f"checkpoint {where}; use that run's --table_dir")
+        base = self.journal.base
+        if base > step:
+            raise CheckpointError(f"{self.files.folder}'s journal undoes to step {base}, the "
+                                  f"newest checkpoint is step {step}: the tables cannot be put "
+                                  "back to it (use another --out_dir)")
+        if base == step:
+            roll_back(self.files, self.journal)
+        # base < step: killed between checkpoint ``step`` and the journal's reset; its tables
+        # were synced before it was written and nothing has changed them since.
+        self.checkpointed(step)
+        self.t_max = {lid: int(a["steps"].max()) if "steps" in a else 0
+                      for lid, a in self.files.arrays.items()}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.journal.close()
+
+
+class TierBatches:
+    """The run's BatchSource with the tier's step boundaries: the first micro-batch of a step
+    makes its working set current."""
+
+    def __init__(self, inner, tier: TierTables):
+        self.inner, self.tier, self.hasher = inner, tier, inner.hasher
+        self._step, self._micro = None, []
+
+    def batch(self, i: int):
+        step, m = divmod(i, self.tier.cfg.grad_accum)
+        if step != self._step:
+            self._micro, self._step = self.tier.begin(step, self.inner), step
+        for t in self.tier.tables.values():
+            t.last_micro = m == len(self._micro) - 1
+        return self._micro[m]
+
+
+class TierCheckpoints:
+    """:class:`loop.Checkpoints` of a tier run: the dense checkpoint between the tables' sync and
+    the journal's reset; on load, the tables rolled back to it."""
+
+    def __init__(self, inner, tier: TierTables):
+        self.inner, self.tier = inner, tier
+
+    def latest(self):
+        return self.inner.latest()
+
+    def load(self, run, found) -> None:
+        self.inner.load(run, found)
+        self.tier.recover(run.step, run.hook_state.get("table_tier"), found)
+
+    def save(self, run):
+        run.hook_state["table_tier"] = self.tier.saved(run.step)
+        out = self.inner.save(run)
+        self.tier.checkpointed(run.step)
+        return out
+
+
+def check_tier(cfg: Any) -> None:
+    """What a tier run needs of its config (one line, before any work)."""
+    if cfg.table_tier not in TIERS:
+        raise UserError(f"table_tier must be one of {', '.join(TIERS)}, got {cfg.table_tier!r}")
+    if cfg.table_tier == "memory":
+        return
+    if not cfg.engram or cfg.nine:
+        raise UserError("table_tier=file trains plain Engram tables (engram=true, no hot_rows / "
+                        "shared_tables)")
+    if cfg.device != "cpu" or cfg.precision != "fp32" or cfg.compile:
+        raise UserError("table_tier=file trains on the CPU in fp32, uncompiled (device=cpu, "
+                        "precision=fp32, compile=false)")
+
+
+def attach(cfg: Any, model: nn.Module, fresh: bool) -> TierTables:
+    """Move the model's tables to the file tier (``fresh``: from their initial rows; else the
+    folder of the checkpoint being resumed). The caller sets ``optim`` and wraps its batches."""
+    engrams = {lid: e for lid, e in model.engrams().items()}
+    folder = Path(cfg.table_dir or Path(cfg.out_dir) / "tier")
+    layout = {lid: state_layout(cfg.table_optimizer, e.table.dim) for lid, e in engrams.items()}
+    per_row = {lid: e.table.dim * 4 + sum(int(np.prod(t)) * torch.empty(0, dtype=getattr(
+        torch, d)).element_size() for t, d in layout[lid].values()) for lid, e in engrams.items()}
+    need = sum(step_bound(cfg, e) * per_row[lid] + e.table.num_rows for lid, e in engrams.items())
+    budget = need * 2 if cfg.table_budget_mb is None else int(cfg.table_budget_mb * 2**20)
+    if budget < need:
+        raise UserError(f"table_budget_mb={cfg.table_budget_mb:g} is below one step's rows: "
+                        f"{need / 2**20:.2f} MB (batch_size x seq_len x grad_accum x heads rows "
+                        "and their optimiser state); raise it")
+    _check_writable(folder)
+    if fresh:
+        old = folder / "tier.json"
+        if old.exists():
+            try:
+                theirs = TierFiles.open(folder).meta.get("out_dir")
+            except TierError:
+                theirs = None
+            if theirs != str(Path(cfg.out_dir).resolve()):
+                raise TierError(f"{folder} holds the tables of another run ({theirs}); use "
+                                "another --table_dir (nothing was changed)")
+        files = TierFiles.create(folder, Path(cfg.out_dir),
+                                 {lid: e.table.weight for lid, e in engrams.items()},
+                                 next(iter(layout.values())), cfg.table_optimizer)
+    else:
+        files = TierFiles.open(folder)
+        want = {str(lid): [e.table.num_rows, e.table.dim] for lid, e in engrams.items()}
+        if files.meta["layers"] != want or files.meta["optimizer"] != cfg.table_optimizer:
+            raise TierError(f"{folder} holds tables of another shape or optimiser "
+                            f"({files.meta['layers']}, {files.meta['optimizer']}); this run "
+                            f"needs {want}, {cfg.table_optimizer}")
+    for lid, e in engrams.items():
+        e.table = WorkingTable(files.arrays[lid]["rows"])  # frees the in-memory table
+    return TierTables(cfg, engrams, files, budget)
+
+
+def _check_writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise TierError(f"cannot write the tier tables to {folder}: {e.strerror or e}") from None
