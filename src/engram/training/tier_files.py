@@ -146,7 +146,7 @@ class Journal:
 
     def __init__(self, path: Path, base: int, run: str):
         self.path, self.base, self.run = path, base, run
-        self._f = open(path, "ab")
+        self._f = open(path, "ab", buffering=0)
 
     @staticmethod
     def create(path: Path, base: int, run: str) -> None:
@@ -166,9 +166,14 @@ class Journal:
             return
         with disk_errors(self.path):
             for lid, rows, old in entries:
-                payload = b"".join(t.contiguous().numpy().tobytes() for t in (rows, *old))
-                self._f.write(_ENTRY.pack(lid, rows.numel(), len(payload), zlib.crc32(payload)))
-                self._f.write(payload)
+                parts = [t.contiguous().numpy() for t in (rows, *old)]  # written as they are
+                crc = 0
+                for a in parts:
+                    crc = zlib.crc32(a, crc)
+                _write_all(self._f, _ENTRY.pack(lid, rows.numel(), sum(a.nbytes for a in parts),
+                                                crc))
+                for a in parts:
+                    _write_all(self._f, a)
             self._f.flush()
             os.fsync(self._f.fileno())
 
@@ -178,7 +183,7 @@ class Journal:
         tmp = self.path.with_suffix(".new")
         Journal.create(tmp, base, self.run)
         os.replace(tmp, self.path)  # atomic: the old journal or the new one, never half of each
-        self.base, self._f = base, open(self.path, "ab")
+        self.base, self._f = base, open(self.path, "ab", buffering=0)
 
     def close(self) -> None:
         self._f.close()
@@ -207,6 +212,13 @@ class Journal:
             if off != size:
                 raise TierError(f"{self.path}: an entry of another layout before byte {pos}")
             yield lid, rows, out
+
+
+def _write_all(f, data) -> None:
+    """All of ``data`` (a raw file may take less than asked at once)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[f.write(view):]
 
 
 def _read_head(path: Path, run: str) -> int:

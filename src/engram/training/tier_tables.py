@@ -19,6 +19,7 @@ Shape legend: r rows of a table, e row width, n row ids of a step (repeats), u d
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,12 @@ class TierTables:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="engram-tier")
         self._next: tuple[int, Future] | None = None
         self._batches: dict[int, list] = {}
+        self._last: dict | None = None  # the last step's working set, written back
         self.peak = 0  # most bytes held in working sets at once (inspection, the benchmark)
+        # seconds the training thread spent reading rows (or waiting for the read-ahead) and
+        # writing them back, and steps whose rows were read ahead (the benchmark)
+        self.read_s = self.write_s = 0.0
+        self.read_ahead = 0
 
     # -- one step ---------------------------------------------------------------------------------
     def rows_of(self, batches: list) -> dict[int, torch.Tensor]:
@@ -150,7 +156,9 @@ class TierTables:
     def begin(self, step: int, batches) -> list:
         """Make step ``step``'s working set current (from the prefetch, patched, or read now);
         start reading step+1's. Returns the step's micro-batches."""
+        t0 = time.perf_counter()
         mine = self._take(step, batches)
+        self.read_s += time.perf_counter() - t0
         self.ws, self.step = mine, step
         opt = self.optim.tables
         for lid, t in self.tables.items():
@@ -165,16 +173,17 @@ class TierTables:
         nxt = step + 1
         if nxt < self.cfg.steps and self._bytes(mine) * 2 + self.fixed <= self.budget:
             self._next = (nxt, self._pool.submit(self._prefetch, nxt, batches))
-        self.peak = max(self.peak, self._bytes(mine) * (2 if self._next else 1))
+        self.peak = max(self.peak, self._bytes(mine))
         return self._batches.pop(step)
 
     def _prefetch(self, step: int, batches) -> dict:
         bs = [batches.batch(step * self.cfg.grad_accum + m) for m in range(self.cfg.grad_accum)]
         self._batches[step] = bs
-        ws = self.load(self.rows_of(bs))
-        if self._bytes(ws) + self._bytes(self.ws or {}) + self.fixed > self.budget:
-            return None  # over the budget with this step's: read after the write-back instead
-        return ws
+        uniq = self.rows_of(bs)
+        need = sum(u.numel() * self.files.row_bytes(lid) for lid, u in uniq.items())
+        if need + self._bytes(self.ws or {}) + self.fixed > self.budget:
+            return None  # over the budget beside this step's: read after the write-back instead
+        return self.load(uniq)
 
     def _take(self, step: int, batches) -> dict:
         if self._next is not None:
@@ -182,6 +191,8 @@ class TierTables:
             self._next = None
             ws = fut.result()  # the read of step-1's write-back overlap is patched below
             if want == step and ws is not None:
+                self.read_ahead += 1
+                self.peak = max(self.peak, self._bytes(ws) + self._bytes(self._last or {}))
                 self._patch(ws)
                 return ws
         bs = self._batches.get(step) or [batches.batch(step * self.cfg.grad_accum + m)
@@ -192,7 +203,7 @@ class TierTables:
     def _patch(self, ws: dict) -> None:
         """Rows the last step wrote back take its values (the prefetch may have read them before
         the write)."""
-        last = getattr(self, "_last", None)
+        last = self._last
         if last is None:
             return
         for lid, s in ws.items():
@@ -211,6 +222,7 @@ class TierTables:
         the journal (once per row per checkpoint)."""
         if self.ws is None:
             return
+        t0 = time.perf_counter()
         opt, entries, done = self.optim.tables, [], {}
         for lid, t in self.tables.items():
             st = opt.state.pop(t.weight, None) or {}
@@ -234,7 +246,10 @@ class TierTables:
                     arrays[k].index_copy_(0, s["uniq"], s[k])
             t.uniq, t.weight.data = None, t.weight.data.new_empty(0, t.dim)
             t.weight.grad = None
-        self._last, self.ws = self.ws, None
+        # kept while a read-ahead may have read these rows before this write (patched from here)
+        self._last = self.ws if self._next is not None else None
+        self.ws = None
+        self.write_s += time.perf_counter() - t0
 
     # -- checkpoints ------------------------------------------------------------------------------
     def saved(self, step: int) -> dict[str, Any]:
@@ -323,15 +338,26 @@ def check_tier(cfg: Any) -> None:
                         "precision=fp32, compile=false)")
 
 
+def row_bytes(optimizer: str, dim: int) -> int:
+    """Bytes of one row (float32) and its optimiser state."""
+    return dim * 4 + sum(int(np.prod(t)) * getattr(torch, d).itemsize
+                         for t, d in state_layout(optimizer, dim).values())
+
+
+def budget_need(cfg: Any, model: nn.Module) -> int:
+    """The least budget (bytes) a tier run of ``cfg`` takes: one step's most rows with their
+    state, and a byte a table row for the journal's marks."""
+    return sum(step_bound(cfg, e) * row_bytes(cfg.table_optimizer, e.table.dim)
+               + e.table.num_rows for e in model.engrams().values())
+
+
 def attach(cfg: Any, model: nn.Module, fresh: bool) -> TierTables:
     """Move the model's tables to the file tier (``fresh``: from their initial rows; else the
     folder of the checkpoint being resumed). The caller sets ``optim`` and wraps its batches."""
     engrams = {lid: e for lid, e in model.engrams().items()}
     folder = Path(cfg.table_dir or Path(cfg.out_dir) / "tier")
     layout = {lid: state_layout(cfg.table_optimizer, e.table.dim) for lid, e in engrams.items()}
-    per_row = {lid: e.table.dim * 4 + sum(int(np.prod(t)) * torch.empty(0, dtype=getattr(
-        torch, d)).element_size() for t, d in layout[lid].values()) for lid, e in engrams.items()}
-    need = sum(step_bound(cfg, e) * per_row[lid] + e.table.num_rows for lid, e in engrams.items())
+    need = budget_need(cfg, model)
     budget = need * 2 if cfg.table_budget_mb is None else int(cfg.table_budget_mb * 2**20)
     if budget < need:
         raise UserError(f"table_budget_mb={cfg.table_budget_mb:g} is below one step's rows: "
