@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,9 +18,9 @@ import engram
 from engram.errors import UserError
 from engram.training.checkpoint import CheckpointError
 from engram.training.corpus import DataConfig, build_corpus
-from engram.training.tier_files import JOURNAL, Journal, TierFiles, roll_back
 from engram.training.hooks import LogMetrics, SaveCheckpoints
 from engram.training.loop import ONE_PROCESS, fit
+from engram.training.tier_files import JOURNAL, Journal, roll_back
 from engram.training.train import TrainConfig, build_run, checkpoints_of, train
 
 TINY = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, seq_len=32, batch_size=4,

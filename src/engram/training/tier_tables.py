@@ -52,6 +52,7 @@ class WorkingTable(MemoryTable):
         self.weight = nn.Parameter(torch.empty(0, self.dim))
         self.uniq: torch.Tensor | None = None
         self.last_micro = False  # set while the step's last micro-batch runs (TierBatches)
+        self.before_read = None  # called before rows are read from the file (TierTables.wait)
         self.weight.register_post_accumulate_grad_hook(self._coalesce)
 
     def reset_parameters(self) -> None:
@@ -59,6 +60,8 @@ class WorkingTable(MemoryTable):
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         if self.uniq is None:  # between steps (evaluation): the file's rows, no gradient
+            if self.before_read is not None:
+                self.before_read()
             return self.source.index_select(0, rows.reshape(-1)).view(*rows.shape, self.dim)
         local = torch.searchsorted(self.uniq, rows).clamp_(max=self.uniq.numel() - 1)
         if not bool((self.uniq[local] == rows).all()):
@@ -112,6 +115,8 @@ class TierTables:
     def __init__(self, cfg: Any, engrams: dict[int, nn.Module], files: TierFiles, budget: int):
         self.cfg, self.engrams, self.files, self.budget = cfg, engrams, files, budget
         self.tables = {lid: e.table for lid, e in engrams.items()}
+        for t in self.tables.values():
+            t.before_read = self.wait
         self.journal = Journal.open(files.folder / JOURNAL, files.run_id)
         self.journaled = {lid: np.zeros(t.num_rows, dtype=bool) for lid, t in self.tables.items()}
         self.fixed = sum(j.nbytes for j in self.journaled.values())  # resident whatever the step
@@ -123,6 +128,7 @@ class TierTables:
         self._next: tuple[int, Future] | None = None
         self._batches: dict[int, list] = {}
         self._last: dict | None = None  # the last step's working set, written back
+        self._writing: Future | None = None  # its write, on the worker thread
         self.peak = 0  # most bytes held in working sets at once (inspection, the benchmark)
         # seconds the training thread spent reading rows (or waiting for the read-ahead) and
         # writing them back, and steps whose rows were read ahead (the benchmark)
@@ -195,6 +201,8 @@ class TierTables:
                 self.peak = max(self.peak, self._bytes(ws) + self._bytes(self._last or {}))
                 self._patch(ws)
                 return ws
+        self.wait()  # read now, after the last write (its working set then freed)
+        self._last = None
         bs = self._batches.get(step) or [batches.batch(step * self.cfg.grad_accum + m)
                                          for m in range(self.cfg.grad_accum)]
         self._batches[step] = bs
@@ -219,41 +227,59 @@ class TierTables:
 
     def write_back(self) -> None:
         """After the optimiser's step: the rows and their state to the files, old values first to
-        the journal (once per row per checkpoint)."""
+        the journal (once per row per checkpoint). With a read-ahead running the write runs on its
+        thread, after that read (one worker, in order: the next read-ahead sees this write)."""
         if self.ws is None:
             return
         t0 = time.perf_counter()
-        opt, entries, done = self.optim.tables, [], {}
+        opt, ws = self.optim.tables, self.ws
         for lid, t in self.tables.items():
             st = opt.state.pop(t.weight, None) or {}
             self.t_max[lid] = st.get("t_max", self.t_max[lid])
-            s = self.ws[lid]
-            s.update({k: st[k] for k in self.files.arrays[lid] if k in st})
+            ws[lid].update({k: st[k] for k in self.files.arrays[lid] if k in st})
+            t.uniq, t.weight.data = None, t.weight.data.new_empty(0, t.dim)
+            t.weight.grad = None
+        self.ws = None
+        if self._next is not None:
+            # kept while the read-ahead may have read these rows before this write (patched from
+            # here); no more memory than the budget's two working sets: this one and the next
+            self._last = ws
+            self._writing = self._pool.submit(self._write, ws)
+        else:
+            self._last = None
+            self._write(ws)
+        self.write_s += time.perf_counter() - t0
+
+    def _write(self, ws: dict) -> None:
+        entries, fresh = [], {}
+        for lid, s in ws.items():
             u = s["uniq"]
-            fresh = ~self.journaled[lid][u.numpy()]
-            if fresh.any():
-                rows = u[torch.from_numpy(fresh)]
+            fresh[lid] = ~self.journaled[lid][u.numpy()]
+            if fresh[lid].any():
+                rows = u[torch.from_numpy(fresh[lid])]
                 entries.append((lid, rows, [a.index_select(0, rows)
                                             for a in self.files.arrays[lid].values()]))
-            done[lid] = fresh
         self.journal.append(entries)  # durable before any table byte changes
-        for lid, t in self.tables.items():
-            s, arrays = self.ws[lid], self.files.arrays[lid]
-            self.journaled[lid][s["uniq"].numpy()[done[lid]]] = True
+        for lid, s in ws.items():
+            arrays = self.files.arrays[lid]
+            self.journaled[lid][s["uniq"].numpy()[fresh[lid]]] = True
             arrays["rows"].index_copy_(0, s["uniq"], s["weight"].detach())
             for k in arrays:
                 if k != "rows":
                     arrays[k].index_copy_(0, s["uniq"], s[k])
-            t.uniq, t.weight.data = None, t.weight.data.new_empty(0, t.dim)
-            t.weight.grad = None
-        # kept while a read-ahead may have read these rows before this write (patched from here)
-        self._last = self.ws if self._next is not None else None
-        self.ws = None
-        self.write_s += time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Until the last write-back is in the files (before reading them, or a checkpoint)."""
+        if self._writing is not None:
+            t0 = time.perf_counter()
+            fut, self._writing = self._writing, None
+            fut.result()  # a failed write (a full disk) is raised here
+            self.write_s += time.perf_counter() - t0
 
     # -- checkpoints ------------------------------------------------------------------------------
     def saved(self, step: int) -> dict[str, Any]:
         """Before the dense checkpoint of ``step``: tables durable; what it records of them."""
+        self.wait()
         self.files.sync()
         return {"run": self.files.run_id, "step": step}
 
@@ -282,6 +308,7 @@ class TierTables:
                       for lid, a in self.files.arrays.items()}
 
     def close(self) -> None:
+        self.wait()
         self._pool.shutdown(wait=True)
         self.journal.close()
 

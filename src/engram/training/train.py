@@ -28,6 +28,7 @@ from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
 from . import precision as precision_
 from . import settings as run_settings
+from . import tier_tables
 from .batches import TokenBatches
 from .checkpoint import (
     CheckpointError,
@@ -38,7 +39,6 @@ from .checkpoint import (
 from .corpus import Corpus, DataConfig, build_corpus
 from .hooks import LogMetrics, SaveCheckpoints, log_record  # noqa: F401  (log_record: its old home)
 from .loop import ONE_PROCESS, Run, evaluate, fit, lr_at, restore, train_step  # noqa: F401
-from . import tier_tables
 from .optim import build_optimizers, check_table_optimizer
 from .precision import PRECISIONS, LossScaler, check_names
 from .settings import ALLOCATOR_ENV, allocator_env  # noqa: F401  (their old home)
