@@ -198,6 +198,7 @@ def _kill_and_resume(tmp_path: Path, seeds: list[int]) -> None:
             refused += 1
             continue
         assert _run_losses(out) == want, f"seed {seed}: killed after step {at}"
+    print(f"{len(seeds)} SIGKILLs: {len(seeds) - refused} resumed exactly, {refused} refused")
     assert refused < len(seeds)  # the journal makes resume possible, not a refusal every time
 
 
