@@ -6,13 +6,21 @@ Row ids are known from token ids before the forward (paper section 2.5), so per 
 
 1. ``TierBatches.batch`` (the run's BatchSource, wrapped) starts step k: the distinct rows [u] each
    table's layer reads in the step's micro-batches, with their optimiser state, become a small
-   dense working set (a :class:`WorkingTable`, which the layer looks up through remapped ids), and
-   step k+1's rows start loading in a background thread (when the budget holds both);
+   dense working set (a ``working_table.WorkingTable``, which the layer looks up through
+   remapped ids), and step k+1's rows start loading on the tier's worker thread (when the budget
+   holds two working sets; else they are read when step k+1 starts);
 2. the forward, backward, clip and table optimiser run on the working set as on a whole table:
    the same floats (the gradient is coalesced in global row ids, as the in-memory table's is; the
    optimiser's per-row state is the same, in other slots), so losses equal in-memory training's;
 3. ``Optimizers.after_step`` writes the rows and state back, sparse, journaled (tier_files.py);
-   rows of step k+1 that step k updated are patched from step k's result, not the file read.
+   with a read-ahead the write runs on the worker, queued after step k+1's read, so rows of step
+   k+1 that step k updated are patched from step k's result (not the file read), and step k+2's
+   read comes after the write. Evaluation (which reads the files) and checkpoints wait for it.
+
+The budget (``--table_budget_mb``) bounds the working sets (rows, state, ids) and the journal's
+marks (a byte a table row); the gradient and activations are the model's, as in memory. The files
+are memory-mapped: pages read through the map count in RSS as page cache the kernel may reclaim
+(a hard RSS or address-space bound, scattered reads without a mapping, is not built).
 
 Shape legend: r rows of a table, e row width, n row ids of a step (repeats), u distinct rows.
 """
@@ -26,71 +34,18 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
-from ..tables.store import MemoryTable
-from . import sparse_rows
 from .checkpoint import CheckpointError
 from .optim import make_table_optimizer
 from .tier_files import JOURNAL, Journal, TierError, TierFiles, roll_back
+from .working_table import WorkingTable
 
 TIERS = ("memory", "file")  # engram train --table_tier
-
-
-class WorkingTable(MemoryTable):
-    """A layer's table during tier training: ``weight`` [u, e] holds the step's rows (global ids
-    ``uniq`` [u], sorted); outside a step (evaluation) rows are read from the file. A MemoryTable
-    to build_optimizers and clipping; its rows are not in the model's state dict (they are files)."""
-
-    def __init__(self, source: torch.Tensor):
-        nn.Module.__init__(self)
-        self.num_rows, self.dim = source.shape
-        self.sparse, self.init_std = True, 0.0
-        self.source = source  # [r, e] over the file
-        self.weight = nn.Parameter(torch.empty(0, self.dim))
-        self.uniq: torch.Tensor | None = None
-        self.last_micro = False  # set while the step's last micro-batch runs (TierBatches)
-        self.before_read = None  # called before rows are read from the file (TierTables.wait)
-        self.weight.register_post_accumulate_grad_hook(self._coalesce)
-
-    def reset_parameters(self) -> None:
-        pass
-
-    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.uniq is None:  # between steps (evaluation): the file's rows, no gradient
-            if self.before_read is not None:
-                self.before_read()
-            return self.source.index_select(0, rows.reshape(-1)).view(*rows.shape, self.dim)
-        local = torch.searchsorted(self.uniq, rows).clamp_(max=self.uniq.numel() - 1)
-        if not bool((self.uniq[local] == rows).all()):
-            raise RuntimeError("a row outside the step's working set was looked up")
-        return F.embedding(local, self.weight, sparse=True)
-
-    def _coalesce(self, p: torch.Tensor) -> None:
-        # Duplicates summed exactly as the whole table's gradient is (same function, same shape,
-        # same entries in the same order), so the clip and the optimiser see the same floats.
-        # Only after the last micro-batch: autograd adds micro-batches' gradients by concatenation,
-        # and a sum coalesced early would be added in another order.
-        g = p.grad
-        if g is None or g.is_coalesced() or not self.last_micro:
-            return
-        idx = self.uniq[g._indices()[0]]
-        full = sparse_rows.coalesce_rows(torch.sparse_coo_tensor(
-            idx.unsqueeze(0), g._values(), (self.num_rows, self.dim), check_invariants=False))
-        local = torch.searchsorted(self.uniq, full._indices()[0])
-        p.grad = torch.sparse_coo_tensor(local.unsqueeze(0), full._values(), p.shape,
-                                         is_coalesced=True, check_invariants=False)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        pass  # the rows live in the tier's files
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
-        pass
-
-    def extra_repr(self) -> str:
-        return f"rows={self.num_rows}, dim={self.dim}, tier=file"
+# Bytes a working-set row holds beside its values and state: its global id, its optimiser slot
+# and its row id there (int64, int32, int64).
+WS_INDEX = 20
 
 
 def state_layout(optimizer: str, dim: int) -> dict[str, tuple[list[int], str]]:
@@ -157,7 +112,8 @@ class TierTables:
         return out
 
     def _bytes(self, ws: dict) -> int:
-        return sum(s["uniq"].numel() * self.files.row_bytes(lid) for lid, s in ws.items())
+        return sum(s["uniq"].numel() * (self.files.row_bytes(lid) + WS_INDEX)
+                   for lid, s in ws.items())
 
     def begin(self, step: int, batches) -> list:
         """Make step ``step``'s working set current (from the prefetch, patched, or read now);
@@ -186,7 +142,7 @@ class TierTables:
         bs = [batches.batch(step * self.cfg.grad_accum + m) for m in range(self.cfg.grad_accum)]
         self._batches[step] = bs
         uniq = self.rows_of(bs)
-        need = sum(u.numel() * self.files.row_bytes(lid) for lid, u in uniq.items())
+        need = sum(u.numel() * (self.files.row_bytes(lid) + WS_INDEX) for lid, u in uniq.items())
         if need + self._bytes(self.ws or {}) + self.fixed > self.budget:
             return None  # over the budget beside this step's: read after the write-back instead
         return self.load(uniq)
@@ -366,7 +322,7 @@ def check_tier(cfg: Any) -> None:
 
 
 def row_bytes(optimizer: str, dim: int) -> int:
-    """Bytes of one row (float32) and its optimiser state."""
+    """Bytes of one row (float32) and its optimiser state, in the files."""
     return dim * 4 + sum(int(np.prod(t)) * getattr(torch, d).itemsize
                          for t, d in state_layout(optimizer, dim).values())
 
@@ -374,7 +330,7 @@ def row_bytes(optimizer: str, dim: int) -> int:
 def budget_need(cfg: Any, model: nn.Module) -> int:
     """The least budget (bytes) a tier run of ``cfg`` takes: one step's most rows with their
     state, and a byte a table row for the journal's marks."""
-    return sum(step_bound(cfg, e) * row_bytes(cfg.table_optimizer, e.table.dim)
+    return sum(step_bound(cfg, e) * (row_bytes(cfg.table_optimizer, e.table.dim) + WS_INDEX)
                + e.table.num_rows for e in model.engrams().values())
 
 
