@@ -106,6 +106,9 @@ def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = Non
     alone (:func:`engram.tables.sharded.init_rows`): the only choice for tables larger than one machine,
     identical across world sizes but not to a single-process ``engram train`` run.
     """
+    if cfg.table_tier != "memory":
+        raise UserError("table_tier=file trains in one process (engram train); under torchrun the "
+                        "tables stay in memory, sharded")
     if cfg.batch_size % d.world:
         raise UserError(f"batch_size={cfg.batch_size} (the global batch) must divide evenly over "
                          f"{d.world} ranks")

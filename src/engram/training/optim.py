@@ -105,6 +105,8 @@ class Optimizers:
                  table_lr_mult: float = 5.0, scaler: LossScaler | None = None):
         self.dense, self.tables, self.table_lr_mult = dense, tables, float(table_lr_mult)
         self.scaler = scaler
+        # After every step (tier_tables.py: the tables' rows written back to their files).
+        self.after_step: Callable[[], None] | None = None
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -114,6 +116,8 @@ class Optimizers:
     def step(self) -> None:
         for o in self.optimizers:
             o.step()
+        if self.after_step is not None:
+            self.after_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.optimizers:

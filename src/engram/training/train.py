@@ -28,6 +28,7 @@ from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
 from . import precision as precision_
 from . import settings as run_settings
+from . import tier_tables
 from .batches import TokenBatches
 from .checkpoint import (
     CheckpointError,
@@ -137,6 +138,12 @@ class TrainConfig:
     # the Engram tables stored in it (RowAdam's state stays float32); fp16 scales the loss.
     precision: str = field(default="fp32", metadata={"choices": PRECISIONS})
     compile: bool = False  # torch.compile the model (first steps slower while it compiles)
+    # -- tables past memory (training/tier_tables.py) --
+    # "memory" (each table one parameter in RAM) or "file": rows and their optimiser state in
+    # memory-mapped files, a step's rows read ahead and written back sparse, journaled.
+    table_tier: str = field(default="memory", metadata={"choices": ("memory", "file")})
+    table_dir: str | None = None  # file tier: its folder (None: out_dir/tier)
+    table_budget_mb: float | None = None  # file tier: most MB of rows in memory (None: 2 steps')
 
     def __post_init__(self) -> None:
         self.sources, self.engram_layers = tuple(self.sources), tuple(self.engram_layers)
@@ -162,6 +169,9 @@ class TrainConfig:
             raise UserError("hot_rows / shared_tables need engram=true")
         check_names(self.device, self.precision)  # whether this machine has them: build_run
         check_table_optimizer(self.table_optimizer)
+        if self.table_budget_mb is not None and not self.table_budget_mb > 0:
+            raise UserError(f"table_budget_mb must be > 0, got {self.table_budget_mb}")
+        tier_tables.check_tier(self)
 
     @property
     def nine(self) -> bool:
@@ -271,11 +281,17 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None,
     if device.type == "cpu" and cfg.precision == "fp32":  # the only products gemm.py routes
         run_settings.reuse(cfg.out_dir)  # the routes this run took before, whatever the cache says
         gemm.prepare(model, [cfg.batch_size * cfg.seq_len])  # routes measured now, not in a step
+    tier = None
+    if cfg.table_tier == "file":  # the tables, initialised in memory as always, move to files
+        tier = tier_tables.attach(cfg, model, fresh=FileCheckpoints(cfg.out_dir).latest() is None)
     batches = TokenBatches(corpus.streams["train"], cfg.batch_size, cfg.seq_len, corpus, hasher,
                            seed=cfg.seed, sampling=cfg.sampling)
     optim = build_optimizers(model, cfg.lr, weight_decay=cfg.weight_decay,
                              table_lr_mult=cfg.table_lr_mult, table_optimizer=cfg.table_optimizer)
     optim.scaler = LossScaler() if cfg.precision == "fp16" else None
+    if tier is not None:
+        tier.optim, optim.after_step = optim, tier.write_back
+        batches = tier_tables.TierBatches(batches, tier)
     return Run(cfg, corpus, hasher, model, batches, optim)
 
 
@@ -328,7 +344,7 @@ def _comparable(d: dict[str, Any]) -> dict[str, Any]:
     # scale starts or is dropped) or compiled or not; data: a folder's path may change, its tokens
     # may not (``check_same_data``).
     skip = {"out_dir", "steps", "eval_every", "eval_batches", "ckpt_every", "log_every", "threads",
-            "device", "precision", "compile", "data"}
+            "device", "precision", "compile", "data", "table_dir", "table_budget_mb"}
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k not in skip}
 
 
@@ -371,15 +387,22 @@ class FileCheckpoints:
                                keep=self.keep)
 
 
+def checkpoints_of(run: Run) -> Any:
+    """The run's checkpoints: FileCheckpoints, around the tier's journal on the file tier."""
+    files = FileCheckpoints(run.cfg.out_dir)
+    tier = getattr(run.batches, "tier", None)
+    return files if tier is None else tier_tables.TierCheckpoints(files, tier)
+
+
 def try_resume(run: Run) -> bool:
     """Load the newest checkpoint of run.cfg.out_dir, if any. Refuses one from another config."""
-    return restore(run, FileCheckpoints(run.cfg.out_dir))
+    return restore(run, checkpoints_of(run))
 
 
 def train(cfg: TrainConfig, corpus: Corpus | None = None, progress: bool = True,
           resume: bool = True) -> Run:
     """Train to cfg.steps; resumes from out_dir's checkpoint when there is one (and resume=True)."""
     run = build_run(cfg, corpus)
-    checkpoints = FileCheckpoints(cfg.out_dir)
+    checkpoints = checkpoints_of(run)
     restore(run, checkpoints, resume)
     return fit(run, [LogMetrics(ONE_PROCESS, progress), SaveCheckpoints(checkpoints, cfg.ckpt_every)])

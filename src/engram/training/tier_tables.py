@@ -1,0 +1,382 @@
+"""Training from a file tier (``engram train --table_tier file``): each Engram table and its row
+optimiser's state live in memory-mapped files (training/tier_files.py); a step holds only its own
+rows in memory.
+
+Row ids are known from token ids before the forward (paper section 2.5), so per step:
+
+1. ``TierBatches.batch`` (the run's BatchSource, wrapped) starts step k: the distinct rows [u] each
+   table's layer reads in the step's micro-batches, with their optimiser state, become a small
+   dense working set (a ``working_table.WorkingTable``, which the layer looks up through
+   remapped ids), and step k+1's rows start loading on the tier's worker thread (when the budget
+   holds two working sets; else they are read when step k+1 starts);
+2. the forward, backward, clip and table optimiser run on the working set as on a whole table:
+   the same floats (the gradient is coalesced in global row ids, as the in-memory table's is; the
+   optimiser's per-row state is the same, in other slots), so losses equal in-memory training's;
+3. ``Optimizers.after_step`` writes the rows and state back, sparse, journaled (tier_files.py);
+   with a read-ahead the write runs on the worker, queued after step k+1's read, so rows of step
+   k+1 that step k updated are patched from step k's result (not the file read), and step k+2's
+   read comes after the write. Evaluation (which reads the files) and checkpoints wait for it.
+
+The budget (``--table_budget_mb``) bounds the working sets (rows, state, ids) and the journal's
+marks (a byte a table row); the gradient and activations are the model's, as in memory. The files
+are memory-mapped: pages read through the map count in RSS as page cache the kernel may reclaim
+(a hard RSS or address-space bound, scattered reads without a mapping, is not built).
+
+Shape legend: r rows of a table, e row width, n row ids of a step (repeats), u distinct rows.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import UserError
+from .checkpoint import CheckpointError
+from .optim import make_table_optimizer
+from .tier_files import JOURNAL, Journal, TierError, TierFiles, roll_back
+from .working_table import WorkingTable
+
+TIERS = ("memory", "file")  # engram train --table_tier
+# Bytes a working-set row holds beside its values and state: its global id, its optimiser slot
+# and its row id there (int64, int32, int64).
+WS_INDEX = 20
+
+
+def state_layout(optimizer: str, dim: int) -> dict[str, tuple[list[int], str]]:
+    """The table optimiser's per-row state buffers: name -> (per-row shape, dtype name)."""
+    st: dict = {}
+    opt = make_table_optimizer(optimizer, [nn.Parameter(torch.zeros(1, dim))], lr=1.0)
+    opt._resize(st, dim, 1, torch.device("cpu"))
+    return {k: (list(st[k].shape[1:]), str(st[k].dtype).removeprefix("torch."))
+            for k in opt._buffers()}
+
+
+def step_bound(cfg: Any, engram: nn.Module) -> int:
+    """The most distinct rows one step can read from a layer's table."""
+    heads = len(engram.head_sizes) if engram.head_sizes is not None else engram.d_mem // \
+        engram.table.dim
+    return min(engram.table.num_rows, cfg.batch_size * cfg.seq_len * cfg.grad_accum * heads)
+
+
+class TierTables:
+    """The run's tables on the file tier: working sets, prefetch, write-back, checkpoints' part."""
+
+    def __init__(self, cfg: Any, engrams: dict[int, nn.Module], files: TierFiles, budget: int):
+        self.cfg, self.engrams, self.files, self.budget = cfg, engrams, files, budget
+        self.tables = {lid: e.table for lid, e in engrams.items()}
+        for t in self.tables.values():
+            t.before_read = self.wait
+        self.journal = Journal.open(files.folder / JOURNAL, files.run_id)
+        self.journaled = {lid: np.zeros(t.num_rows, dtype=bool) for lid, t in self.tables.items()}
+        self.fixed = sum(j.nbytes for j in self.journaled.values())  # resident whatever the step
+        self.optim = None  # the run's Optimizers (set by attach)
+        self.t_max = {lid: 0 for lid in engrams}
+        self.step: int | None = None
+        self.ws: dict[int, dict[str, torch.Tensor]] | None = None  # the step's working set
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="engram-tier")
+        self._next: tuple[int, Future] | None = None
+        self._batches: dict[int, list] = {}
+        self._last: dict | None = None  # the last step's working set, written back
+        self._writing: Future | None = None  # its write, on the worker thread
+        self.peak = 0  # most bytes held in working sets at once (inspection, the benchmark)
+        # seconds the training thread spent reading rows (or waiting for the read-ahead) and
+        # writing them back, and steps whose rows were read ahead (the benchmark)
+        self.read_s = self.write_s = 0.0
+        self.read_ahead = 0
+
+    # -- one step ---------------------------------------------------------------------------------
+    def rows_of(self, batches: list) -> dict[int, torch.Tensor]:
+        """Each table's distinct rows [u] (sorted) of a step's micro-batches."""
+        return {lid: torch.unique(torch.cat([e.rows(b.hash_ids[lid]).reshape(-1)
+                                             for b in batches]))
+                for lid, e in self.engrams.items()}
+
+    def load(self, uniq: dict[int, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+        """Rows and state of ``uniq`` from the files, in the optimiser's buffer layout."""
+        out = {}
+        for lid, u in uniq.items():
+            arrays = self.files.arrays[lid]
+            st: dict = {}
+            self.optim.tables._resize(st, arrays["rows"].shape[1], u.numel(), u.device)
+            for name in arrays:
+                if name != "rows":
+                    torch.index_select(arrays[name], 0, u, out=st[name])
+            st["uniq"], st["weight"] = u, arrays["rows"].index_select(0, u)
+            out[lid] = st
+        return out
+
+    def _bytes(self, ws: dict) -> int:
+        return sum(s["uniq"].numel() * (self.files.row_bytes(lid) + WS_INDEX)
+                   for lid, s in ws.items())
+
+    def begin(self, step: int, batches) -> list:
+        """Make step ``step``'s working set current (from the prefetch, patched, or read now);
+        start reading step+1's. Returns the step's micro-batches."""
+        t0 = time.perf_counter()
+        mine = self._take(step, batches)
+        self.read_s += time.perf_counter() - t0
+        self.ws, self.step = mine, step
+        opt = self.optim.tables
+        for lid, t in self.tables.items():
+            s = mine[lid]
+            t.uniq, t.weight.data = s["uniq"], s["weight"]
+            u = s["uniq"].numel()
+            st = {k: v for k, v in s.items() if k not in ("uniq", "weight")}
+            st.update(slot=torch.arange(u, dtype=torch.int32), n=u, dim=t.dim,
+                      t_max=self.t_max[lid])
+            st["rows"] = torch.arange(u)
+            opt.state[t.weight] = st
+        nxt = step + 1
+        if nxt < self.cfg.steps and self._bytes(mine) * 2 + self.fixed <= self.budget:
+            self._next = (nxt, self._pool.submit(self._prefetch, nxt, batches))
+        self.peak = max(self.peak, self._bytes(mine))
+        return self._batches.pop(step)
+
+    def _prefetch(self, step: int, batches) -> dict:
+        bs = [batches.batch(step * self.cfg.grad_accum + m) for m in range(self.cfg.grad_accum)]
+        self._batches[step] = bs
+        uniq = self.rows_of(bs)
+        need = sum(u.numel() * (self.files.row_bytes(lid) + WS_INDEX) for lid, u in uniq.items())
+        if need + self._bytes(self.ws or {}) + self.fixed > self.budget:
+            return None  # over the budget beside this step's: read after the write-back instead
+        return self.load(uniq)
+
+    def _take(self, step: int, batches) -> dict:
+        if self._next is not None:
+            want, fut = self._next
+            self._next = None
+            ws = fut.result()  # the read of step-1's write-back overlap is patched below
+            if want == step and ws is not None:
+                self.read_ahead += 1
+                self.peak = max(self.peak, self._bytes(ws) + self._bytes(self._last or {}))
+                self._patch(ws)
+                return ws
+        self.wait()  # read now, after the last write (its working set then freed)
+        self._last = None
+        bs = self._batches.get(step) or [batches.batch(step * self.cfg.grad_accum + m)
+                                         for m in range(self.cfg.grad_accum)]
+        self._batches[step] = bs
+        return self.load(self.rows_of(bs))
+
+    def _patch(self, ws: dict) -> None:
+        """Rows the last step wrote back take its values (the prefetch may have read them before
+        the write)."""
+        last = self._last
+        if last is None:
+            return
+        for lid, s in ws.items():
+            old = last[lid]
+            _, a, b = np.intersect1d(s["uniq"].numpy(), old["uniq"].numpy(), assume_unique=True,
+                                     return_indices=True)
+            if a.size:
+                a, b = torch.from_numpy(a), torch.from_numpy(b)
+                for k in ("weight", *self.files.arrays[lid]):
+                    if k != "rows":
+                        s[k].index_copy_(0, a, old[k].index_select(0, b))
+        self._last = None
+
+    def write_back(self) -> None:
+        """After the optimiser's step: the rows and their state to the files, old values first to
+        the journal (once per row per checkpoint). With a read-ahead running the write runs on its
+        thread, after that read (one worker, in order: the next read-ahead sees this write)."""
+        if self.ws is None:
+            return
+        t0 = time.perf_counter()
+        opt, ws = self.optim.tables, self.ws
+        for lid, t in self.tables.items():
+            st = opt.state.pop(t.weight, None) or {}
+            self.t_max[lid] = st.get("t_max", self.t_max[lid])
+            ws[lid].update({k: st[k] for k in self.files.arrays[lid] if k in st})
+            t.uniq, t.weight.data = None, t.weight.data.new_empty(0, t.dim)
+            t.weight.grad = None
+        self.ws = None
+        if self._next is not None:
+            # kept while the read-ahead may have read these rows before this write (patched from
+            # here); no more memory than the budget's two working sets: this one and the next
+            self._last = ws
+            self._writing = self._pool.submit(self._write, ws)
+        else:
+            self._last = None
+            self._write(ws)
+        self.write_s += time.perf_counter() - t0
+
+    def _write(self, ws: dict) -> None:
+        entries, fresh = [], {}
+        for lid, s in ws.items():
+            u = s["uniq"]
+            fresh[lid] = ~self.journaled[lid][u.numpy()]
+            if fresh[lid].any():
+                rows = u[torch.from_numpy(fresh[lid])]
+                entries.append((lid, rows, [a.index_select(0, rows)
+                                            for a in self.files.arrays[lid].values()]))
+        self.journal.append(entries)  # durable before any table byte changes
+        for lid, s in ws.items():
+            arrays = self.files.arrays[lid]
+            self.journaled[lid][s["uniq"].numpy()[fresh[lid]]] = True
+            arrays["rows"].index_copy_(0, s["uniq"], s["weight"].detach())
+            for k in arrays:
+                if k != "rows":
+                    arrays[k].index_copy_(0, s["uniq"], s[k])
+
+    def wait(self) -> None:
+        """Until the last write-back is in the files (before reading them, or a checkpoint)."""
+        if self._writing is not None:
+            t0 = time.perf_counter()
+            fut, self._writing = self._writing, None
+            fut.result()  # a failed write (a full disk) is raised here
+            self.write_s += time.perf_counter() - t0
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def saved(self, step: int) -> dict[str, Any]:
+        """Before the dense checkpoint of ``step``: tables durable; what it records of them."""
+        self.wait()
+        self.files.sync()
+        return {"run": self.files.run_id, "step": step}
+
+    def checkpointed(self, step: int) -> None:
+        """After it: the journal undoes to ``step`` now."""
+        self.journal.reset(step)
+        for j in self.journaled.values():
+            j[:] = False
+
+    def recover(self, step: int, record: dict | None, where: Any) -> None:
+        """The tables put back to checkpoint ``step``'s (refused in one line where they cannot be)."""
+        if record is None or record.get("run") != self.files.run_id:
+            raise CheckpointError(f"{self.files.folder} holds the tables of another run than "
+                                  f"checkpoint {where}; use that run's --table_dir")
+        base = self.journal.base
+        if base > step:
+            raise CheckpointError(f"{self.files.folder}'s journal undoes to step {base}, the "
+                                  f"newest checkpoint is step {step}: the tables cannot be put "
+                                  "back to it (use another --out_dir)")
+        if base == step:
+            roll_back(self.files, self.journal)
+        # base < step: killed between checkpoint ``step`` and the journal's reset; its tables
+        # were synced before it was written and nothing has changed them since.
+        self.checkpointed(step)
+        self.t_max = {lid: int(a["steps"].max()) if "steps" in a else 0
+                      for lid, a in self.files.arrays.items()}
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown(wait=True)
+        self.journal.close()
+
+
+class TierBatches:
+    """The run's BatchSource with the tier's step boundaries: the first micro-batch of a step
+    makes its working set current."""
+
+    def __init__(self, inner, tier: TierTables):
+        self.inner, self.tier, self.hasher = inner, tier, inner.hasher
+        self._step, self._micro = None, []
+
+    def batch(self, i: int):
+        step, m = divmod(i, self.tier.cfg.grad_accum)
+        if step != self._step:
+            self._micro, self._step = self.tier.begin(step, self.inner), step
+        for t in self.tier.tables.values():
+            t.last_micro = m == len(self._micro) - 1
+        return self._micro[m]
+
+
+class TierCheckpoints:
+    """:class:`loop.Checkpoints` of a tier run: the dense checkpoint between the tables' sync and
+    the journal's reset; on load, the tables rolled back to it."""
+
+    def __init__(self, inner, tier: TierTables):
+        self.inner, self.tier = inner, tier
+
+    def latest(self):
+        return self.inner.latest()
+
+    def load(self, run, found) -> None:
+        self.inner.load(run, found)
+        self.tier.recover(run.step, run.hook_state.get("table_tier"), found)
+
+    def save(self, run):
+        run.hook_state["table_tier"] = self.tier.saved(run.step)
+        out = self.inner.save(run)
+        self.tier.checkpointed(run.step)
+        return out
+
+
+def check_tier(cfg: Any) -> None:
+    """What a tier run needs of its config (one line, before any work)."""
+    if cfg.table_tier not in TIERS:
+        raise UserError(f"table_tier must be one of {', '.join(TIERS)}, got {cfg.table_tier!r}")
+    if cfg.table_tier == "memory":
+        return
+    if not cfg.engram or cfg.nine:
+        raise UserError("table_tier=file trains plain Engram tables (engram=true, no hot_rows / "
+                        "shared_tables)")
+    if cfg.device != "cpu" or cfg.precision != "fp32" or cfg.compile:
+        raise UserError("table_tier=file trains on the CPU in fp32, uncompiled (device=cpu, "
+                        "precision=fp32, compile=false)")
+
+
+def row_bytes(optimizer: str, dim: int) -> int:
+    """Bytes of one row (float32) and its optimiser state, in the files."""
+    return dim * 4 + sum(int(np.prod(t)) * getattr(torch, d).itemsize
+                         for t, d in state_layout(optimizer, dim).values())
+
+
+def budget_need(cfg: Any, model: nn.Module) -> int:
+    """The least budget (bytes) a tier run of ``cfg`` takes: one step's most rows with their
+    state, and a byte a table row for the journal's marks."""
+    return sum(step_bound(cfg, e) * (row_bytes(cfg.table_optimizer, e.table.dim) + WS_INDEX)
+               + e.table.num_rows for e in model.engrams().values())
+
+
+def attach(cfg: Any, model: nn.Module, fresh: bool) -> TierTables:
+    """Move the model's tables to the file tier (``fresh``: from their initial rows; else the
+    folder of the checkpoint being resumed). The caller sets ``optim`` and wraps its batches."""
+    engrams = {lid: e for lid, e in model.engrams().items()}
+    folder = Path(cfg.table_dir or Path(cfg.out_dir) / "tier")
+    layout = {lid: state_layout(cfg.table_optimizer, e.table.dim) for lid, e in engrams.items()}
+    need = budget_need(cfg, model)
+    budget = need * 2 if cfg.table_budget_mb is None else int(cfg.table_budget_mb * 2**20)
+    if budget < need:
+        raise UserError(f"table_budget_mb={cfg.table_budget_mb:g} is below one step's rows: "
+                        f"{need / 2**20:.2f} MB (batch_size x seq_len x grad_accum x heads rows "
+                        "and their optimiser state); raise it")
+    _check_writable(folder)
+    if fresh:
+        old = folder / "tier.json"
+        if old.exists():
+            try:
+                theirs = TierFiles.open(folder).meta.get("out_dir")
+            except TierError:
+                theirs = None
+            if theirs != str(Path(cfg.out_dir).resolve()):
+                raise TierError(f"{folder} holds the tables of another run ({theirs}); use "
+                                "another --table_dir (nothing was changed)")
+        files = TierFiles.create(folder, Path(cfg.out_dir),
+                                 {lid: e.table.weight for lid, e in engrams.items()},
+                                 next(iter(layout.values())), cfg.table_optimizer)
+    else:
+        files = TierFiles.open(folder)
+        want = {str(lid): [e.table.num_rows, e.table.dim] for lid, e in engrams.items()}
+        if files.meta["layers"] != want or files.meta["optimizer"] != cfg.table_optimizer:
+            raise TierError(f"{folder} holds tables of another shape or optimiser "
+                            f"({files.meta['layers']}, {files.meta['optimizer']}); this run "
+                            f"needs {want}, {cfg.table_optimizer}")
+    for lid, e in engrams.items():
+        e.table = WorkingTable(files.arrays[lid]["rows"])  # frees the in-memory table
+    return TierTables(cfg, engrams, files, budget)
+
+
+def _check_writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise TierError(f"cannot write the tier tables to {folder}: {e.strerror or e}") from None
