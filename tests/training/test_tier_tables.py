@@ -4,6 +4,7 @@ in-memory training, exact resume, SIGKILL at random points, bad input in one lin
 import json
 import os
 import random
+import shutil
 import signal
 import struct
 import subprocess
@@ -104,6 +105,43 @@ def test_tier_resume_equals_uninterrupted(tmp_path, corpus):
     assert _losses(resumed) == _losses(full)
     a, b = _tier_state(full), _tier_state(resumed)
     assert all(torch.equal(a[lid][k], b[lid][k]) for lid in a for k in a[lid])
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def test_a_tier_run_opens_at_its_checkpoint_read_only(tmp_path, corpus):
+    """engram.open (so generate, eval, export) reads a tier run's tables from its folder, copied
+    anywhere, writing nothing; killed after checkpoint 3 (the files hold step 5's rows, the journal
+    step 3's), it opens as the same run trained in memory and killed there opens: at step 3."""
+    class Crash:
+        def start(self, run): pass
+        def end(self, run): pass
+        def after_step(self, run, lr, loss):
+            if run.step == 5:
+                raise RuntimeError("crash")
+
+    for name, tier in (("mem", "memory"), ("tier", "file")):
+        run = build_run(_cfg(tmp_path, name, steps=7, table_tier=tier), corpus)
+        with pytest.raises(RuntimeError, match="crash"):
+            fit(run, [LogMetrics(ONE_PROCESS, False), SaveCheckpoints(checkpoints_of(run), 3),
+                      Crash()])
+    run.batches.tier.close()
+    assert run.batches.tier.journal.base == 3
+    moved = tmp_path / "elsewhere" / "run"
+    shutil.copytree(tmp_path / "tier", moved)
+    shutil.rmtree(tmp_path / "tier")
+    before = _tree(moved)
+    got = engram.open(str(moved)).model.state_dict()
+    assert _tree(moved) == before  # opening wrote nothing
+    want = engram.open(str(tmp_path / "mem")).model.state_dict()
+    assert set(got) == set(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    (moved / "tier" / "tier.json").unlink()
+    with pytest.raises(UserError, match="trained with its tables in files"):
+        engram.open(str(moved))
 
 
 def test_journal_rolls_back_and_ignores_a_torn_entry(tmp_path, corpus):

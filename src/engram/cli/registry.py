@@ -42,8 +42,11 @@ def command(name: str, help: str, *, args: Sequence[Arg] = (),
 RUN_DIR = Arg("run_dir", "a folder written by `engram train --out_dir`")
 
 
+# Training from the file tier is one run's choice (`engram train --table_tier file`), not a study's:
+# a study's runs keep their tables in memory.
+TIER_OPTIONS = ("table_tier", "table_dir", "table_budget_mb")
 STUDY_BASE = Config(TRAIN, "TrainConfig options (the base of every run; the study's options "
-                    "above set each run's token budget)", records=RUN_RECORDS)
+                    "above set each run's token budget)", records=RUN_RECORDS, skip=TIER_OPTIONS)
 
 
 RUNS_KEPT = ("finished runs are kept; a run in progress resumes from its checkpoint when the same "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import InputNotFound, UserError
 from ..command import Arg, Config, In, Out
-from .registry import GENERATION, RUN_DIR, RUN_RECORDS, TRAIN, command
+from .registry import GENERATION, RUN_DIR, RUN_RECORDS, TIER_OPTIONS, TRAIN, command
 
 @dataclass
 class Tables:
@@ -131,7 +131,7 @@ def _export_hf(run_dir: str, out_dir: str, t: Tables) -> None:
                    "TrainConfig options with random weights", nargs="?", deprecated="--run_dir"),),
          configs=(Config("engram.studies.pool_budget:PoolBudgetConfig", skip=("run_dir",)),
                   Config(TRAIN, "TrainConfig options (the model with random weights when RUN_DIR "
-                         "is not given)", records=RUN_RECORDS)),
+                         "is not given)", records=RUN_RECORDS, skip=TIER_OPTIONS)),
          reads=("run_dir", In("pool_path", check=False)),
          writes=(Out("out_dir", "pool-budget"), Out("table_dir", "tables", of="run_dir")),
          about="Measures t_exec per layer, the read latency per tier, the break-even injected "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from ..errors import Interrupted, NonFinite, UserError
@@ -54,7 +55,11 @@ def _demo(o: DemoOptions) -> None:
 @command("train", "train one LM (dense, MoE or Engram) on the package corpus or --data; "
          "torchrun for several",
          configs=(Config(TRAIN, records=RUN_RECORDS), Config(Launch, "run options")),
-         writes=(Out("out_dir", "run"),),
+         # the file tier's folder (training/tier_tables.py), claimed and locked like the run's
+         writes=(Out("out_dir", "run"),
+                 Out("table_dir", "tier", of="out_dir",
+                     default=lambda get: str(Path(get("out_dir")) / "tier")
+                     if get("table_tier") == "file" else None)),
          about="Under torchrun (WORLD_SIZE > 1): DDP and row-sharded tables. Ctrl-C or SIGTERM "
          "saves a checkpoint of the step reached; the same command resumes from it.",
          interrupted="stopped at once (before training began, or a second Ctrl-C): the run "

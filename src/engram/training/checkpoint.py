@@ -192,7 +192,9 @@ def served_checkpoint(out_dir: str | Path) -> tuple[dict[str, Any], Path, list[P
     if ckpt is None:
         raise InputNotFound(f"no checkpoint under {out_dir}/checkpoints (train one with "
                             f"`engram train --out_dir={out_dir}`)")
-    state = load_checkpoint(ckpt, parts=("model", "hot_index"))[0]  # retrieval.hot.STATE_KEY
+    state, meta, step = load_checkpoint(ckpt, parts=("model", "hot_index"))  # hot.STATE_KEY
+    if meta.get("config", {}).get("table_tier") == "file":  # the tables are in the tier folder
+        state["model"].update(_tier_tables(Path(out_dir), meta, step))
     if ckpt.parent.name != "dense":
         return state, ckpt, []
     step_dir, info = latest_distributed(out_dir)
@@ -201,3 +203,18 @@ def served_checkpoint(out_dir: str | Path) -> tuple[dict[str, Any], Path, list[P
             raise CheckpointError(f"checkpoint shard {step_dir / name} is corrupted (checksum "
                                   "mismatch)")
     return state, ckpt, [step_dir / name for name, _ in info["shards"]]
+
+
+def _tier_tables(out_dir: Path, meta: dict[str, Any], step: int) -> dict[str, torch.Tensor]:
+    """A file-tier run's tables as its checkpoint holds them: from the run folder's own tier/
+    (found wherever the folder was copied), else the --table_dir it recorded."""
+    from .tier_files import META, served_rows
+
+    recorded = meta["config"].get("table_dir")
+    folders = [out_dir / "tier"] + ([Path(recorded)] if recorded else [])
+    folder = next((f for f in folders if (f / META).exists()), None)
+    if folder is None:
+        raise InputNotFound(f"{out_dir} was trained with its tables in files (table_tier=file) "
+                            f"and none is here: looked in {', '.join(map(str, folders))}")
+    rows = served_rows(folder, meta.get("hook_state", {}).get("table_tier"), step)
+    return {f"blocks.{lid}.engram.table.weight": r for lid, r in rows.items()}

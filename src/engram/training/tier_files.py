@@ -26,6 +26,7 @@ import json
 import os
 import struct
 import uuid
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ class TierFiles:
     torch tensor over a shared memory map of its file (writes land in the page cache: a killed
     process leaves them; :meth:`sync` makes them durable)."""
 
-    def __init__(self, folder: Path, meta: dict[str, Any]):
+    def __init__(self, folder: Path, meta: dict[str, Any], writable: bool = True):
         self.folder, self.meta = Path(folder), meta
         self.arrays: dict[int, dict[str, torch.Tensor]] = {}
         self._maps: list[np.memmap] = []
@@ -65,9 +66,11 @@ class TierFiles:
             self.arrays[lid] = {}
             for name, (tail, dtype) in self.layout(e).items():
                 m = np.memmap(self.folder / f"layer{lid}.{name}", dtype=_np(_DTYPES[dtype]),
-                              mode="r+", shape=(r, *tail))
+                              mode="r+" if writable else "r", shape=(r, *tail))
                 self._maps.append(m)
-                self.arrays[lid][name] = torch.from_numpy(m)
+                with warnings.catch_warnings():  # read-only maps (a server's) are only read
+                    warnings.simplefilter("ignore", UserWarning)
+                    self.arrays[lid][name] = torch.from_numpy(m)
 
     def layout(self, e: int) -> dict[str, tuple[list[int], str]]:
         """name -> (per-row shape, dtype name): the rows, then the optimiser's state."""
@@ -118,7 +121,7 @@ class TierFiles:
         return TierFiles(folder, meta)
 
     @staticmethod
-    def open(folder: Path) -> TierFiles:
+    def open(folder: Path, writable: bool = True) -> TierFiles:
         try:
             meta = json.loads((folder / META).read_text())
         except FileNotFoundError:
@@ -137,7 +140,7 @@ class TierFiles:
                 if size != want:
                     raise TierError(f"{path} is {size} bytes, {META} says {want}: the folder "
                                     "is damaged or was changed by hand")
-        return TierFiles(folder, meta)
+        return TierFiles(folder, meta, writable)
 
 
 class Journal:
@@ -190,28 +193,34 @@ class Journal:
 
     def entries(self, files: TierFiles):
         """Each complete entry as (layer, rows [k], old values); a torn last entry ends it."""
-        data = self.path.read_bytes()
-        pos, n = _HEAD.size, len(data)
-        while pos + _ENTRY.size <= n:
-            lid, k, size, crc = _ENTRY.unpack_from(data, pos)
-            body = data[pos + _ENTRY.size: pos + _ENTRY.size + size]
-            if len(body) < size:
-                return  # torn: killed while appending, before its table write
-            if zlib.crc32(body) != crc or lid not in files.arrays:
-                raise TierError(f"{self.path}: a damaged entry at byte {pos}; the tables cannot be "
-                                "put back to the checkpoint (use another --out_dir)")
-            pos += _ENTRY.size + size
-            if k == 0:
-                continue
-            rows, out, off = torch.frombuffer(bytearray(body[:8 * k]), dtype=torch.int64), [], 8 * k
-            for t in files.arrays[lid].values():
-                nb = k * t[0].numel() * t.element_size()
-                out.append(torch.frombuffer(bytearray(body[off:off + nb]), dtype=t.dtype)
-                           .view(k, *t.shape[1:]))
-                off += nb
-            if off != size:
-                raise TierError(f"{self.path}: an entry of another layout before byte {pos}")
-            yield lid, rows, out
+        return journal_entries(self.path, files)
+
+
+def journal_entries(path: Path, files: TierFiles):
+    """:meth:`Journal.entries` of the journal at ``path``, read without opening it to write (a
+    server's look at a run killed after its checkpoint)."""
+    data = path.read_bytes()
+    pos, n = _HEAD.size, len(data)
+    while pos + _ENTRY.size <= n:
+        lid, k, size, crc = _ENTRY.unpack_from(data, pos)
+        body = data[pos + _ENTRY.size: pos + _ENTRY.size + size]
+        if len(body) < size:
+            return  # torn: killed while appending, before its table write
+        if zlib.crc32(body) != crc or lid not in files.arrays:
+            raise TierError(f"{path}: a damaged entry at byte {pos}; the tables cannot be "
+                            "put back to the checkpoint (use another --out_dir)")
+        pos += _ENTRY.size + size
+        if k == 0:
+            continue
+        rows, out, off = torch.frombuffer(bytearray(body[:8 * k]), dtype=torch.int64), [], 8 * k
+        for t in files.arrays[lid].values():
+            nb = k * t[0].numel() * t.element_size()
+            out.append(torch.frombuffer(bytearray(body[off:off + nb]), dtype=t.dtype)
+                       .view(k, *t.shape[1:]))
+            off += nb
+        if off != size:
+            raise TierError(f"{path}: an entry of another layout before byte {pos}")
+        yield lid, rows, out
 
 
 def _write_all(f, data) -> None:
@@ -244,3 +253,23 @@ def roll_back(files: TierFiles, journal: Journal) -> int:
         n += rows.numel()
     files.sync()
     return n
+
+
+def served_rows(folder: Path, record: dict | None, step: int) -> dict[int, torch.Tensor]:
+    """Each table's rows {lid: [r, e]} as checkpoint ``step`` (whose tier ``record`` names the
+    folder's run) holds them, read without writing anything: a server opening a tier run. The
+    files' rows, with the journal's old rows put back in memory when it undoes to ``step`` (the
+    run was killed after that checkpoint; its next resume rolls the files back the same way)."""
+    files = TierFiles.open(folder, writable=False)
+    if record is None or record.get("run") != files.run_id:
+        raise TierError(f"{folder} holds the tables of another run than the checkpoint of step "
+                        f"{step}; the run's own tier folder is needed to open it")
+    base = _read_head(folder / JOURNAL, files.run_id)
+    if base > step:
+        raise TierError(f"{folder}'s journal undoes to step {base}, the newest checkpoint is step "
+                        f"{step}: its tables are not that checkpoint's")
+    rows = {lid: a["rows"].clone() for lid, a in files.arrays.items()}  # [r, e] in memory
+    if base == step:
+        for lid, ids, old in journal_entries(folder / JOURNAL, files):
+            rows[lid].index_copy_(0, ids, old[0])  # old[0]: the row; the rest is optimiser state
+    return rows
