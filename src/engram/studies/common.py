@@ -98,14 +98,28 @@ def finished(j: Job) -> dict[str, Any] | None:
         return None
     saved = json.loads(path.read_text())
     want = j.key()
-    if saved.get("job") != want:
-        got = saved.get("job") or {}
+    got = saved.get("job") or {}
+    if isinstance(got.get("config"), dict):  # a field added since reads as its default there
+        # (as a checkpoint's config does, training/train.check_same_config)
+        added = {k: v for k, v in _defaults(j.cfg).items()
+                 if k in want["config"] and k not in got["config"]}
+        got = {**got, "config": {**added, **got["config"]}}
+    if got != want:
         diff = sorted(k for k in ({*want["config"], *got.get("config", {})})
                       if want["config"].get(k) != got.get("config", {}).get(k))
         diff += [k for k in ("name", "seed", "args") if want[k] != got.get(k)]
         raise ValueError(f"{path} holds a finished run of another configuration (differs in "
                          f"{diff}); use another --out_dir or remove that folder")
     return saved["result"]
+
+
+def _defaults(cfg: Any) -> dict[str, Any]:
+    """A config class's default values as a job key holds them (JSON); {} if it has required
+    fields."""
+    try:
+        return json.loads(json.dumps(type(cfg)().to_dict()))
+    except TypeError:
+        return {}
 
 
 @contextlib.contextmanager
