@@ -17,12 +17,12 @@ import torch
 
 import engram
 from engram.errors import UserError
+from engram.tables.store import MemoryTable, deferred_rows, normal_chunks
+from engram.training import tier_files
 from engram.training.checkpoint import CheckpointError
 from engram.training.corpus import DataConfig, build_corpus
 from engram.training.hooks import LogMetrics, SaveCheckpoints
 from engram.training.loop import ONE_PROCESS, fit
-from engram.tables.store import MemoryTable, deferred_rows, normal_chunks
-from engram.training import tier_files
 from engram.training.tier_files import JOURNAL, Journal, TierFiles, roll_back
 from engram.training.train import TrainConfig, build_run, checkpoints_of, train
 

@@ -1,5 +1,6 @@
 """The files of a run trained from a file tier: each Engram table's rows and its row optimiser's
-state, read and written by row ids (positional I/O, no mapping), and an undo journal that keeps them consistent with the run's checkpoints.
+state, read and written by row ids (positional I/O, no mapping), and an undo journal that
+keeps them consistent with the run's checkpoints.
 
 Row ids depend on token ids alone (paper section 2.5), so a step's rows are read before it runs and
 written back after; only those rows are in memory (training/tier_tables.py). The folder:

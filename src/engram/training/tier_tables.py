@@ -356,7 +356,8 @@ def attach(cfg: Any, model: nn.Module, fresh: bool) -> TierTables:
                 raise TierError(f"{folder} holds the tables of another run ({theirs}); use "
                                 "another --table_dir (nothing was changed)")
         files = TierFiles.create(folder, Path(cfg.out_dir),
-                                 {lid: (e.table.num_rows, e.table.dim) for lid, e in engrams.items()},
+                                 {lid: (e.table.num_rows, e.table.dim)
+                                  for lid, e in engrams.items()},
                                  {lid: initial_rows(e.table) for lid, e in engrams.items()},
                                  next(iter(layout.values())), cfg.table_optimizer)
     else:
