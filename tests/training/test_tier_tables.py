@@ -17,11 +17,13 @@ import torch
 
 import engram
 from engram.errors import UserError
+from engram.tables.store import MemoryTable, deferred_rows, normal_chunks
+from engram.training import tier_files
 from engram.training.checkpoint import CheckpointError
 from engram.training.corpus import DataConfig, build_corpus
 from engram.training.hooks import LogMetrics, SaveCheckpoints
 from engram.training.loop import ONE_PROCESS, fit
-from engram.training.tier_files import JOURNAL, Journal, roll_back
+from engram.training.tier_files import JOURNAL, Journal, TierFiles, roll_back
 from engram.training.train import TrainConfig, build_run, checkpoints_of, train
 
 TINY = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, seq_len=32, batch_size=4,
@@ -45,7 +47,7 @@ def _losses(run):
 
 def _tier_state(run):
     files = run.batches.tier.files
-    return {lid: {k: v.clone() for k, v in a.items()} for lid, a in files.arrays.items()}
+    return {lid: {k: files.read_all(lid, k) for k in files.names(lid)} for lid in files.shapes}
 
 
 # (a table of ~80k rows: its gradient is coalesced by torch's sort, not the row-scan kernel)
@@ -68,6 +70,53 @@ def test_file_tier_trains_the_same_floats_as_memory(tmp_path, corpus, opt, accum
     # the dense checkpoint keeps no table: the files do
     ckpt = sorted((tmp_path / "file" / "checkpoints").iterdir())[-1]
     assert ckpt.stat().st_size < sorted((tmp_path / "mem" / "checkpoints").iterdir())[-1].stat().st_size
+
+
+@pytest.mark.parametrize("rows,dim,chunk", [(997, 32, 16), (20011, 32, 1000), (7, 3, 1),
+                                             (1001, 5, 48)])
+def test_deferred_rows_are_a_whole_tables_init_chunk_by_chunk(rows, dim, chunk):
+    """A table built under deferred_rows holds no rows, leaves the generator where a whole
+    table's init does (the rest of the model initialises the same), and its rows made later a
+    chunk at a time are the whole table's, bit for bit (normal_ works in blocks of 16 values)."""
+    torch.manual_seed(5)
+    whole = MemoryTable(rows, dim, init_std=0.3)
+    after = torch.rand(4)
+    torch.manual_seed(5)
+    with deferred_rows():
+        lazy = MemoryTable(rows, dim, init_std=0.3)
+    assert lazy.weight.shape == (0, dim) and torch.equal(torch.rand(4), after)
+    g = torch.Generator()
+    g.set_state(lazy.init_state)
+    chunks = list(normal_chunks(rows, dim, 0.3, g, chunk_rows=chunk))
+    assert torch.equal(torch.cat(chunks), whole.weight.detach())
+    assert len(chunks) > 1 or rows * dim < 32
+
+
+@pytest.mark.parametrize("span", [1 << 20, 256])
+def test_file_tier_io_reads_and_writes_rows_by_id(tmp_path, monkeypatch, span):
+    """Positional reads and writes: adjacent runs, near spans (rows between written back as they
+    were; spans cut at ``span`` bytes) and far rows, against the same writes on a copy in memory."""
+    monkeypatch.setattr(tier_files, "SPAN_BYTES", span)
+    r, e = 5000, 8
+    init = torch.randn(r, e)
+    state = {"steps": ([], "int64")}
+    files = TierFiles.create(tmp_path, tmp_path, {0: (r, e)}, {0: iter([init[:3000], init[3000:]])},
+                             state, "x")
+    want = {"rows": init.clone(), "steps": torch.zeros(r, dtype=torch.int64)}
+    assert all(torch.equal(files.read_all(0, k), want[k]) for k in want)
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 7, 300, 4000):
+        ids = torch.unique(torch.cat([torch.randint(0, r, (n,), generator=gen),
+                                      torch.arange(100, 140)]))
+        new = {"rows": torch.randn(ids.numel(), e, generator=gen),
+               "steps": torch.randint(0, 99, (ids.numel(),), generator=gen)}
+        got = files.read(0, ids)
+        assert all(torch.equal(got[k], want[k][ids]) for k in want)
+        files.write(0, ids, new)
+        for k in want:
+            want[k][ids] = new[k]
+        assert all(torch.equal(files.read_all(0, k), want[k]) for k in want)
+    assert files.max_of(0, "steps", chunk=333) == int(want["steps"].max())
 
 
 def test_a_budget_without_prefetch_trains_the_same(tmp_path, corpus):
@@ -147,18 +196,18 @@ def test_a_tier_run_opens_at_its_checkpoint_read_only(tmp_path, corpus):
 def test_journal_rolls_back_and_ignores_a_torn_entry(tmp_path, corpus):
     run = train(_cfg(tmp_path, "r", steps=3, table_tier="file"), corpus, progress=False)
     tier = run.batches.tier
-    files, lid = tier.files, next(iter(tier.files.arrays))
-    before = {k: v.clone() for k, v in files.arrays[lid].items()}
-    rows = torch.tensor([5, 17, 900])
-    tier.journal.append([(lid, rows, [a.index_select(0, rows) for a in files.arrays[lid].values()])])
-    for a in files.arrays[lid].values():
-        a[rows] = 7
+    files, lid = tier.files, next(iter(tier.files.shapes))
+    before = {k: files.read_all(lid, k) for k in files.names(lid)}
+    rows = torch.tensor([5, 17, 18, 900])  # 17, 18: one positional write
+    tier.journal.append([(lid, rows, list(files.read(lid, rows).values()))])
+    files.write(lid, rows, {k: torch.full_like(v, 7) for k, v in files.read(lid, rows).items()})
+    assert not torch.equal(files.read_all(lid, "rows"), before["rows"])
     with open(files.folder / JOURNAL, "ab") as f:  # a torn next entry: header, half a payload
         f.write(struct.pack("<IIQI", lid, 3, 1000, 0) + b"\x01" * 9)
     journal = Journal.open(files.folder / JOURNAL, files.run_id)
-    assert roll_back(files, journal) == 3
-    assert roll_back(files, journal) == 3  # idempotent
-    assert all(torch.equal(files.arrays[lid][k], before[k]) for k in before)
+    assert roll_back(files, journal) == 4
+    assert roll_back(files, journal) == 4  # idempotent
+    assert all(torch.equal(files.read_all(lid, k), before[k]) for k in before)
 
 
 def test_bad_input_is_one_line_before_any_work(tmp_path, corpus):
@@ -258,12 +307,11 @@ def test_a_journal_older_or_newer_than_the_checkpoint(tmp_path, corpus):
     run = train(_cfg(tmp_path, "part", steps=3, table_tier="file"), corpus, progress=False)
     tier = run.batches.tier
     tier.close()
-    files, lid, path = tier.files, next(iter(tier.files.arrays)), tier.files.folder / JOURNAL
+    files, lid, path = tier.files, next(iter(tier.files.shapes)), tier.files.folder / JOURNAL
     Journal.create(path, 0, files.run_id)  # as of the checkpoint before: its entries are stale
     stale = Journal.open(path, files.run_id)
     rows = torch.tensor([1, 2, 3])
-    stale.append([(lid, rows, [torch.full_like(a.index_select(0, rows), 9)
-                               for a in files.arrays[lid].values()])])
+    stale.append([(lid, rows, [torch.full_like(a, 9) for a in files.read(lid, rows).values()])])
     stale.close()
     resumed = train(_cfg(tmp_path, "part", steps=6, table_tier="file"), corpus, progress=False)
     assert _losses(resumed) == _losses(full)

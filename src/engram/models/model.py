@@ -193,7 +193,7 @@ class EngramLM(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
         if own_table:  # a table passed in by the caller brings its own (trained) rows
-            nn.init.normal_(engram.table.weight, std=self.config.table_init_std)
+            engram.table.reset_parameters()  # N(0, table_init_std); deferred_rows
         # Zero conv (paper 2.3): Y = alpha * v at the start, a pure gated lookup.
         engram.init_weights()
 

@@ -13,6 +13,8 @@ u distinct rows asked for, m of them missing.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -65,6 +67,41 @@ class SplitLookup(TableStore, Protocol):
         ...
 
 
+_DEFERRED = False  # inside deferred_rows(): MemoryTables are built without their rows
+NORMAL_BLOCK = 16  # torch's CPU normal_ draws and transforms float32 values 16 at a time
+
+
+@contextmanager
+def deferred_rows():
+    """MemoryTables built inside hold no rows (a [0, e] weight): each init records the generator
+    state it starts from and advances the generator past the same draws, so the rest of the model
+    initialises exactly as beside whole tables; :func:`normal_chunks` then makes the rows anywhere
+    (training from a file tier writes them to its files, never holding a table)."""
+    global _DEFERRED
+    before, _DEFERRED = _DEFERRED, True
+    try:
+        yield
+    finally:
+        _DEFERRED = before
+
+
+def normal_chunks(num_rows: int, dim: int, std: float, g: torch.Generator,
+                  chunk_rows: int = 1 << 14) -> Iterator[torch.Tensor]:
+    """The rows [k, e] that ``normal_(std)`` of a whole [r, e] float32 table draws from ``g``, in
+    row order, k <= ``chunk_rows`` (+ a short tail). Bit-identical to one call, the
+    generator left where it leaves it: normal_ draws one uniform a value, then transforms whole
+    blocks of 16, and redraws the last 16 values when the count is not a multiple of 16; chunks of
+    16k values (the last >= 16) repeat exactly that."""
+    k = max(chunk_rows // NORMAL_BLOCK, 1) * NORMAL_BLOCK
+    a = 0
+    while a < num_rows:
+        b = min(num_rows, a + k)
+        if (num_rows - b) * dim < NORMAL_BLOCK:  # a tail under one block joins this chunk
+            b = num_rows
+        yield torch.empty(b - a, dim).normal_(std=std, generator=g)
+        a = b
+
+
 class MemoryTable(nn.Module):
     """The whole table as one parameter [r, e] in memory.
 
@@ -78,12 +115,23 @@ class MemoryTable(nn.Module):
         if num_rows <= 0 or dim <= 0:
             raise ValueError(f"a table needs positive rows and width, got {num_rows} x {dim}")
         self.num_rows, self.dim, self.sparse, self.init_std = int(num_rows), int(dim), sparse, init_std
-        self.weight = nn.Parameter(torch.empty(self.num_rows, self.dim, dtype=dtype, device=device))
+        self.deferred = _DEFERRED  # no rows here: init_state says how to make them (deferred_rows)
+        self.init_state: torch.Tensor | None = None
+        self.weight = nn.Parameter(torch.empty(0 if self.deferred else self.num_rows, self.dim,
+                                               dtype=dtype, device=device))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         # N(0, 1) like nn.Embedding, which the official demo uses.
-        nn.init.normal_(self.weight, std=self.init_std)
+        if not self.deferred:
+            nn.init.normal_(self.weight, std=self.init_std)
+            return
+        self.init_state = torch.get_rng_state()
+        g = torch.Generator()
+        g.set_state(self.init_state)
+        for _ in normal_chunks(self.num_rows, self.dim, self.init_std, g):
+            pass  # the global generator moves past the table's draws, as a whole table's init
+        torch.set_rng_state(g.get_state())
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         return F.embedding(rows, self.weight, sparse=self.sparse)

@@ -1,6 +1,6 @@
 """Training from a file tier (``engram train --table_tier file``): each Engram table and its row
-optimiser's state live in memory-mapped files (training/tier_files.py); a step holds only its own
-rows in memory.
+optimiser's state live in files, read and written by row ids (training/tier_files.py); a step
+holds only its own rows in memory.
 
 Row ids are known from token ids before the forward (paper section 2.5), so per step:
 
@@ -19,8 +19,10 @@ Row ids are known from token ids before the forward (paper section 2.5), so per 
 
 The budget (``--table_budget_mb``) bounds the working sets (rows, state, ids) and the journal's
 marks (a byte a table row); the gradient and activations are the model's, as in memory. The files
-are memory-mapped: pages read through the map count in RSS as page cache the kernel may reclaim
-(a hard RSS or address-space bound, scattered reads without a mapping, is not built).
+are never mapped (positional reads and writes of the step's rows), and a fresh run writes its
+initial rows to them a chunk at a time (``store.deferred_rows``: the model is built without its
+tables), so resident memory and address space stay the model's plus the budget, whatever the
+tables' size (benchmarks/train_tier.py ``--beyond``: a table twice a process's RLIMIT_AS).
 
 Shape legend: r rows of a table, e row width, n row ids of a step (repeats), u distinct rows.
 """
@@ -37,6 +39,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..tables.store import normal_chunks
 from .checkpoint import CheckpointError
 from .optim import make_table_optimizer
 from .tier_files import JOURNAL, Journal, TierError, TierFiles, roll_back
@@ -101,13 +104,12 @@ class TierTables:
         """Rows and state of ``uniq`` from the files, in the optimiser's buffer layout."""
         out = {}
         for lid, u in uniq.items():
-            arrays = self.files.arrays[lid]
             st: dict = {}
-            self.optim.tables._resize(st, arrays["rows"].shape[1], u.numel(), u.device)
-            for name in arrays:
-                if name != "rows":
-                    torch.index_select(arrays[name], 0, u, out=st[name])
-            st["uniq"], st["weight"] = u, arrays["rows"].index_select(0, u)
+            self.optim.tables._resize(st, self.files.shapes[lid][1], u.numel(), u.device)
+            # the state straight into the optimiser's buffers ("rows" there: its row ids)
+            got = self.files.read(lid, u, {k: st[k] for k in self.files.names(lid) if k != "rows"})
+            st.update({k: v for k, v in got.items() if k != "rows"})
+            st["uniq"], st["weight"] = u, got["rows"]
             out[lid] = st
         return out
 
@@ -176,7 +178,7 @@ class TierTables:
                                      return_indices=True)
             if a.size:
                 a, b = torch.from_numpy(a), torch.from_numpy(b)
-                for k in ("weight", *self.files.arrays[lid]):
+                for k in ("weight", *self.files.names(lid)):
                     if k != "rows":
                         s[k].index_copy_(0, a, old[k].index_select(0, b))
         self._last = None
@@ -192,7 +194,7 @@ class TierTables:
         for lid, t in self.tables.items():
             st = opt.state.pop(t.weight, None) or {}
             self.t_max[lid] = st.get("t_max", self.t_max[lid])
-            ws[lid].update({k: st[k] for k in self.files.arrays[lid] if k in st})
+            ws[lid].update({k: st[k] for k in self.files.names(lid) if k in st})
             t.uniq, t.weight.data = None, t.weight.data.new_empty(0, t.dim)
             t.weight.grad = None
         self.ws = None
@@ -213,16 +215,12 @@ class TierTables:
             fresh[lid] = ~self.journaled[lid][u.numpy()]
             if fresh[lid].any():
                 rows = u[torch.from_numpy(fresh[lid])]
-                entries.append((lid, rows, [a.index_select(0, rows)
-                                            for a in self.files.arrays[lid].values()]))
+                entries.append((lid, rows, list(self.files.read(lid, rows).values())))
         self.journal.append(entries)  # durable before any table byte changes
         for lid, s in ws.items():
-            arrays = self.files.arrays[lid]
             self.journaled[lid][s["uniq"].numpy()[fresh[lid]]] = True
-            arrays["rows"].index_copy_(0, s["uniq"], s["weight"].detach())
-            for k in arrays:
-                if k != "rows":
-                    arrays[k].index_copy_(0, s["uniq"], s[k])
+            self.files.write(lid, s["uniq"], {k: s["weight" if k == "rows" else k]
+                                              for k in self.files.names(lid)})
 
     def wait(self) -> None:
         """Until the last write-back is in the files (before reading them, or a checkpoint)."""
@@ -260,8 +258,8 @@ class TierTables:
         # base < step: killed between checkpoint ``step`` and the journal's reset; its tables
         # were synced before it was written and nothing has changed them since.
         self.checkpointed(step)
-        self.t_max = {lid: int(a["steps"].max()) if "steps" in a else 0
-                      for lid, a in self.files.arrays.items()}
+        self.t_max = {lid: self.files.max_of(lid, "steps") if "steps" in self.files.names(lid)
+                      else 0 for lid in self.files.shapes}
 
     def close(self) -> None:
         self.wait()
@@ -358,7 +356,9 @@ def attach(cfg: Any, model: nn.Module, fresh: bool) -> TierTables:
                 raise TierError(f"{folder} holds the tables of another run ({theirs}); use "
                                 "another --table_dir (nothing was changed)")
         files = TierFiles.create(folder, Path(cfg.out_dir),
-                                 {lid: e.table.weight for lid, e in engrams.items()},
+                                 {lid: (e.table.num_rows, e.table.dim)
+                                  for lid, e in engrams.items()},
+                                 {lid: initial_rows(e.table) for lid, e in engrams.items()},
                                  next(iter(layout.values())), cfg.table_optimizer)
     else:
         files = TierFiles.open(folder)
@@ -368,8 +368,18 @@ def attach(cfg: Any, model: nn.Module, fresh: bool) -> TierTables:
                             f"({files.meta['layers']}, {files.meta['optimizer']}); this run "
                             f"needs {want}, {cfg.table_optimizer}")
     for lid, e in engrams.items():
-        e.table = WorkingTable(files.arrays[lid]["rows"])  # frees the in-memory table
+        e.table = WorkingTable(files, lid)  # frees the in-memory table (if it was built)
     return TierTables(cfg, engrams, files, budget)
+
+
+def initial_rows(table: nn.Module):
+    """The table's initial rows, chunk [k, e] by chunk: made now from the generator state its init
+    recorded (built under ``store.deferred_rows``: the rows were never in memory), or its own."""
+    if getattr(table, "deferred", False):
+        g = torch.Generator()
+        g.set_state(table.init_state)
+        return normal_chunks(table.num_rows, table.dim, table.init_std, g)
+    return iter([table.weight.detach()])
 
 
 def _check_writable(folder: Path) -> None:

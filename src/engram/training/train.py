@@ -10,6 +10,7 @@ resumed reaches the same losses as one that was never interrupted. The loop itse
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from ..module import fused
 from ..retrieval.compress import Compression, build_compression
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
+from ..tables.store import deferred_rows
 from . import precision as precision_
 from . import settings as run_settings
 from . import tier_tables
@@ -277,12 +279,13 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None,
                                 cfg.fingerprint_bits, cfg.mphf_engine, seed=cfg.seed)
         hasher = NineHasher(hasher, index, shared=cfg.shared_tables)
     torch.manual_seed(cfg.seed)
-    model = place(build_model(cfg, corpus), cfg, device)
+    with deferred_rows() if cfg.table_tier == "file" else nullcontext():  # rows: in the tier's files
+        model = place(build_model(cfg, corpus), cfg, device)
     if device.type == "cpu" and cfg.precision == "fp32":  # the only products gemm.py routes
         run_settings.reuse(cfg.out_dir)  # the routes this run took before, whatever the cache says
         gemm.prepare(model, [cfg.batch_size * cfg.seq_len])  # routes measured now, not in a step
     tier = None
-    if cfg.table_tier == "file":  # the tables, initialised in memory as always, move to files
+    if cfg.table_tier == "file":  # the tables, initialised straight into their files
         tier = tier_tables.attach(cfg, model, fresh=FileCheckpoints(cfg.out_dir).latest() is None)
     batches = TokenBatches(corpus.streams["train"], cfg.batch_size, cfg.seq_len, corpus, hasher,
                            seed=cfg.seed, sampling=cfg.sampling)

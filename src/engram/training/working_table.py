@@ -19,11 +19,11 @@ class WorkingTable(MemoryTable):
     ``uniq`` [u], sorted); outside a step (evaluation) rows are read from the file. A MemoryTable
     to build_optimizers and clipping; its rows are not in the model's state dict (they are files)."""
 
-    def __init__(self, source: torch.Tensor):
+    def __init__(self, files, lid: int):
         nn.Module.__init__(self)
-        self.num_rows, self.dim = source.shape
-        self.sparse, self.init_std = True, 0.0
-        self.source = source  # [r, e] over the file
+        self.num_rows, self.dim = files.shapes[lid]
+        self.sparse, self.init_std, self.deferred = True, 0.0, False
+        self.files, self.lid = files, lid  # the tier's files (tier_files.TierFiles)
         self.weight = nn.Parameter(torch.empty(0, self.dim))
         self.uniq: torch.Tensor | None = None
         self.last_micro = False  # set while the step's last micro-batch runs (TierBatches)
@@ -37,7 +37,9 @@ class WorkingTable(MemoryTable):
         if self.uniq is None:  # between steps (evaluation): the file's rows, no gradient
             if self.before_read is not None:
                 self.before_read()
-            return self.source.index_select(0, rows.reshape(-1)).view(*rows.shape, self.dim)
+            u, inv = torch.unique(rows.reshape(-1), return_inverse=True)
+            got = self.files.read(self.lid, u, names=["rows"])["rows"]  # [u, e]
+            return got[inv].view(*rows.shape, self.dim)
         local = torch.searchsorted(self.uniq, rows).clamp_(max=self.uniq.numel() - 1)
         if not bool((self.uniq[local] == rows).all()):
             raise RuntimeError("a row outside the step's working set was looked up")
