@@ -129,12 +129,21 @@ class Stopped:
     text: str  # stdout and stderr, as they came
 
 
+def ctrl_c_heard() -> None:
+    """In the child before it starts: SIGINT's default action, as a terminal's foreground command
+    has. A suite started in the background of a shell without job control (`pytest &`, nohup)
+    hands its children SIGINT ignored, and Python then never raises KeyboardInterrupt: those
+    commands rightly keep running, and a Ctrl-C test would measure the shell, not engram."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(args: list[str], working: Callable[[str], bool], sig: int = signal.SIGINT,
               cwd: Path | None = None, env: dict[str, str] | None = None) -> Stopped:
     """Start ``engram ARGS``, wait until ``working(output so far)`` holds, send ``sig``."""
     p = subprocess.Popen([sys.executable, "-m", "engram", *args], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, cwd=cwd,
-                         env={**os.environ, "PYTHONPATH": str(SRC), **(env or {})})
+                         env={**os.environ, "PYTHONPATH": str(SRC), **(env or {})},
+                         preexec_fn=ctrl_c_heard)
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(iter(lambda: p.stdout.read(1), "")),
                               daemon=True)
