@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from ..errors import Interrupted, NonFinite, UserError
 from ..command import Arg, Config, In, Out
+from ..errors import Interrupted, NonFinite, UserError
 from ..files import disk_error
 from ..ranges import AT_LEAST_1, POSITIVE, Range, check_ranges
 from .registry import RUN_RECORDS, TRAIN, command
