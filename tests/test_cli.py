@@ -15,7 +15,7 @@ import pytest
 
 import engram
 from engram.cli import COMMANDS, main
-from engram.cli.registry import TIER_OPTIONS
+from engram.cli.registry import STUDY_SKIP
 from engram.errors import InputNotFound, OutputExists, UserError
 from engram.options import field_comments, parse_overrides
 from engram.schema import MISSING, fields_of, resolve
@@ -37,7 +37,7 @@ def help_text(capsys, *argv):
                                              ("train", (TrainConfig,))])
 def test_help_lists_every_field_with_default(capsys, command, configs):
     text = " ".join(help_text(capsys, command).split())  # argparse wraps lines
-    skip = TIER_OPTIONS if command != "train" else ()  # a study's runs keep tables in memory
+    skip = STUDY_SKIP if command != "train" else ()  # tiers, and what the study's budget sets
     for cls in configs:
         for f in dataclasses.fields(cls):
             if f.name in skip:

@@ -61,6 +61,19 @@ def test_a_torchrun_run_s_records_are_passed_over(capsys, tmp_path):
     assert "table_init" not in out and "world_size" not in out
 
 
+def test_a_run_s_config_given_to_a_study_passes_over_what_the_study_sets(capsys, tmp_path):
+    # a run's config.json holds every TrainConfig field: its warmup (the study's budget sets it)
+    # and its tier (a study's runs keep tables in memory) are passed over, and said
+    (tmp_path / "config.json").write_text(json.dumps({"steps": 5, "lr": 0.002, "warmup": 3,
+                                                      "table_tier": "file"}))
+    out = json.loads(printed(capsys, "compare", f"--config={tmp_path / 'config.json'}",
+                             "--print_config=json"))
+    assert out["lr"] == 0.002 and "warmup" not in out and "table_tier" not in out
+    (tmp_path / "c.yaml").write_text("warmupp: 3\n")  # a typo is still an error
+    assert main(["compare", "--config", str(tmp_path / "c.yaml"), "--print_config"]) == 2
+    assert "unknown option 'warmupp'" in capsys.readouterr().err
+
+
 def test_a_shared_option_is_the_first_config_s(capsys, tmp_path):
     """compare's --steps is CompareConfig's (the study's budget), in a file as on the command
     line."""

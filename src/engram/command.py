@@ -164,10 +164,17 @@ class Command:
         label = f"--config {path}"
         owners = self._owners(p)
         records = {r for c in self.configs for r in c.records}
+        # A run's config.json holds every TrainConfig field, those this command sets itself too
+        # (a study's warmup, a tier): passed over, and said.
+        unowned = {s for c in self.configs for s in c.skip} - set(owners)
+        passed = []
         for key, value in configfile.read(path).items():
             action = owners.get(str(key))
             if action is None:
                 if key in records:
+                    continue
+                if key in unowned:
+                    passed.append(str(key))
                     continue
                 close = difflib.get_close_matches(str(key), list(owners), n=1, cutoff=0.6)
                 raise UserError(f"{label}: unknown option {key!r}" + (
@@ -180,6 +187,9 @@ class Command:
             except UserError as e:
                 raise UserError(f"{label}: {e}") from None
             action.required = False
+        if passed:
+            print(f"engram {self.name}: {label}: passed over {', '.join(passed)} (this command "
+                  "sets them itself)", file=sys.stderr)
         return filled
 
     def effective(self, configs: list[Any], fmt: str) -> str:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from engram.cli.registry import TIER_OPTIONS
+from engram.cli.registry import STUDY_SKIP
 from engram.studies.ablate import AblateConfig, ablation_configs, run_ablate
 from engram.studies.ablate_report import verdict
 from engram.studies.compare import counts
@@ -80,7 +80,7 @@ def test_help_lists_every_field(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for cls in (AblateConfig, TrainConfig):
         for f in dataclasses.fields(cls):
-            if cls is TrainConfig and f.name in TIER_OPTIONS:  # one run's choice, not a study's
+            if cls is TrainConfig and f.name in STUDY_SKIP:  # not a study's (tiers, its budget's)
                 continue
             assert f"--{f.name}" in text
     assert "--engram_fixed_gate" in text and "--compress" in text

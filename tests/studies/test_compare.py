@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from engram.studies.compare import CompareConfig, run_compare, variant_configs
+from engram.errors import UserError
+from engram.studies.compare import CompareConfig, budget, run_compare, variant_configs
 from engram.studies.compare import counts as _counts
 from engram.training.train import TrainConfig
 
@@ -19,6 +20,19 @@ def test_variants_match_active_and_total_params():
     assert abs(c["moe"]["total"] - c["engram"]["total"]) / c["engram"]["total"] < 0.01
     assert c["engram"]["table"] > 0 and c["dense"]["table"] == 0
     assert c["engram"]["total"] - c["engram"]["table"] < c["dense"]["total"] + 1000
+
+
+def test_warmup_is_the_studys_fraction_of_its_steps(capsys):
+    # a tenth by default, as before the option (480 // 10): the recorded runs stay finished runs
+    assert [budget(TrainConfig(), CompareConfig(steps=s)).warmup for s in (480, 15, 9, 70)] == \
+        [48, 1, 1, 7]
+    assert budget(TrainConfig(), CompareConfig(warmup_fraction=0.3)).warmup == 144
+    with pytest.raises(UserError, match="warmup_fraction"):
+        CompareConfig(warmup_fraction=1.5)
+    from engram.cli import main
+    with pytest.raises(SystemExit) as e:  # the budget sets each run's warmup: not offered
+        main(["compare", "--warmup=144", "--print_config"])
+    assert e.value.code == 2 and "--warmup" in capsys.readouterr().err
 
 
 def test_compare_end_to_end_writes_results(tmp_path):

@@ -45,8 +45,12 @@ RUN_DIR = Arg("run_dir", "a folder written by `engram train --out_dir`")
 # Training from the file tier is one run's choice (`engram train --table_tier file`), not a study's:
 # a study's runs keep their tables in memory.
 TIER_OPTIONS = ("table_tier", "table_dir", "table_budget_mb")
+# Set for every run of a study from its own options (studies.compare.budget: warmup from
+# --warmup_fraction of --steps): offered, they would be silently overridden.
+BUDGET_SET = ("warmup", "log_every", "final_eval_full")
+STUDY_SKIP = TIER_OPTIONS + BUDGET_SET  # TrainConfig options a study's runs do not take
 STUDY_BASE = Config(TRAIN, "TrainConfig options (the base of every run; the study's options "
-                    "above set each run's token budget)", records=RUN_RECORDS, skip=TIER_OPTIONS)
+                    "above set each run's token budget)", records=RUN_RECORDS, skip=STUDY_SKIP)
 
 
 RUNS_KEPT = ("finished runs are kept; a run in progress resumes from its checkpoint when the same "
