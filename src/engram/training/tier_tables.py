@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -43,7 +43,10 @@ from ..tables.store import normal_chunks
 from .checkpoint import CheckpointError
 from .optim import make_table_optimizer
 from .tier_files import JOURNAL, Journal, TierError, TierFiles, roll_back
-from .working_table import WorkingTable
+from .working_table import WorkingShard, WorkingTable
+
+if TYPE_CHECKING:
+    from .tier_shards import Shard
 
 TIERS = ("memory", "file")  # engram train --table_tier
 # Bytes a working-set row holds beside its values and state: its global id, its optimiser slot
@@ -60,23 +63,28 @@ def state_layout(optimizer: str, dim: int) -> dict[str, tuple[list[int], str]]:
             for k in opt._buffers()}
 
 
-def step_bound(cfg: Any, engram: nn.Module) -> int:
-    """The most distinct rows one step can read from a layer's table."""
+def step_bound(cfg: Any, engram: nn.Module, rows: int | None = None) -> int:
+    """The most distinct rows one step can read from a layer's table (or from ``rows`` of it: a
+    shard's)."""
     heads = len(engram.head_sizes) if engram.head_sizes is not None else engram.d_mem // \
         engram.table.dim
-    return min(engram.table.num_rows, cfg.batch_size * cfg.seq_len * cfg.grad_accum * heads)
+    return min(engram.table.num_rows if rows is None else rows,
+               cfg.batch_size * cfg.seq_len * cfg.grad_accum * heads)
 
 
 class TierTables:
     """The run's tables on the file tier: working sets, prefetch, write-back, checkpoints' part."""
 
-    def __init__(self, cfg: Any, engrams: dict[int, nn.Module], files: TierFiles, budget: int):
+    def __init__(self, cfg: Any, engrams: dict[int, nn.Module], files: TierFiles, budget: int,
+                 shard: Shard | None = None):
         self.cfg, self.engrams, self.files, self.budget = cfg, engrams, files, budget
+        self.shard = shard  # under torchrun: this rank's rows, records gathered over ranks
+        self.hash = None  # under torchrun: hashes a global batch (its batches come unhashed)
         self.tables = {lid: e.table for lid, e in engrams.items()}
         for t in self.tables.values():
             t.before_read = self.wait
         self.journal = Journal.open(files.folder / JOURNAL, files.run_id)
-        self.journaled = {lid: np.zeros(t.num_rows, dtype=bool) for lid, t in self.tables.items()}
+        self.journaled = {lid: np.zeros(files.shapes[lid][0], dtype=bool) for lid in engrams}
         self.fixed = sum(j.nbytes for j in self.journaled.values())  # resident whatever the step
         self.optim = None  # the run's Optimizers (set by attach)
         self.t_max = {lid: 0 for lid in engrams}
@@ -95,10 +103,18 @@ class TierTables:
 
     # -- one step ---------------------------------------------------------------------------------
     def rows_of(self, batches: list) -> dict[int, torch.Tensor]:
-        """Each table's distinct rows [u] (sorted) of a step's micro-batches."""
-        return {lid: torch.unique(torch.cat([e.rows(b.hash_ids[lid]).reshape(-1)
-                                             for b in batches]))
-                for lid, e in self.engrams.items()}
+        """Each table's distinct rows [u] (sorted file row ids) of a step's micro-batches; under
+        torchrun those of this rank's shard, of the global batch every rank reads: the rows the
+        lookups' all-to-all will ask this rank for."""
+        ids = [b.hash_ids if self.hash is None else self.hash(b.raw) for b in batches]
+        out = {}
+        for lid, e in self.engrams.items():
+            u = torch.unique(torch.cat([e.rows(h[lid]).reshape(-1) for h in ids]))
+            if self.shard is not None:
+                lo, hi = self.shard.span(lid)
+                u = u[int(torch.searchsorted(u, lo)):int(torch.searchsorted(u, hi))] - lo
+            out[lid] = u
+        return out
 
     def load(self, uniq: dict[int, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
         """Rows and state of ``uniq`` from the files, in the optimiser's buffer layout."""
@@ -232,10 +248,12 @@ class TierTables:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def saved(self, step: int) -> dict[str, Any]:
-        """Before the dense checkpoint of ``step``: tables durable; what it records of them."""
+        """Before the dense checkpoint of ``step``: tables durable; what it records of them
+        (under torchrun every rank's, gathered: a collective)."""
         self.wait()
         self.files.sync()
-        return {"run": self.files.run_id, "step": step}
+        record = {"run": self.files.run_id, "step": step}
+        return record if self.shard is None else self.shard.gather(record)
 
     def checkpointed(self, step: int) -> None:
         """After it: the journal undoes to ``step`` now."""
@@ -245,6 +263,8 @@ class TierTables:
 
     def recover(self, step: int, record: dict | None, where: Any) -> None:
         """The tables put back to checkpoint ``step``'s (refused in one line where they cannot be)."""
+        if self.shard is not None:
+            record = self.shard.pick(record, where)
         if record is None or record.get("run") != self.files.run_id:
             raise CheckpointError(f"{self.files.folder} holds the tables of another run than "
                                   f"checkpoint {where}; use that run's --table_dir")
@@ -325,25 +345,32 @@ def row_bytes(optimizer: str, dim: int) -> int:
                          for t, d in state_layout(optimizer, dim).values())
 
 
-def budget_need(cfg: Any, model: nn.Module) -> int:
+def budget_need(cfg: Any, model: nn.Module, held: dict[int, int] | None = None) -> int:
     """The least budget (bytes) a tier run of ``cfg`` takes: one step's most rows with their
-    state, and a byte a table row for the journal's marks."""
-    return sum(step_bound(cfg, e) * (row_bytes(cfg.table_optimizer, e.table.dim) + WS_INDEX)
-               + e.table.num_rows for e in model.engrams().values())
+    state, and a byte a table row for the journal's marks (``held``: a shard's rows a layer)."""
+    held = held or {lid: e.table.num_rows for lid, e in model.engrams().items()}
+    return sum(step_bound(cfg, e, held[lid]) * (row_bytes(cfg.table_optimizer, e.table.dim) +
+                                                WS_INDEX) + held[lid]
+               for lid, e in model.engrams().items())
 
 
-def attach(cfg: Any, model: nn.Module, fresh: bool) -> TierTables:
+def attach(cfg: Any, model: nn.Module, fresh: bool, shard: Shard | None = None) -> TierTables:
     """Move the model's tables to the file tier (``fresh``: from their initial rows; else the
-    folder of the checkpoint being resumed). The caller sets ``optim`` and wraps its batches."""
+    folder of the checkpoint being resumed); under torchrun this rank's ``shard`` of them, in its
+    own folder. The caller sets ``optim`` and wraps its batches."""
     engrams = {lid: e for lid, e in model.engrams().items()}
     folder = Path(cfg.table_dir or Path(cfg.out_dir) / "tier")
+    folder = folder if shard is None else folder / shard.folder
+    span = {lid: (0, e.table.num_rows) if shard is None else shard.span(lid)
+            for lid, e in engrams.items()}
     layout = {lid: state_layout(cfg.table_optimizer, e.table.dim) for lid, e in engrams.items()}
-    need = budget_need(cfg, model)
+    need = budget_need(cfg, model, {lid: hi - lo for lid, (lo, hi) in span.items()})
     budget = need * 2 if cfg.table_budget_mb is None else int(cfg.table_budget_mb * 2**20)
     if budget < need:
-        raise UserError(f"table_budget_mb={cfg.table_budget_mb:g} is below one step's rows: "
-                        f"{need / 2**20:.2f} MB (batch_size x seq_len x grad_accum x heads rows "
-                        "and their optimiser state); raise it")
+        whose = "" if shard is None else " of a rank's shard"
+        raise UserError(f"table_budget_mb={cfg.table_budget_mb:g} is below one step's rows"
+                        f"{whose}: {need / 2**20:.2f} MB (batch_size x seq_len x grad_accum x "
+                        "heads rows and their optimiser state); raise it")
     _check_writable(folder)
     if fresh:
         old = folder / "tier.json"
@@ -355,31 +382,51 @@ def attach(cfg: Any, model: nn.Module, fresh: bool) -> TierTables:
             if theirs != str(Path(cfg.out_dir).resolve()):
                 raise TierError(f"{folder} holds the tables of another run ({theirs}); use "
                                 "another --table_dir (nothing was changed)")
+        mine = None if shard is None else [shard.rank, shard.world]
         files = TierFiles.create(folder, Path(cfg.out_dir),
-                                 {lid: (e.table.num_rows, e.table.dim)
+                                 {lid: (hi - lo, engrams[lid].table.dim)
+                                  for lid, (lo, hi) in span.items()},
+                                 {lid: initial_rows(e.table, *span[lid])
                                   for lid, e in engrams.items()},
-                                 {lid: initial_rows(e.table) for lid, e in engrams.items()},
-                                 next(iter(layout.values())), cfg.table_optimizer)
+                                 next(iter(layout.values())), cfg.table_optimizer, mine)
     else:
         files = TierFiles.open(folder)
-        want = {str(lid): [e.table.num_rows, e.table.dim] for lid, e in engrams.items()}
+        want = {str(lid): [hi - lo, engrams[lid].table.dim] for lid, (lo, hi) in span.items()}
         if files.meta["layers"] != want or files.meta["optimizer"] != cfg.table_optimizer:
             raise TierError(f"{folder} holds tables of another shape or optimiser "
                             f"({files.meta['layers']}, {files.meta['optimizer']}); this run "
                             f"needs {want}, {cfg.table_optimizer}")
-    for lid, e in engrams.items():
-        e.table = WorkingTable(files, lid)  # frees the in-memory table (if it was built)
-    return TierTables(cfg, engrams, files, budget)
+        if shard is not None and files.meta.get("shard") != [shard.rank, shard.world]:
+            raise TierError(f"{folder} holds the tier tables of rank/world "
+                            f"{files.meta.get('shard')}, not this rank's [{shard.rank}, "
+                            f"{shard.world}]: the folder was moved or changed by hand")
+    for lid, e in engrams.items():  # frees the in-memory table (if it was built)
+        e.table = WorkingTable(files, lid) if shard is None else \
+            WorkingShard(files, lid, e.table.num_rows, shard.group)
+    return TierTables(cfg, engrams, files, budget, shard)
 
 
-def initial_rows(table: nn.Module):
-    """The table's initial rows, chunk [k, e] by chunk: made now from the generator state its init
-    recorded (built under ``store.deferred_rows``: the rows were never in memory), or its own."""
-    if getattr(table, "deferred", False):
-        g = torch.Generator()
-        g.set_state(table.init_state)
-        return normal_chunks(table.num_rows, table.dim, table.init_std, g)
-    return iter([table.weight.detach()])
+def initial_rows(table: nn.Module, lo: int = 0, hi: int | None = None):
+    """The table's initial rows [lo, hi), chunk [k, e] by chunk: made now from the generator state
+    its init recorded (built under ``store.deferred_rows``: the rows were never in memory; a
+    shard's are drawn as the whole table's, the rows before ``lo`` dropped), or its own."""
+    hi = table.num_rows if hi is None else hi
+    if not getattr(table, "deferred", False):
+        return iter([table.weight.detach()[lo:hi]])
+    g = torch.Generator()
+    g.set_state(table.init_state)
+    return _between(normal_chunks(table.num_rows, table.dim, table.init_std, g), lo, hi)
+
+
+def _between(chunks, lo: int, hi: int):
+    at = 0
+    for c in chunks:
+        a, z = max(lo, at), min(hi, at + c.shape[0])
+        if a < z:
+            yield c[a - at:z - at]
+        at += c.shape[0]
+        if at >= hi:
+            return
 
 
 def _check_writable(folder: Path) -> None:

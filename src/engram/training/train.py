@@ -265,9 +265,11 @@ def place(model: EngramLM, cfg: TrainConfig, device: torch.device) -> EngramLM:
 
 
 def build_run(cfg: TrainConfig, corpus: Corpus | None = None,
-              device: torch.device | None = None) -> Run:
+              device: torch.device | None = None,
+              shard: tier_tables.Shard | None = None) -> Run:
     """The run of ``cfg``: model (on cfg.device, or ``device``: a torchrun rank's), optimisers,
-    batches."""
+    batches. On the file tier, the tables go to its files (``shard``: a torchrun rank's, whose
+    caller replaces the batches and optimisers and rewires the tier to them)."""
     resolved = resolve_machine(cfg.threads, cfg.device, cfg.precision, cfg.compile)
     device = resolved if device is None else device
     corpus = corpus if corpus is not None else build_corpus(cfg.data_config())
@@ -286,7 +288,8 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None,
         gemm.prepare(model, [cfg.batch_size * cfg.seq_len])  # routes measured now, not in a step
     tier = None
     if cfg.table_tier == "file":  # the tables, initialised straight into their files
-        tier = tier_tables.attach(cfg, model, fresh=FileCheckpoints(cfg.out_dir).latest() is None)
+        fresh = shard.fresh if shard is not None else FileCheckpoints(cfg.out_dir).latest() is None
+        tier = tier_tables.attach(cfg, model, fresh, shard)
     batches = TokenBatches(corpus.streams["train"], cfg.batch_size, cfg.seq_len, corpus, hasher,
                            seed=cfg.seed, sampling=cfg.sampling)
     optim = build_optimizers(model, cfg.lr, weight_decay=cfg.weight_decay,

@@ -1,0 +1,184 @@
+"""torchrun with the file tier (training/tier_shards.py): each rank's shard of the tables and its
+optimiser state in its own tier folder. The oracle is the same world-size-2 run with its tables in
+memory: the same losses, bit for bit, and the same tables; resume, SIGKILL, refusals, budget."""
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import engram
+from engram.errors import UserError
+from engram.training.checkpoint import CheckpointError
+from engram.training.corpus import DataConfig, build_corpus
+from engram.training.dist_checkpoint import consolidate, latest_distributed
+from engram.training.distributed import build_distributed_run, train_distributed
+from engram.training.process_group import Dist, _spawned, free_port, spawn_local
+from engram.training.tier_files import TierError, rank_folder
+from engram.training.tier_shards import Shard
+from engram.training.train import TrainConfig, build_run
+
+# batch_size 6 splits over 2 ranks; min_lr_ratio=1: the schedule does not depend on ``steps``
+TINY = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, seq_len=32, batch_size=6,
+            table_size=997, n_embed_per_ngram=32, n_head_per_ngram=2, engram_layers=(0,),
+            warmup=2, min_lr_ratio=1.0, eval_batches=2, log_every=1, eval_every=3, ckpt_every=3,
+            lr=3e-3, grad_accum=2)
+STEPS = 6
+
+
+def _cfg(path, **kw) -> TrainConfig:
+    return TrainConfig(out_dir=str(path), **{**TINY, **kw})
+
+
+def _losses(out: Path) -> dict[int, tuple]:
+    recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r.get("val_loss")) for r in recs}  # a resume logs steps again
+
+
+def _worker(cfg: TrainConfig, corpus, result: str | None = None):
+    torch.set_num_threads(1)  # the ranks share the cores
+    try:
+        run = train_distributed(cfg, corpus, progress=False, timeout_s=30)
+    except Exception as e:  # the kill test reads what a survivor reported
+        if result is None:
+            raise
+        Path(f"{result}.{os.environ['RANK']}").write_text(f"{type(e).__name__}: {e}")
+        return
+    tier = getattr(run.batches, "tier", None)
+    if tier is not None:  # what the budget test reads
+        Path(cfg.out_dir, f"peak.{os.environ['RANK']}").write_text(json.dumps(
+            {"peak": tier.peak, "fixed": tier.fixed, "budget": tier.budget,
+             "ahead": tier.read_ahead}))
+        tier.close()
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return build_corpus(DataConfig(max_chars=TINY["max_chars"]))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus):
+    """The same world-size-2 run with its tables in memory and in per-rank tier folders."""
+    root = tmp_path_factory.mktemp("tier2")
+    for name, tier in (("mem", "memory"), ("file", "file")):
+        t0 = time.time()
+        spawn_local(_worker, 2, _cfg(root / name, steps=STEPS, table_tier=tier), corpus)
+        print(f"{name}: {time.time() - t0:.1f}s")
+    return root
+
+
+def test_ranks_train_from_their_tier_folders_as_from_memory(runs):
+    """Same floats: each rank's working set holds every row of its shard the step's all-to-all
+    asks for, its gradient coalesced in the shard's ids as the in-memory shard's is."""
+    assert _losses(runs / "file") == _losses(runs / "mem")
+    assert sorted(p.name for p in (runs / "file" / "tier").iterdir()) == [
+        rank_folder(0, 2), rank_folder(1, 2)]
+    # the tables read back from the rank folders equal the in-memory shards' (engram.open)
+    got = engram.open(str(runs / "file")).model.state_dict()
+    want = engram.open(str(runs / "mem")).model.state_dict()
+    assert set(got) == set(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    with pytest.raises(CheckpointError, match="consolidate is for in-memory tables"):
+        consolidate(runs / "file", runs / "one")
+
+
+def test_each_rank_stays_under_its_budget(runs):
+    for rank in (0, 1):
+        p = json.loads((runs / "file" / f"peak.{rank}").read_text())
+        assert 0 < p["peak"] and p["peak"] + p["fixed"] <= p["budget"], p
+        assert p["ahead"] > 0  # the default budget (two steps' rows) reads ahead
+
+
+def test_a_stopped_tier_run_resumes_to_the_same_losses(runs, tmp_path, corpus):
+    out = tmp_path / "part"
+    spawn_local(_worker, 2, _cfg(out, steps=4, table_tier="file"), corpus)  # checkpoint 3, step 4
+    assert latest_distributed(out)[1]["step"] == 4
+    (out / "checkpoints" / f"step_{4:08d}").rename(out / "gone")  # newest: 3; files: step 4's
+    shutil.rmtree(out / "gone")
+    pointer = out / "checkpoints" / "latest.json"
+    info = json.loads(pointer.read_text())
+    info.update(step=3, dir=f"step_{3:08d}")
+    info["shards"] = [[n, s] for n, s in info["shards"]]
+    # the step-3 checkpoint's own pointer, as the run published it before step 4's
+    step3 = out / "checkpoints" / f"step_{3:08d}"
+    from engram.training.checkpoint import _sha256
+    info["shards"] = [[n, _sha256(step3 / n)] for n, _ in info["shards"]]
+    pointer.write_text(json.dumps(info))
+    spawn_local(_worker, 2, _cfg(out, steps=STEPS, table_tier="file"), corpus)
+    assert _losses(out) == _losses(runs / "file")
+
+
+def _start(world: int, *args) -> list:
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_spawned, args=(r, _worker, world, port, args))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+@pytest.mark.parametrize("after", [2])
+def test_sigkill_of_a_rank_then_relaunch_resumes_exactly(runs, tmp_path, corpus, after):
+    """Rank 1 SIGKILLed mid-run (its tier folder mid-step, maybe mid-write); relaunched, every
+    rank's journal puts its folder back to the newest checkpoint: the uninterrupted losses."""
+    out = tmp_path / "k"
+    procs = _start(2, _cfg(out, steps=1000, ckpt_every=1, table_tier="file"), corpus,
+                   str(tmp_path / "err"))
+    try:
+        end = time.time() + 120
+        while time.time() < end:
+            ptr = out / "checkpoints" / "latest.json"
+            if ptr.exists() and json.loads(ptr.read_text())["step"] >= after:
+                break
+            time.sleep(0.01)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[0].join(60)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    spawn_local(_worker, 2, _cfg(out, steps=STEPS, table_tier="file"), corpus)
+    want = _losses(runs / "file")
+    assert {s: v for s, v in _losses(out).items() if s <= STEPS} == want
+
+
+def _dist1() -> Dist:
+    return Dist(0, 1, torch.device("cpu"), None, None, 30.0, False)
+
+
+def test_a_tier_run_resumes_only_at_its_world_size(runs, tmp_path, corpus):
+    out = tmp_path / "w1"
+    shutil.copytree(runs / "file", out)
+    with pytest.raises(UserError, match="--nproc-per-node 2 .tier folders are not resharded"):
+        build_distributed_run(_cfg(out, steps=8, table_tier="file"), _dist1(), corpus)
+    with pytest.raises(UserError, match="drop --table_init=sharded"):
+        build_distributed_run(_cfg(tmp_path / "s", table_tier="file"), _dist1(), corpus,
+                              "sharded")
+
+
+def _shard(rank: int, fresh: bool) -> Shard:
+    return Shard(rank, 2, {0: TINY["table_size"]}, fresh)
+
+
+def test_a_folder_of_another_run_rank_or_a_small_budget_is_refused(runs, tmp_path, corpus):
+    out = tmp_path / "copy"
+    shutil.copytree(runs / "file", out)
+    tier = out / "tier"
+    (tier / rank_folder(1, 2)).rename(tmp_path / "r1")
+    shutil.copytree(tier / rank_folder(0, 2), tier / rank_folder(1, 2))  # rank 0's, as rank 1's
+    with pytest.raises(TierError, match="another shape"):
+        build_run(_cfg(out, table_tier="file"), corpus, shard=_shard(1, False))
+    # a fresh run pointed at another run's tier folder
+    with pytest.raises(TierError, match="tables of another run"):
+        build_run(_cfg(tmp_path / "new", table_tier="file", table_dir=str(tier)), corpus,
+                  shard=_shard(0, True))
+    with pytest.raises(UserError, match="below one step's rows of a rank's shard"):
+        build_run(_cfg(tmp_path / "small", table_tier="file", table_budget_mb=0.01), corpus,
+                  shard=_shard(0, True))
