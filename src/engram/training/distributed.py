@@ -17,6 +17,11 @@ once every rank's file is on disk, so a run killed at any moment resumes from a 
 A checkpoint loads at any world size (each rank reads the slices of the shards its range overlaps),
 or into a single-process model (:func:`consolidate`).
 
+Tables in files (``--table_tier file``, training/tier_shards.py): each rank's shard of every table
+and its optimiser state live in the rank's own tier folder, ``<table_dir>/rank-RRRRR-of-WWWWW``;
+a step holds only the rows of the shard the global batch reads (a ``WorkingShard``), and the shard
+files then hold no rows. Such a run resumes at its own world size only.
+
 Several machines: the same command on each, with a rendezvous and an out_dir on a filesystem every
 node sees (each rank writes its own shard there):
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \
@@ -101,7 +106,9 @@ def sharded_optimizers(model: EngramLM, cfg: TrainConfig) -> Optimizers:
 
 def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = None,
                           table_init: str = "replicated") -> tuple[Run, DDP]:
-    """The model of train.build_run with sharded tables, wrapped in DDP.
+    """The model of train.build_run with sharded tables, wrapped in DDP (on the file tier: each
+    rank's shard in its own tier folder; table_init must be "replicated" there, the rows drawn
+    chunk by chunk straight into the files).
 
     ``table_init="replicated"`` builds the whole single-process model first (every rank holds the
     full table for a moment), so step 0 is exactly train.py's; ``"sharded"`` initialises each shard

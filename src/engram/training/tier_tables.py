@@ -24,6 +24,11 @@ initial rows to them a chunk at a time (``store.deferred_rows``: the model is bu
 tables), so resident memory and address space stay the model's plus the budget, whatever the
 tables' size (benchmarks/train_tier.py ``--beyond``: a table twice a process's RLIMIT_AS).
 
+Under torchrun (training/tier_shards.py) each rank runs this on its shard of every table, in its
+own folder: ``rows_of`` hashes the global batch and keeps its shard's rows, the working tables are
+``WorkingShard`` (the owner side of the all-to-all serves them), and a checkpoint records every
+rank's tier.
+
 Shape legend: r rows of a table, e row width, n row ids of a step (repeats), u distinct rows.
 """
 
