@@ -30,7 +30,7 @@ from ..retrieval.hashing import NgramHasher
 from ..tables.store import deferred_rows
 from . import precision as precision_
 from . import settings as run_settings
-from . import tier_tables
+from . import tier_attach, tier_tables
 from .batches import TokenBatches
 from .checkpoint import (
     CheckpointError,
@@ -173,7 +173,7 @@ class TrainConfig:
         check_table_optimizer(self.table_optimizer)
         if self.table_budget_mb is not None and not self.table_budget_mb > 0:
             raise UserError(f"table_budget_mb must be > 0, got {self.table_budget_mb}")
-        tier_tables.check_tier(self)
+        tier_attach.check_tier(self)
 
     @property
     def nine(self) -> bool:
@@ -266,7 +266,7 @@ def place(model: EngramLM, cfg: TrainConfig, device: torch.device) -> EngramLM:
 
 def build_run(cfg: TrainConfig, corpus: Corpus | None = None,
               device: torch.device | None = None,
-              shard: tier_tables.Shard | None = None) -> Run:
+              shard: tier_attach.Shard | None = None) -> Run:
     """The run of ``cfg``: model (on cfg.device, or ``device``: a torchrun rank's), optimisers,
     batches. On the file tier, the tables go to its files (``shard``: a torchrun rank's, whose
     caller replaces the batches and optimisers and rewires the tier to them)."""
@@ -289,7 +289,7 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None,
     tier = None
     if cfg.table_tier == "file":  # the tables, initialised straight into their files
         fresh = shard.fresh if shard is not None else FileCheckpoints(cfg.out_dir).latest() is None
-        tier = tier_tables.attach(cfg, model, fresh, shard)
+        tier = tier_attach.attach(cfg, model, fresh, shard)
     batches = TokenBatches(corpus.streams["train"], cfg.batch_size, cfg.seq_len, corpus, hasher,
                            seed=cfg.seed, sampling=cfg.sampling)
     optim = build_optimizers(model, cfg.lr, weight_decay=cfg.weight_decay,
