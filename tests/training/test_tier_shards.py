@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 import engram
 from engram.errors import UserError
+from engram.retrieval.primes import rows_per_layer
 from engram.training.checkpoint import CheckpointError
 from engram.training.corpus import DataConfig, build_corpus
 from engram.training.dist_checkpoint import consolidate, latest_distributed
@@ -160,17 +161,20 @@ def test_a_tier_run_resumes_only_at_its_world_size(runs, tmp_path, corpus):
                               "sharded")
 
 
-def _shard(rank: int, fresh: bool) -> Shard:
-    return Shard(rank, 2, {0: TINY["table_size"]}, fresh)
+def _shard(rank: int, fresh: bool, **kw) -> Shard:
+    return Shard(rank, 2, rows_per_layer(_cfg("x", **kw).engram_config()), fresh)
 
 
 def test_a_folder_of_another_run_rank_or_a_small_budget_is_refused(runs, tmp_path, corpus):
     out = tmp_path / "copy"
     shutil.copytree(runs / "file", out)
     tier = out / "tier"
-    (tier / rank_folder(1, 2)).rename(tmp_path / "r1")
-    shutil.copytree(tier / rank_folder(0, 2), tier / rank_folder(1, 2))  # rank 0's, as rank 1's
     with pytest.raises(TierError, match="another shape"):
+        build_run(_cfg(out, table_tier="file", table_size=1009), corpus,
+                  shard=_shard(0, False, table_size=1009))
+    shutil.rmtree(tier / rank_folder(1, 2))
+    shutil.copytree(tier / rank_folder(0, 2), tier / rank_folder(1, 2))  # rank 0's, as rank 1's
+    with pytest.raises(TierError, match=r"of rank/world \[0, 2\], not this rank's \[1, 2\]"):
         build_run(_cfg(out, table_tier="file"), corpus, shard=_shard(1, False))
     # a fresh run pointed at another run's tier folder
     with pytest.raises(TierError, match="tables of another run"):
