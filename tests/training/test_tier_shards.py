@@ -23,7 +23,7 @@ from engram.training.distributed import build_distributed_run, train_distributed
 from engram.training.process_group import Dist, _spawned, free_port, spawn_local
 from engram.training.tier_files import TierError, rank_folder
 from engram.training.tier_shards import Shard
-from engram.training.train import TrainConfig, build_run
+from engram.training.train import TrainConfig, build_run, train
 
 # batch_size 6 splits over 2 ranks; min_lr_ratio=1: the schedule does not depend on ``steps``
 TINY = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, seq_len=32, batch_size=6,
@@ -156,6 +156,8 @@ def test_a_tier_run_resumes_only_at_its_world_size(runs, tmp_path, corpus):
     shutil.copytree(runs / "file", out)
     with pytest.raises(UserError, match="--nproc-per-node 2 .tier folders are not resharded"):
         build_distributed_run(_cfg(out, steps=8, table_tier="file"), _dist1(), corpus)
+    with pytest.raises(CheckpointError, match="--nproc-per-node 2: its tables are in per-rank"):
+        train(_cfg(out, steps=8, table_tier="file"), corpus, progress=False)  # one process
     with pytest.raises(UserError, match="drop --table_init=sharded"):
         build_distributed_run(_cfg(tmp_path / "s", table_tier="file"), _dist1(), corpus,
                               "sharded")

@@ -109,8 +109,11 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{pointer} is corrupted: {e}") from e
     if path is None:
+        tier = any((pointer.parents[1] / "tier").glob("rank-*-of-*"))  # table_tier=file's
+        ranks = (f"--nproc-per-node {info.get('world')}: its tables are in per-rank tier "
+                 "folders" if tier else "any number of ranks, --nproc-per-node 1 too")
         raise CheckpointError(f"{pointer.parent} holds a torchrun run's sharded checkpoint: resume "
-                              "it under torchrun (any number of ranks, --nproc-per-node 1 too); "
+                              f"it under torchrun ({ranks}); "
                               "engram.open / generate / eval read it as it is")
     if not path.exists():
         raise CheckpointError(f"{pointer} names {path.name}, which is missing")
