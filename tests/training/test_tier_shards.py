@@ -141,10 +141,32 @@ def test_sigkill_of_a_rank_then_relaunch_resumes_exactly(runs, tmp_path, corpus,
     at = latest_distributed(out)[1]["step"]
     assert at < STEPS, "killed too late to test a resume"
     assert "DistributedError" in Path(f"{err}.0").read_text()
+    before = _tree(out / "tier")
+    engram.open(str(out))  # a killed run opens at its checkpoint (journals read, not played)
+    assert _tree(out / "tier") == before
     spawn_local(_worker, 2, _cfg(out, steps=STEPS, table_tier="file"), corpus)
     got, want = _losses(out), _losses(runs / "file")
     assert {s: v[0] for s, v in got.items()} == {s: v[0] for s, v in want.items()}, at
     assert got[STEPS] == want[STEPS]
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_budget_without_read_ahead_trains_the_same(runs, tmp_path, corpus):
+    """A budget of about one step's most rows (not two): the read-ahead rarely fits, rows are
+    read when their step starts."""
+    need = json.loads((runs / "file" / "peak.0").read_text())["budget"] // 2  # the default: 2x
+    out = tmp_path / "tight"
+    spawn_local(_worker, 2, _cfg(out, steps=STEPS, table_tier="file",
+                                 table_budget_mb=need * 1.01 / 2**20), corpus)
+    assert _losses(out) == _losses(runs / "file")
+    for rank in (0, 1):
+        p = json.loads((out / f"peak.{rank}").read_text())
+        assert p["peak"] + p["fixed"] <= p["budget"] < 2 * p["peak"], p
 
 
 def _dist1() -> Dist:
