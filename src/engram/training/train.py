@@ -142,10 +142,13 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (first steps slower while it compiles)
     # -- tables past memory (training/tier_tables.py) --
     # "memory" (each table one parameter in RAM) or "file": rows and their optimiser state in
-    # memory-mapped files, a step's rows read ahead and written back sparse, journaled.
+    # files (read and written by row id, never mapped), a step's rows read ahead and written back
+    # sparse, journaled; under torchrun each rank's shard in its own folder (tier_shards.py).
     table_tier: str = field(default="memory", metadata={"choices": ("memory", "file")})
-    table_dir: str | None = None  # file tier: its folder (None: out_dir/tier)
-    table_budget_mb: float | None = None  # file tier: most MB of rows in memory (None: 2 steps')
+    # file tier: its folder (None: out_dir/tier; torchrun: rank-RRRRR-of-WWWWW folders in it)
+    table_dir: str | None = None
+    # file tier: most MB of rows in memory (None: 2 steps'; under torchrun per rank, its shard's)
+    table_budget_mb: float | None = None
 
     def __post_init__(self) -> None:
         self.sources, self.engram_layers = tuple(self.sources), tuple(self.engram_layers)
