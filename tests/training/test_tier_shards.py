@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors import safe_open
 
 import engram
 from engram.errors import UserError
@@ -21,7 +22,7 @@ from engram.training.corpus import DataConfig, build_corpus
 from engram.training.dist_checkpoint import consolidate, latest_distributed
 from engram.training.distributed import build_distributed_run, train_distributed
 from engram.training.process_group import Dist, _spawned, free_port, spawn_local
-from engram.training.tier_files import TierError, rank_folder
+from engram.training.tier_files import TierError, TierFiles, rank_folder
 from engram.training.tier_shards import Shard
 from engram.training.train import TrainConfig, build_run, train
 
@@ -88,6 +89,19 @@ def test_ranks_train_from_their_tier_folders_as_from_memory(runs):
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
     with pytest.raises(CheckpointError, match="consolidate is for in-memory tables"):
         consolidate(runs / "file", runs / "one")
+    # and each rank's optimiser state in its folder is the in-memory shard's (its shard file's)
+    step_dir = latest_distributed(runs / "mem")[0]
+    for rank in (0, 1):
+        files = TierFiles.open(runs / "file" / "tier" / rank_folder(rank, 2), writable=False)
+        lo = _shard(rank, False).span(0)[0]
+        with safe_open(str(step_dir / f"shard-{rank:05d}-of-00002.safetensors"), "pt") as f:
+            rows = f.get_tensor("0.rows") - lo  # the rows it touched, sorted
+            got = files.read(0, rows)
+            assert torch.equal(got["moments"][:, 0], f.get_tensor("0.exp_avg"))
+            assert torch.equal(got["moments"][:, 1], f.get_tensor("0.exp_avg_sq"))
+            assert torch.equal(got["steps"], f.get_tensor("0.steps"))
+        assert int((files.read_all(0, "steps") > 0).sum()) == rows.numel()  # and no other
+        files.close()
 
 
 def test_each_rank_stays_under_its_budget(runs):
