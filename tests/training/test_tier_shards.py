@@ -104,6 +104,16 @@ def test_ranks_train_from_their_tier_folders_as_from_memory(runs):
         files.close()
 
 
+@pytest.mark.slow
+def test_three_ranks_and_a_larger_table_train_the_same_floats(tmp_path, corpus):
+    """1/3 is not a power of two, and a larger table sorts more ids: the working shard's gradient
+    is still scaled and coalesced as the in-memory shard's, in the same order."""
+    kw = dict(steps=5, table_size=20011, eval_every=5)
+    spawn_local(_worker, 3, _cfg(tmp_path / "mem", **kw), corpus)
+    spawn_local(_worker, 3, _cfg(tmp_path / "file", table_tier="file", **kw), corpus)
+    assert _losses(tmp_path / "file") == _losses(tmp_path / "mem")
+
+
 def test_each_rank_stays_under_its_budget(runs):
     for rank in (0, 1):
         p = json.loads((runs / "file" / f"peak.{rank}").read_text())

@@ -23,7 +23,8 @@ class WorkingRows:
     of the tier's files, sorted); outside a step (evaluation) rows are read from the files. Its
     rows are not in the model's state dict (they are files)."""
 
-    # how the in-memory table's clip coalesces its gradient (train.py's clip_grad_norm_)
+    # how the in-memory table's clip coalesces its gradient (train.py's clip_grad_norm_); None: the
+    # gradient is left to the clip
     coalesce = staticmethod(sparse_rows.coalesce_rows)
 
     def _working(self, files, lid: int) -> None:
@@ -32,7 +33,8 @@ class WorkingRows:
         self.uniq: torch.Tensor | None = None
         self.last_micro = False  # set while the step's last micro-batch runs (TierBatches)
         self.before_read = None  # called before rows are read from the file (TierTables.wait)
-        self.weight.register_post_accumulate_grad_hook(self._coalesce)
+        if self.coalesce is not None:
+            self.weight.register_post_accumulate_grad_hook(self._coalesce)
 
     def reset_parameters(self, *args, **kwargs) -> None:
         pass
@@ -100,11 +102,13 @@ class WorkingShard(WorkingRows, ShardedTable):
     rows this rank serves come from its working set (which TierTables filled with every row of
     its shard the global batch reads), or from the files between steps.
 
-    Its gradient is coalesced as the in-memory shard's (torch's coalesce, in the shard's ids: the
-    torchrun clip's), but before the clip scales it by 1/world, not after: the same floats where
-    the world size is a power of two (an exact scaling), else within a rounding of each sum."""
+    Its gradient is left as the in-memory shard's is (uncoalesced: scaled by 1/world, then
+    coalesced by the torchrun clip with torch's coalesce), its row ids those of the working set: a
+    map that keeps their order, so the sort in the coalesce puts the entries in the same order and
+    the sums are the same floats (tested at world sizes 2 and 3). A coalesce before the scaling
+    (as WorkingTable's) would round differently where 1/world is not a power of two."""
 
-    coalesce = staticmethod(sparse_rows.coalesce)
+    coalesce = None
 
     def __init__(self, files, lid: int, num_rows: int, group=None):
         ShardedTable.__init__(self, num_rows, files.shapes[lid][1], group=group, empty=True)
