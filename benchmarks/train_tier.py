@@ -7,7 +7,7 @@ compare's Engram model (its default shapes: 16 x 128 tokens a step, one Engram l
 of 32 floats, RowAdam) is built twice in this process, once with its table in memory and once on
 the file tier (``--table_tier file``, the tier folder under TMPDIR) with a resident budget of
 ``--budget_frac`` of the table's file bytes (rows and optimiser state), raised to the least budget
-the tier accepts (one step's most rows, ``tier_tables.budget_need``) where that is larger. Their
+the tier accepts (one step's most rows, ``tier_attach.budget_need``) where that is larger. Their
 training steps are interleaved (load from other processes hits both alike), one torch thread each
 as compare's workers. Reported:
 
@@ -54,7 +54,7 @@ import torch
 
 from engram import gemm
 from engram.studies.compare import CompareConfig
-from engram.training import tier_tables
+from engram.training import tier_attach
 from engram.training.train import TrainConfig, build_run, train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> dict:
     mem = build_run(dataclasses.replace(cfg, out_dir=str(root / "mem")))
     engrams = mem.model.engrams().values()
     table_bytes = sum(e.table.num_rows * e.table.dim * 4 for e in engrams)
-    file_bytes = sum(e.table.num_rows * tier_tables.row_bytes(cfg.table_optimizer, e.table.dim)
+    file_bytes = sum(e.table.num_rows * tier_attach.row_bytes(cfg.table_optimizer, e.table.dim)
                      for e in engrams)
-    need = tier_tables.budget_need(cfg, mem.model)
+    need = tier_attach.budget_need(cfg, mem.model)
     budget = max(int(args.budget_frac * file_bytes), need)
     runs = {"memory": mem}
     # the budget asked for, and two steps' worst case (room for the read-ahead)
@@ -210,9 +210,9 @@ def beyond(args) -> dict:
     e = next(iter(probe.model.engrams().values()))
     rows_per_size = e.table.num_rows / cfg.table_size  # rows per unit of table_size (n-gram heads)
     n_tables = len(probe.model.engrams())
-    file_bytes_b = sum(t.table.num_rows * tier_tables.row_bytes(cfg.table_optimizer, t.table.dim)
+    file_bytes_b = sum(t.table.num_rows * tier_attach.row_bytes(cfg.table_optimizer, t.table.dim)
                        for t in probe.model.engrams().values())
-    budget_b = max(int(args.budget_frac * file_bytes_b), tier_tables.budget_need(cfg, probe.model))
+    budget_b = max(int(args.budget_frac * file_bytes_b), tier_attach.budget_need(cfg, probe.model))
     del probe
     # table_size for (c): tables of at least twice the cap (primes are picked near table_size)
     # (--smoke: 32 MiB of table, under the same cap: the machinery, not the goal)

@@ -321,12 +321,3 @@ def test_a_journal_older_or_newer_than_the_checkpoint(tmp_path, corpus):
     resumed.batches.tier.close()
     with pytest.raises(CheckpointError, match="undoes to step 9"):
         train(_cfg(tmp_path, "part", steps=8, table_tier="file"), corpus, progress=False)
-
-
-def test_torchrun_with_a_file_tier_is_refused(tmp_path):
-    from engram.training.distributed import build_distributed_run
-    from engram.training.process_group import Dist
-
-    d = Dist(0, 1, torch.device("cpu"), None, None, 30.0, False)
-    with pytest.raises(UserError, match="trains in one process"):
-        build_distributed_run(_cfg(tmp_path, "d", table_tier="file"), d)

@@ -74,7 +74,7 @@ class ShardedTable(nn.Module):
 
     def __init__(self, num_rows: int, dim: int, *, group=None, sparse: bool = True,
                  init_std: float = 1.0, seed: int = 0, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, empty: bool = False):
         super().__init__()
         if num_rows <= 0 or dim <= 0:
             raise ValueError(f"a table needs positive rows and width, got {num_rows} x {dim}")
@@ -86,12 +86,14 @@ class ShardedTable(nn.Module):
             raise ValueError(f"{self.world} ranks cannot share a table of {self.num_rows} rows")
         self.bounds = shard_bounds(self.num_rows, self.world)
         self.lo, self.hi = self.bounds[self.rank], self.bounds[self.rank + 1]
-        self.weight = nn.Parameter(torch.empty(self.hi - self.lo, self.dim, dtype=dtype,
-                                               device=device))  # [l, e]
+        # ``empty``: no rows here (a subclass holds them elsewhere: training/working_table.py)
+        self.weight = nn.Parameter(torch.empty(0 if empty else self.hi - self.lo, self.dim,
+                                               dtype=dtype, device=device))  # [l, e]
         # Start of each rank's range, for the owner search; kept off the state dict (derived).
         self.register_buffer("starts", torch.tensor(self.bounds[:-1], device=device),
                              persistent=False)  # [w]
-        self.reset_parameters(init_std, seed)
+        if not empty:
+            self.reset_parameters(init_std, seed)
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 1.0, seed: int = 0) -> None:
@@ -113,6 +115,11 @@ class ShardedTable(nn.Module):
         flat = rows.reshape(-1).to(self.weight.device, torch.long)  # [n]
         out = _ShardedLookup.apply(self.weight, flat, self)  # [n, e]
         return out.view(*rows.shape, self.dim)
+
+    def serve(self, asked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local ids [s] other ranks asked for -> (their rows [s, e], no grad; the rows of
+        ``weight`` they are, where the backward sends their grads [s])."""
+        return self.weight.detach().index_select(0, asked), asked
 
     def prefetch(self, rows: torch.Tensor) -> None:
         pass  # resident: the shard is in this process's memory
@@ -160,9 +167,9 @@ class _ShardedLookup(torch.autograd.Function):
         # (n-gram traffic is Zipfian, spec section 4).
         uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)  # [u], [n]
         send_splits, recv_splits, asked = table._route(uniq)
-        served = weight.detach().index_select(0, asked)  # [s, e]
+        served, asked = table.serve(asked)  # [s, e], [s] rows of weight
         got = table._all_to_all(served, send_splits, recv_splits)  # [u, e]
-        ctx.table, ctx.splits = table, (send_splits, recv_splits)
+        ctx.table, ctx.splits, ctx.shape = table, (send_splits, recv_splits), tuple(weight.shape)
         ctx.save_for_backward(inverse, asked)
         ctx.n_uniq = uniq.numel()
         return got.index_select(0, inverse)  # [n, e]
@@ -174,7 +181,7 @@ class _ShardedLookup(torch.autograd.Function):
         # Sum per unique id before sending: one row of gradient per distinct row, as in forward.
         per_id = grad.new_zeros(ctx.n_uniq, grad.shape[1]).index_add_(0, inverse, grad)  # [u, e]
         mine = table._all_to_all(per_id, recv_splits, send_splits)  # [s, e] for rows we own
-        shape = (table.hi - table.lo, table.dim)
+        shape = ctx.shape  # [l, e]
         if table.sparse:
             # Uncoalesced: a row asked for by several ranks appears once per rank; RowAdam and
             # clip_grad_norm_ coalesce (sum) them, as they do F.embedding's per-position grads.

@@ -109,8 +109,11 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{pointer} is corrupted: {e}") from e
     if path is None:
+        tier = any((pointer.parents[1] / "tier").glob("rank-*-of-*"))  # table_tier=file's
+        ranks = (f"--nproc-per-node {info.get('world')}: its tables are in per-rank tier "
+                 "folders" if tier else "any number of ranks, --nproc-per-node 1 too")
         raise CheckpointError(f"{pointer.parent} holds a torchrun run's sharded checkpoint: resume "
-                              "it under torchrun (any number of ranks, --nproc-per-node 1 too); "
+                              f"it under torchrun ({ranks}); "
                               "engram.open / generate / eval read it as it is")
     if not path.exists():
         raise CheckpointError(f"{pointer} names {path.name}, which is missing")
@@ -195,6 +198,7 @@ def served_checkpoint(out_dir: str | Path) -> tuple[dict[str, Any], Path, list[P
     state, meta, step = load_checkpoint(ckpt, parts=("model", "hot_index"))  # hot.STATE_KEY
     if meta.get("config", {}).get("table_tier") == "file":  # the tables are in the tier folder
         state["model"].update(_tier_tables(Path(out_dir), meta, step))
+        return state, ckpt, []  # a torchrun run's shard files hold no rows then
     if ckpt.parent.name != "dense":
         return state, ckpt, []
     step_dir, info = latest_distributed(out_dir)
@@ -208,13 +212,15 @@ def served_checkpoint(out_dir: str | Path) -> tuple[dict[str, Any], Path, list[P
 def _tier_tables(out_dir: Path, meta: dict[str, Any], step: int) -> dict[str, torch.Tensor]:
     """A file-tier run's tables as its checkpoint holds them: from the run folder's own tier/
     (found wherever the folder was copied), else the --table_dir it recorded."""
-    from .tier_files import META, served_rows
+    from .tier_files import META, rank_folder, served_rows
 
     recorded = meta["config"].get("table_dir")
     folders = [out_dir / "tier"] + ([Path(recorded)] if recorded else [])
-    folder = next((f for f in folders if (f / META).exists()), None)
+    record = meta.get("hook_state", {}).get("table_tier") or {}
+    first = rank_folder(0, record["world"]) + "/" if "ranks" in record else ""  # torchrun's
+    folder = next((f for f in folders if (f / (first + META)).exists()), None)
     if folder is None:
         raise InputNotFound(f"{out_dir} was trained with its tables in files (table_tier=file) "
                             f"and none is here: looked in {', '.join(map(str, folders))}")
-    rows = served_rows(folder, meta.get("hook_state", {}).get("table_tier"), step)
+    rows = served_rows(folder, record or None, step)
     return {f"blocks.{lid}.engram.table.weight": r for lid, r in rows.items()}

@@ -29,6 +29,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .process_group import Dist
+from .working_table import WorkingRows
 from .train import (
     Run,
     TrainConfig,
@@ -44,7 +45,9 @@ from .train import (
 
 
 def _tables(model: EngramLM) -> dict[int, Any]:
-    return {L: e.table for L, e in model.engrams().items()}
+    """The tables whose rows the shard files hold (a file-tier run's are in its tier folders)."""
+    return {L: e.table for L, e in model.engrams().items()
+            if not isinstance(e.table, WorkingRows)}
 
 
 def _table_keys(model: EngramLM) -> set[str]:
@@ -154,6 +157,10 @@ def consolidate(src_out_dir: str | Path, dst_out_dir: str | Path) -> Path:
         raise CheckpointError(f"no sharded checkpoint in {src_out_dir}")
     step_dir, info = found
     meta = load_checkpoint(latest_checkpoint(step_dir / "dense"))[1]
+    if meta["config"].get("table_tier") == "file":
+        raise CheckpointError(f"{src_out_dir} trained its tables in per-rank tier folders "
+                              "(table_tier=file): engram.open / eval / generate / export-hf read "
+                              "them from the run folder; consolidate is for in-memory tables")
     cfg = TrainConfig(**{**meta["config"], "out_dir": str(dst_out_dir)})
     run = build_run(cfg)
     load_distributed(run, step_dir, info, check_config=False)

@@ -17,6 +17,11 @@ once every rank's file is on disk, so a run killed at any moment resumes from a 
 A checkpoint loads at any world size (each rank reads the slices of the shards its range overlaps),
 or into a single-process model (:func:`consolidate`).
 
+Tables in files (``--table_tier file``, training/tier_shards.py): each rank's shard of every table
+and its optimiser state live in the rank's own tier folder, ``<table_dir>/rank-RRRRR-of-WWWWW``;
+a step holds only the rows of the shard the global batch reads (a ``WorkingShard``), and the shard
+files then hold no rows. Such a run resumes at its own world size only.
+
 Several machines: the same command on each, with a rendezvous and an out_dir on a filesystem every
 node sees (each rank writes its own shard there):
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \
@@ -68,6 +73,8 @@ from .process_group import (  # noqa: F401
     init_distributed,
     spawn_local,
 )
+from .tier_shards import Shard, check_world
+from .tier_tables import TierBatches, TierCheckpoints
 from .train import Run, TrainConfig, build_model, build_run, place, resolve_machine
 
 # -- building the run ------------------------------------------------------------------------------
@@ -99,16 +106,15 @@ def sharded_optimizers(model: EngramLM, cfg: TrainConfig) -> Optimizers:
 
 def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = None,
                           table_init: str = "replicated") -> tuple[Run, DDP]:
-    """The model of train.build_run with sharded tables, wrapped in DDP.
+    """The model of train.build_run with sharded tables, wrapped in DDP (on the file tier: each
+    rank's shard in its own tier folder; table_init must be "replicated" there, the rows drawn
+    chunk by chunk straight into the files).
 
     ``table_init="replicated"`` builds the whole single-process model first (every rank holds the
     full table for a moment), so step 0 is exactly train.py's; ``"sharded"`` initialises each shard
     alone (:func:`engram.tables.sharded.init_rows`): the only choice for tables larger than one machine,
     identical across world sizes but not to a single-process ``engram train`` run.
     """
-    if cfg.table_tier != "memory":
-        raise UserError("table_tier=file trains in one process (engram train); under torchrun the "
-                        "tables stay in memory, sharded")
     if cfg.batch_size % d.world:
         raise UserError(f"batch_size={cfg.batch_size} (the global batch) must divide evenly over "
                          f"{d.world} ranks")
@@ -117,7 +123,14 @@ def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = Non
             corpus = build_corpus(cfg.data_config())
         dist.barrier(group=d.control)
         corpus = corpus or build_corpus(cfg.data_config())
-    if table_init == "replicated":
+    if cfg.table_tier == "file":  # each rank's shard of the tables in its own tier folder
+        if table_init != "replicated":
+            raise UserError("table_tier=file under torchrun draws each rank's rows from the "
+                            "whole table's init (never in memory): drop --table_init=sharded")
+        shard = Shard(d.rank, d.world, rows_per_layer(cfg.engram_config()),
+                      check_world(cfg.out_dir, d.world), d.tables, d.control)
+        run = build_run(cfg, corpus, d.device, shard)
+    elif table_init == "replicated":
         run = build_run(cfg, corpus, d.device)
         shard_tables(run.model, d.tables)
     elif table_init == "sharded":
@@ -134,11 +147,16 @@ def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = Non
     else:
         raise UserError(f"table_init must be 'replicated' or 'sharded', got {table_init!r}")
     run.model.to(d.device)
+    build_batches = run.batches
     # Unhashed: each rank hashes only its own rows of the global batch.
     # Every rank reads the global batch's windows from the same memory-mapped shards, then its rows.
     run.batches = TokenBatches(corpus.streams["train"], cfg.batch_size, cfg.seq_len, corpus,
                                seed=cfg.seed, sampling=cfg.sampling)
     run.optim = sharded_optimizers(run.model, cfg)
+    tier = getattr(build_batches, "tier", None)
+    if tier is not None:  # the tier's working sets, on these batches and optimisers
+        tier.hash, tier.optim, run.optim.after_step = run.hasher.hash, run.optim, tier.write_back
+        run.batches = TierBatches(run.batches, tier)
     # The shards differ per rank: DDP must neither broadcast nor average them.
     DDP._set_params_and_buffers_to_ignore_for_model(run.model, [
         f"{n}.weight" for n, m in run.model.named_modules() if isinstance(m, ShardedTable)])
@@ -258,6 +276,8 @@ def _train(cfg: TrainConfig, d: Dist, corpus: Corpus | None, progress: bool, res
            table_init: str) -> Run:
     run, ddp = build_distributed_run(cfg, d, corpus, table_init)
     checkpoints = ShardedCheckpoints(d, cfg.out_dir)
+    if isinstance(run.batches, TierBatches):  # the checkpoints between its sync and its journal
+        checkpoints = TierCheckpoints(checkpoints, run.batches.tier)
     restore(run, checkpoints, resume)
     ranks = DataParallel(d, ddp, run.hasher, cfg.out_dir)
     config = {**cfg.to_dict(), "world_size": d.world, "table_init": table_init}

@@ -50,6 +50,11 @@ class TierError(UserError):
     """A tier folder that is not this run's, is damaged, or cannot be written."""
 
 
+def rank_folder(rank: int, world: int) -> str:
+    """A torchrun rank's tier folder, under the run's (training/tier_shards.py)."""
+    return f"rank-{rank:05d}-of-{world:05d}"
+
+
 def _np(dtype: torch.dtype) -> np.dtype:
     return torch.empty(0, dtype=dtype).numpy().dtype
 
@@ -157,14 +162,16 @@ class TierFiles:
     @staticmethod
     def create(folder: Path, out_dir: Path, layers: dict[int, tuple[int, int]],
                rows: dict[int, Any], state: dict[str, tuple[list[int], str]],
-               optimizer: str) -> TierFiles:
+               optimizer: str, shard: list[int] | None = None) -> TierFiles:
         """A fresh folder: layer ``lid``'s table [r, e] = ``layers[lid]`` with initial rows the
         chunks [k, e] of ``rows[lid]`` in row order (never the whole table at once) and zero
         state; every file's blocks are allocated now, so a full disk is one line here, not a
-        failed write at a later step."""
+        failed write at a later step. ``shard``: [rank, world] of a torchrun rank's folder (its
+        rows are that rank's shard of each table)."""
         meta = {"format": FORMAT, "run": uuid.uuid4().hex, "out_dir": str(out_dir.resolve()),
                 "optimizer": optimizer, "state": state,
-                "layers": {str(lid): [int(r), int(e)] for lid, (r, e) in layers.items()}}
+                "layers": {str(lid): [int(r), int(e)] for lid, (r, e) in layers.items()},
+                **({"shard": shard} if shard is not None else {})}
         (folder / META).unlink(missing_ok=True)  # files below are not a complete folder until
         for lid, (r, e) in layers.items():  # tier.json is published again
             for name, (tail, dtype) in {"rows": ([e], "float32"), **state}.items():
@@ -395,7 +402,12 @@ def served_rows(folder: Path, record: dict | None, step: int) -> dict[int, torch
     """Each table's rows {lid: [r, e]} as checkpoint ``step`` (whose tier ``record`` names the
     folder's run) holds them, read without writing anything: a server opening a tier run. The
     files' rows, with the journal's old rows put back in memory when it undoes to ``step`` (the
-    run was killed after that checkpoint; its next resume rolls the files back the same way)."""
+    run was killed after that checkpoint; its next resume rolls the files back the same way).
+    A torchrun run's ``record`` names every rank's: their folders' shards, joined in rank order."""
+    if record is not None and "ranks" in record:
+        parts = [served_rows(folder / rank_folder(k, record["world"]), r, step)
+                 for k, r in enumerate(record["ranks"])]
+        return {lid: torch.cat([p[lid] for p in parts]) for lid in parts[0]}
     files = TierFiles.open(folder, writable=False)
     if record is None or record.get("run") != files.run_id:
         raise TierError(f"{folder} holds the tables of another run than the checkpoint of step "

@@ -24,6 +24,11 @@ initial rows to them a chunk at a time (``store.deferred_rows``: the model is bu
 tables), so resident memory and address space stay the model's plus the budget, whatever the
 tables' size (benchmarks/train_tier.py ``--beyond``: a table twice a process's RLIMIT_AS).
 
+Under torchrun (training/tier_shards.py) each rank runs this on its shard of every table, in its
+own folder: ``rows_of`` hashes the global batch and keeps its shard's rows, the working tables are
+``WorkingShard`` (the owner side of the all-to-all serves them), and a checkpoint records every
+rank's tier.
+
 Shape legend: r rows of a table, e row width, n row ids of a step (repeats), u distinct rows.
 """
 
@@ -31,52 +36,36 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..errors import UserError
-from ..tables.store import normal_chunks
 from .checkpoint import CheckpointError
-from .optim import make_table_optimizer
-from .tier_files import JOURNAL, Journal, TierError, TierFiles, roll_back
-from .working_table import WorkingTable
+from .tier_files import JOURNAL, Journal, TierFiles, roll_back
 
-TIERS = ("memory", "file")  # engram train --table_tier
+if TYPE_CHECKING:
+    from .tier_shards import Shard
+
 # Bytes a working-set row holds beside its values and state: its global id, its optimiser slot
 # and its row id there (int64, int32, int64).
 WS_INDEX = 20
 
 
-def state_layout(optimizer: str, dim: int) -> dict[str, tuple[list[int], str]]:
-    """The table optimiser's per-row state buffers: name -> (per-row shape, dtype name)."""
-    st: dict = {}
-    opt = make_table_optimizer(optimizer, [nn.Parameter(torch.zeros(1, dim))], lr=1.0)
-    opt._resize(st, dim, 1, torch.device("cpu"))
-    return {k: (list(st[k].shape[1:]), str(st[k].dtype).removeprefix("torch."))
-            for k in opt._buffers()}
-
-
-def step_bound(cfg: Any, engram: nn.Module) -> int:
-    """The most distinct rows one step can read from a layer's table."""
-    heads = len(engram.head_sizes) if engram.head_sizes is not None else engram.d_mem // \
-        engram.table.dim
-    return min(engram.table.num_rows, cfg.batch_size * cfg.seq_len * cfg.grad_accum * heads)
-
-
 class TierTables:
     """The run's tables on the file tier: working sets, prefetch, write-back, checkpoints' part."""
 
-    def __init__(self, cfg: Any, engrams: dict[int, nn.Module], files: TierFiles, budget: int):
+    def __init__(self, cfg: Any, engrams: dict[int, nn.Module], files: TierFiles, budget: int,
+                 shard: Shard | None = None):
         self.cfg, self.engrams, self.files, self.budget = cfg, engrams, files, budget
+        self.shard = shard  # under torchrun: this rank's rows, records gathered over ranks
+        self.hash = None  # under torchrun: hashes a global batch (its batches come unhashed)
         self.tables = {lid: e.table for lid, e in engrams.items()}
         for t in self.tables.values():
             t.before_read = self.wait
         self.journal = Journal.open(files.folder / JOURNAL, files.run_id)
-        self.journaled = {lid: np.zeros(t.num_rows, dtype=bool) for lid, t in self.tables.items()}
+        self.journaled = {lid: np.zeros(files.shapes[lid][0], dtype=bool) for lid in engrams}
         self.fixed = sum(j.nbytes for j in self.journaled.values())  # resident whatever the step
         self.optim = None  # the run's Optimizers (set by attach)
         self.t_max = {lid: 0 for lid in engrams}
@@ -95,10 +84,18 @@ class TierTables:
 
     # -- one step ---------------------------------------------------------------------------------
     def rows_of(self, batches: list) -> dict[int, torch.Tensor]:
-        """Each table's distinct rows [u] (sorted) of a step's micro-batches."""
-        return {lid: torch.unique(torch.cat([e.rows(b.hash_ids[lid]).reshape(-1)
-                                             for b in batches]))
-                for lid, e in self.engrams.items()}
+        """Each table's distinct rows [u] (sorted file row ids) of a step's micro-batches; under
+        torchrun those of this rank's shard, of the global batch every rank reads: the rows the
+        lookups' all-to-all will ask this rank for."""
+        ids = [b.hash_ids if self.hash is None else self.hash(b.raw) for b in batches]
+        out = {}
+        for lid, e in self.engrams.items():
+            u = torch.unique(torch.cat([e.rows(h[lid]).reshape(-1) for h in ids]))
+            if self.shard is not None:
+                lo, hi = self.shard.span(lid)
+                u = u[int(torch.searchsorted(u, lo)):int(torch.searchsorted(u, hi))] - lo
+            out[lid] = u
+        return out
 
     def load(self, uniq: dict[int, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
         """Rows and state of ``uniq`` from the files, in the optimiser's buffer layout."""
@@ -232,10 +229,12 @@ class TierTables:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def saved(self, step: int) -> dict[str, Any]:
-        """Before the dense checkpoint of ``step``: tables durable; what it records of them."""
+        """Before the dense checkpoint of ``step``: tables durable; what it records of them
+        (under torchrun every rank's, gathered: a collective)."""
         self.wait()
         self.files.sync()
-        return {"run": self.files.run_id, "step": step}
+        record = {"run": self.files.run_id, "step": step}
+        return record if self.shard is None else self.shard.gather(record)
 
     def checkpointed(self, step: int) -> None:
         """After it: the journal undoes to ``step`` now."""
@@ -245,6 +244,8 @@ class TierTables:
 
     def recover(self, step: int, record: dict | None, where: Any) -> None:
         """The tables put back to checkpoint ``step``'s (refused in one line where they cannot be)."""
+        if self.shard is not None:
+            record = self.shard.pick(record, where)
         if record is None or record.get("run") != self.files.run_id:
             raise CheckpointError(f"{self.files.folder} holds the tables of another run than "
                                   f"checkpoint {where}; use that run's --table_dir")
@@ -303,90 +304,3 @@ class TierCheckpoints:
         out = self.inner.save(run)
         self.tier.checkpointed(run.step)
         return out
-
-
-def check_tier(cfg: Any) -> None:
-    """What a tier run needs of its config (one line, before any work)."""
-    if cfg.table_tier not in TIERS:
-        raise UserError(f"table_tier must be one of {', '.join(TIERS)}, got {cfg.table_tier!r}")
-    if cfg.table_tier == "memory":
-        return
-    if not cfg.engram or cfg.nine:
-        raise UserError("table_tier=file trains plain Engram tables (engram=true, no hot_rows / "
-                        "shared_tables)")
-    if cfg.device != "cpu" or cfg.precision != "fp32" or cfg.compile:
-        raise UserError("table_tier=file trains on the CPU in fp32, uncompiled (device=cpu, "
-                        "precision=fp32, compile=false)")
-
-
-def row_bytes(optimizer: str, dim: int) -> int:
-    """Bytes of one row (float32) and its optimiser state, in the files."""
-    return dim * 4 + sum(int(np.prod(t)) * getattr(torch, d).itemsize
-                         for t, d in state_layout(optimizer, dim).values())
-
-
-def budget_need(cfg: Any, model: nn.Module) -> int:
-    """The least budget (bytes) a tier run of ``cfg`` takes: one step's most rows with their
-    state, and a byte a table row for the journal's marks."""
-    return sum(step_bound(cfg, e) * (row_bytes(cfg.table_optimizer, e.table.dim) + WS_INDEX)
-               + e.table.num_rows for e in model.engrams().values())
-
-
-def attach(cfg: Any, model: nn.Module, fresh: bool) -> TierTables:
-    """Move the model's tables to the file tier (``fresh``: from their initial rows; else the
-    folder of the checkpoint being resumed). The caller sets ``optim`` and wraps its batches."""
-    engrams = {lid: e for lid, e in model.engrams().items()}
-    folder = Path(cfg.table_dir or Path(cfg.out_dir) / "tier")
-    layout = {lid: state_layout(cfg.table_optimizer, e.table.dim) for lid, e in engrams.items()}
-    need = budget_need(cfg, model)
-    budget = need * 2 if cfg.table_budget_mb is None else int(cfg.table_budget_mb * 2**20)
-    if budget < need:
-        raise UserError(f"table_budget_mb={cfg.table_budget_mb:g} is below one step's rows: "
-                        f"{need / 2**20:.2f} MB (batch_size x seq_len x grad_accum x heads rows "
-                        "and their optimiser state); raise it")
-    _check_writable(folder)
-    if fresh:
-        old = folder / "tier.json"
-        if old.exists():
-            try:
-                theirs = TierFiles.open(folder).meta.get("out_dir")
-            except TierError:
-                theirs = None
-            if theirs != str(Path(cfg.out_dir).resolve()):
-                raise TierError(f"{folder} holds the tables of another run ({theirs}); use "
-                                "another --table_dir (nothing was changed)")
-        files = TierFiles.create(folder, Path(cfg.out_dir),
-                                 {lid: (e.table.num_rows, e.table.dim)
-                                  for lid, e in engrams.items()},
-                                 {lid: initial_rows(e.table) for lid, e in engrams.items()},
-                                 next(iter(layout.values())), cfg.table_optimizer)
-    else:
-        files = TierFiles.open(folder)
-        want = {str(lid): [e.table.num_rows, e.table.dim] for lid, e in engrams.items()}
-        if files.meta["layers"] != want or files.meta["optimizer"] != cfg.table_optimizer:
-            raise TierError(f"{folder} holds tables of another shape or optimiser "
-                            f"({files.meta['layers']}, {files.meta['optimizer']}); this run "
-                            f"needs {want}, {cfg.table_optimizer}")
-    for lid, e in engrams.items():
-        e.table = WorkingTable(files, lid)  # frees the in-memory table (if it was built)
-    return TierTables(cfg, engrams, files, budget)
-
-
-def initial_rows(table: nn.Module):
-    """The table's initial rows, chunk [k, e] by chunk: made now from the generator state its init
-    recorded (built under ``store.deferred_rows``: the rows were never in memory), or its own."""
-    if getattr(table, "deferred", False):
-        g = torch.Generator()
-        g.set_state(table.init_state)
-        return normal_chunks(table.num_rows, table.dim, table.init_std, g)
-    return iter([table.weight.detach()])
-
-
-def _check_writable(folder: Path) -> None:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / ".write-probe"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise TierError(f"cannot write the tier tables to {folder}: {e.strerror or e}") from None

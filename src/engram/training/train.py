@@ -30,7 +30,7 @@ from ..retrieval.hashing import NgramHasher
 from ..tables.store import deferred_rows
 from . import precision as precision_
 from . import settings as run_settings
-from . import tier_tables
+from . import tier_attach, tier_tables
 from .batches import TokenBatches
 from .checkpoint import (
     CheckpointError,
@@ -142,10 +142,13 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (first steps slower while it compiles)
     # -- tables past memory (training/tier_tables.py) --
     # "memory" (each table one parameter in RAM) or "file": rows and their optimiser state in
-    # memory-mapped files, a step's rows read ahead and written back sparse, journaled.
+    # files (read and written by row id, never mapped), a step's rows read ahead and written back
+    # sparse, journaled; under torchrun each rank's shard in its own folder (tier_shards.py).
     table_tier: str = field(default="memory", metadata={"choices": ("memory", "file")})
-    table_dir: str | None = None  # file tier: its folder (None: out_dir/tier)
-    table_budget_mb: float | None = None  # file tier: most MB of rows in memory (None: 2 steps')
+    # file tier: its folder (None: out_dir/tier; torchrun: rank-RRRRR-of-WWWWW folders in it)
+    table_dir: str | None = None
+    # file tier: most MB of rows in memory (None: 2 steps'; under torchrun per rank, its shard's)
+    table_budget_mb: float | None = None
 
     def __post_init__(self) -> None:
         self.sources, self.engram_layers = tuple(self.sources), tuple(self.engram_layers)
@@ -173,7 +176,7 @@ class TrainConfig:
         check_table_optimizer(self.table_optimizer)
         if self.table_budget_mb is not None and not self.table_budget_mb > 0:
             raise UserError(f"table_budget_mb must be > 0, got {self.table_budget_mb}")
-        tier_tables.check_tier(self)
+        tier_attach.check_tier(self)
 
     @property
     def nine(self) -> bool:
@@ -265,9 +268,11 @@ def place(model: EngramLM, cfg: TrainConfig, device: torch.device) -> EngramLM:
 
 
 def build_run(cfg: TrainConfig, corpus: Corpus | None = None,
-              device: torch.device | None = None) -> Run:
+              device: torch.device | None = None,
+              shard: tier_attach.Shard | None = None) -> Run:
     """The run of ``cfg``: model (on cfg.device, or ``device``: a torchrun rank's), optimisers,
-    batches."""
+    batches. On the file tier, the tables go to its files (``shard``: a torchrun rank's, whose
+    caller replaces the batches and optimisers and rewires the tier to them)."""
     resolved = resolve_machine(cfg.threads, cfg.device, cfg.precision, cfg.compile)
     device = resolved if device is None else device
     corpus = corpus if corpus is not None else build_corpus(cfg.data_config())
@@ -286,7 +291,8 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None,
         gemm.prepare(model, [cfg.batch_size * cfg.seq_len])  # routes measured now, not in a step
     tier = None
     if cfg.table_tier == "file":  # the tables, initialised straight into their files
-        tier = tier_tables.attach(cfg, model, fresh=FileCheckpoints(cfg.out_dir).latest() is None)
+        fresh = shard.fresh if shard is not None else FileCheckpoints(cfg.out_dir).latest() is None
+        tier = tier_attach.attach(cfg, model, fresh, shard)
     batches = TokenBatches(corpus.streams["train"], cfg.batch_size, cfg.seq_len, corpus, hasher,
                            seed=cfg.seed, sampling=cfg.sampling)
     optim = build_optimizers(model, cfg.lr, weight_decay=cfg.weight_decay,
