@@ -16,13 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from engram.training.checkpoint import CheckpointError
 from engram.training.corpus import DataConfig, build_corpus
 from engram.training.dist_checkpoint import consolidate, latest_distributed
 from engram.training.distributed import train_distributed
-from engram.training.process_group import _spawned, free_port, init_distributed, spawn_local
+from engram.training.process_group import init_distributed, spawn_local, start_local
 from engram.training.train import TrainConfig, train
 
 # batch_size 6 splits over 2 and 3 ranks; min_lr_ratio=1 makes the schedule independent of
@@ -77,14 +76,6 @@ def reference(tmp_path_factory, corpus):
     return run.history
 
 
-def _start(world: int, *args) -> list:
-    """Like spawn_local, but returns the processes, so a test can kill one and watch the others."""
-    ctx, port = mp.get_context("spawn"), free_port()
-    procs = [ctx.Process(target=_spawned, args=(r, _train_worker, world, port, args))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    return procs
 
 
 def _fail_one_rank(out: Path, fault: str, timeout: float = 8.0) -> tuple[str, float]:
@@ -93,7 +84,8 @@ def _fail_one_rank(out: Path, fault: str, timeout: float = 8.0) -> tuple[str, fl
     Returns what rank 0 raised and how long it took to give up.
     """
     result = str(out.parent / "error")
-    procs = _start(2, _cfg(out, steps=1000, ckpt_every=1), None, timeout, result)
+    procs = start_local(_train_worker, 2, _cfg(out, steps=1000, ckpt_every=1), None, timeout,
+                        result)
     try:
         end = time.time() + 120
         while time.time() < end:

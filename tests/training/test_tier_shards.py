@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors import safe_open
 
 import engram
@@ -21,7 +20,7 @@ from engram.training.checkpoint import CheckpointError
 from engram.training.corpus import DataConfig, build_corpus
 from engram.training.dist_checkpoint import consolidate, latest_distributed
 from engram.training.distributed import build_distributed_run, train_distributed
-from engram.training.process_group import Dist, _spawned, free_port, spawn_local
+from engram.training.process_group import Dist, spawn_local, start_local
 from engram.training.tier_files import TierError, TierFiles, rank_folder
 from engram.training.tier_shards import Shard
 from engram.training.train import TrainConfig, build_run, train
@@ -131,13 +130,6 @@ def test_a_stopped_tier_run_resumes_to_the_same_losses(runs, tmp_path, corpus):
     assert got[STEPS] == want[STEPS]  # (step 4's record has the stopped run's final val_loss)
 
 
-def _start(world: int, *args) -> list:
-    ctx, port = mp.get_context("spawn"), free_port()
-    procs = [ctx.Process(target=_spawned, args=(r, _worker, world, port, args))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    return procs
 
 
 @pytest.mark.parametrize("after,wait", [
@@ -148,7 +140,8 @@ def test_sigkill_of_a_rank_then_relaunch_resumes_exactly(runs, tmp_path, corpus,
     failed collective; relaunched, every rank's journal puts its folder back to the newest
     checkpoint: the uninterrupted run's losses."""
     out, err = tmp_path / "k", tmp_path / "err"
-    procs = _start(2, _cfg(out, steps=1000, ckpt_every=1, table_tier="file"), corpus, str(err))
+    procs = start_local(_worker, 2, _cfg(out, steps=1000, ckpt_every=1, table_tier="file"), corpus,
+                        str(err))
     try:
         end, ptr = time.time() + 120, out / "checkpoints" / "latest.json"
         while time.time() < end and not (ptr.exists() and json.loads(ptr.read_text())["step"]

@@ -106,3 +106,13 @@ def spawn_local(fn: Callable, world: int, *args: Any) -> None:
     """Run ``fn(*args)`` in ``world`` fresh processes on loopback, with torchrun's environment."""
     mp.start_processes(_spawned, args=(fn, world, free_port(), args), nprocs=world,
                        start_method="spawn")
+
+
+def start_local(fn: Callable, world: int, *args: Any) -> list:
+    """As :func:`spawn_local`, but return the started processes without waiting (a fault test
+    kills one and watches the others)."""
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_spawned, args=(r, fn, world, port, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs
