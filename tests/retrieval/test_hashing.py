@@ -121,6 +121,22 @@ def test_left_padding_masked_equals_unpadded(tiny_config, tiny_lookup):
         torch.testing.assert_close(c[lid][:, 5:], a[lid], rtol=0, atol=0)
 
 
+def test_hash_of_rows_is_those_rows_of_the_batch_hash(tiny_config, tiny_lookup):
+    # torchrun on the file tier hashes the global batch once and each rank takes its rows of the
+    # ids (training/distributed.local_batch): each row must hash alone, whatever the other rows,
+    # dead positions (a row's start) included.
+    h = NgramHasher(tiny_config, tiny_lookup)
+    x = torch.randint(0, 300, (8, 17), generator=torch.Generator().manual_seed(5))
+    x[1, 4] = x[6, 0] = DEAD  # some slices hold a dead position, others none
+    whole = h.hash(x)
+    for world in (2, 4, 8):
+        for rank in range(world):
+            s = slice(rank * 8 // world, (rank + 1) * 8 // world)
+            part = h.hash(x[s])
+            for lid in h.layer_ids:
+                torch.testing.assert_close(part[lid], whole[lid][s], rtol=0, atol=0)
+
+
 def test_dead_position_cuts_ngrams_in_the_middle(tiny_config, tiny_lookup):
     h = NgramHasher(tiny_config, tiny_lookup)
     x = torch.randint(0, 300, (1, 20))

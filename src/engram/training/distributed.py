@@ -148,7 +148,8 @@ def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = Non
         raise UserError(f"table_init must be 'replicated' or 'sharded', got {table_init!r}")
     run.model.to(d.device)
     build_batches = run.batches
-    # Unhashed: each rank hashes only its own rows of the global batch.
+    # Unhashed: each rank hashes only its own rows of the global batch (on the file tier the
+    # tier hashes the whole batch, to find its shard's rows, and local_batch slices those ids).
     # Every rank reads the global batch's windows from the same memory-mapped shards, then its rows.
     run.batches = TokenBatches(corpus.streams["train"], cfg.batch_size, cfg.seq_len, corpus,
                                seed=cfg.seed, sampling=cfg.sampling)
@@ -171,11 +172,17 @@ def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = Non
 
 
 def local_batch(b: Batch, hasher: NgramHasher | None, d: Dist) -> Batch:
-    """This rank's rows of a global batch, hashed here (a row's hash ids depend on its tokens)."""
+    """This rank's rows of a global batch, hashed here; a batch the file tier hashed whole (to
+    find its shard's rows) gives its slice of those ids instead (a row's hash ids depend on its
+    tokens alone, so the slice of the batch's ids is the hash of the slice)."""
     n = b.raw.shape[0]
     s = slice(d.rank * n // d.world, (d.rank + 1) * n // d.world)
     raw = b.raw[s]  # [b/w, t]
-    out = Batch(raw, b.inputs[s], b.targets[s], hasher.hash(raw) if hasher is not None else {})
+    if b.hash_ids:
+        ids = {lid: h[s] for lid, h in b.hash_ids.items()}  # [b/w, t, H]
+    else:
+        ids = hasher.hash(raw) if hasher is not None else {}
+    out = Batch(raw, b.inputs[s], b.targets[s], ids)
     return out.to(d.device)
 
 

@@ -25,15 +25,17 @@ tables), so resident memory and address space stay the model's plus the budget, 
 tables' size (benchmarks/train_tier.py ``--beyond``: a table twice a process's RLIMIT_AS).
 
 Under torchrun (training/tier_shards.py) each rank runs this on its shard of every table, in its
-own folder: ``rows_of`` hashes the global batch and keeps its shard's rows, the working tables are
-``WorkingShard`` (the owner side of the all-to-all serves them), and a checkpoint records every
-rank's tier.
+own folder: the global batch is hashed here (``_micro``), ``rows_of`` keeps its shard's rows, the
+forward takes this rank's slice of those ids (distributed.local_batch: not hashed twice), the
+working tables are ``WorkingShard`` (the owner side of the all-to-all serves them), and a
+checkpoint records every rank's tier.
 
 Shape legend: r rows of a table, e row width, n row ids of a step (repeats), u distinct rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -87,7 +89,7 @@ class TierTables:
         """Each table's distinct rows [u] (sorted file row ids) of a step's micro-batches; under
         torchrun those of this rank's shard, of the global batch every rank reads: the rows the
         lookups' all-to-all will ask this rank for."""
-        ids = [b.hash_ids if self.hash is None else self.hash(b.raw) for b in batches]
+        ids = [b.hash_ids for b in batches]
         out = {}
         for lid, e in self.engrams.items():
             u = torch.unique(torch.cat([e.rows(h[lid]).reshape(-1) for h in ids]))
@@ -137,8 +139,19 @@ class TierTables:
         self.peak = max(self.peak, self._bytes(mine))
         return self._batches.pop(step)
 
-    def _prefetch(self, step: int, batches) -> dict:
+    def _micro(self, step: int, batches) -> list:
+        """Step ``step``'s micro-batches, hashed. Under torchrun they come unhashed and are hashed
+        whole here (every rank needs the global batch's rows of its shard); the forward then takes
+        this rank's slice of these very ids (distributed.local_batch) instead of hashing its rows
+        again: a row's ids depend on its tokens alone. On the read-ahead this runs on the worker,
+        and the step's forward uses the batches it made only after ``_take`` waited for it."""
         bs = [batches.batch(step * self.cfg.grad_accum + m) for m in range(self.cfg.grad_accum)]
+        if self.hash is not None:
+            bs = [dataclasses.replace(b, hash_ids=self.hash(b.raw)) for b in bs]
+        return bs
+
+    def _prefetch(self, step: int, batches) -> dict:
+        bs = self._micro(step, batches)
         self._batches[step] = bs
         uniq = self.rows_of(bs)
         need = sum(u.numel() * (self.files.row_bytes(lid) + WS_INDEX) for lid, u in uniq.items())
@@ -158,8 +171,7 @@ class TierTables:
                 return ws
         self.wait()  # read now, after the last write (its working set then freed)
         self._last = None
-        bs = self._batches.get(step) or [batches.batch(step * self.cfg.grad_accum + m)
-                                         for m in range(self.cfg.grad_accum)]
+        bs = self._batches.get(step) or self._micro(step, batches)
         self._batches[step] = bs
         return self.load(self.rows_of(bs))
 
