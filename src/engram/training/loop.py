@@ -69,7 +69,9 @@ STOPPING_UNSAVED = "engram: stopping after this step (Ctrl-C again: stop now)"
 
 class BatchSource(Protocol):
     """Where training batches come from (``batches.TokenBatches``; memory-mapped shards later)."""
-    hasher: NgramHasher | None  # what batch() hashes with; None: Ranks.cut hashes each rank's rows
+    # what batch() hashes with; None: Ranks.cut hashes each rank's rows (or slices the ids the file
+    # tier hashed whole, training/tier_tables.py)
+    hasher: NgramHasher | None
 
     def batch(self, i: int) -> Batch:
         """Global batch i (all ranks' rows), a pure function of (seed, i)."""
