@@ -58,6 +58,29 @@ def test_runner_keeps_job_order_reads_finished_runs_back_and_resumes(tmp_path):
     assert again["val_loss"] == first[1]["val_loss"]
 
 
+def test_a_workers_progress_bar_takes_no_semaphore(tmp_path):
+    """A job's progress bar in a worker made tqdm's lock a multiprocessing semaphore; the pool ends
+    its workers with SIGTERM, so, when a worker had not yet exited, every study's last line was the
+    resource tracker's "leaked semaphore" warning. Checked in a worker itself (the warning is a
+    race), by a script: spawned workers import the function from its file."""
+    import subprocess
+    import sys
+    script = tmp_path / "bar_lock.py"
+    script.write_text(
+        "from tqdm.auto import tqdm\n"
+        "from engram.studies.common import Workers\n"
+        "def locks(_):\n"
+        "    tqdm(total=1, disable=True).close()\n"
+        "    lock = tqdm.get_lock()\n"
+        "    return [type(x).__module__ for x in getattr(lock, 'locks', [lock])]\n"
+        "if __name__ == '__main__':\n"
+        "    with Workers(1) as pool:\n"
+        "        print(pool.each(locks, [None])[0])\n")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "multiprocessing" not in p.stdout and "resource_tracker" not in p.stderr, p.stdout + p.stderr
+
+
 def test_runner_refuses_a_finished_run_of_another_configuration(tmp_path):
     done = job("a", TINY, 0, tmp_path)
     (tmp_path / "a-s0").mkdir()

@@ -25,6 +25,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,6 +153,13 @@ def _start_worker(barrier) -> None:
     # it is how the pool stops its workers (a checkpoint being written then stays the old one).
     interrupts.install(signals=(signal.SIGINT,))
     _barrier = barrier
+    # A job's progress bar (training/hooks.py) would make tqdm's default lock, a multiprocessing
+    # semaphore registered with the parent's resource tracker; the pool ends its workers with
+    # SIGTERM, so it is never released and the study's last line was a "leaked semaphore" warning.
+    # Jobs run one at a time in a worker: a thread lock is all a bar needs.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def sync_workers(timeout: float = 600.0) -> None:
