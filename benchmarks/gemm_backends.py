@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,8 +31,7 @@ from pathlib import Path
 import torch
 
 from engram import gemm
-from engram.training.train import ALLOCATOR_ENV
-from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
+from record import with_allocator_env, write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 # (name, rows n, in i, out o): the compare model (d = 128, batch 16 x 128 tokens) and the module
 SHAPES = [
@@ -103,9 +101,7 @@ def main() -> None:
     if args.smoke:
         args.budget_s, args.threads = 0.0, "1"
         shapes = [s for s in SHAPES if s[0] in ("attn proj", "moe expert", "decode qkv")]
-    if any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):
-        # glibc reads these at process start: start again with them
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
+    with_allocator_env()
     if not gemm._onednn_available():
         raise SystemExit("this torch build has no oneDNN: nothing to compare")
     if not args.user_cache:

@@ -45,7 +45,6 @@ import copy
 import math
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -55,7 +54,7 @@ from torch import nn
 from engram import EngramConfig, EngramState, build_engram, gemm
 from engram.retrieval.primes import prime_table_sizes
 from engram.training.train import ALLOCATOR_ENV
-from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
+from record import with_allocator_env, write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 
 # -- the official demo's module, ported plainly (engram_demo_v1.py) ------------------------------
@@ -199,9 +198,8 @@ def main() -> None:
     if args.smoke:
         args.batch, args.seq, args.hidden, args.d_ngram, args.heads = 1, 16, 64, 32, 2
         args.table_size, args.rounds, args.warmup, args.decode_rounds = 500, 1, 0, 2
-    if not args.no_allocator_env and any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):
-        # glibc reads them at start-up only: start again with them set.
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
+    if not args.no_allocator_env:
+        with_allocator_env()
     torch.set_num_threads(args.threads)
     cfg, ids, mods = build(args)
     b, t, m, d = args.batch, args.seq, args.hc_mult, args.hidden

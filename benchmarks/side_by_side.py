@@ -29,11 +29,7 @@ from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.studies.estimate import probe
 from engram.training.corpus import build_corpus
 from engram.training.train import TrainConfig
-from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
-
-# A model small enough for CI: the runner, the probe and the figures, not the timings.
-SMOKE = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, table_size=997,
-             n_embed_per_ngram=32, n_head_per_ngram=2, engram_layers=(0,))
+from record import SMOKE, write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 
 def kinds(smoke: bool) -> list[tuple[str, TrainConfig]]:

@@ -35,14 +35,11 @@ from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.tables.store import MemoryTable
 from engram.training.corpus import build_corpus
 from engram.training.optim import TABLE_OPTIMIZERS
-from engram.training.train import ALLOCATOR_ENV, TrainConfig, build_run, train_step, try_resume
+from engram.training.train import TrainConfig, build_run, train_step, try_resume
 
 sys.path.insert(0, str(Path(__file__).parent))
-from record import write_json  # noqa: E402  (benchmarks/record.py)
+from record import SMOKE, with_allocator_env, write_json  # noqa: E402  (benchmarks/record.py)
 
-# --smoke: a model, corpus and budget small enough for CI (the code paths, not the figures)
-SMOKE = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, table_size=997,
-             n_embed_per_ngram=32, n_head_per_ngram=2, engram_layers=(0,))
 
 
 def engram_config(small: dict, cc: CompareConfig) -> TrainConfig:
@@ -160,9 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
                            ckpt_every=3)
         args.seeds, args.speed_steps = "0", min(args.speed_steps, 2)
         args.runs = args.runs + "-smoke"
-    if any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):
-        # compare's workers' allocator settings; glibc reads them at start-up only: start again.
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
+    with_allocator_env()
     torch.set_num_threads(1)  # as compare's workers
     optimizers = args.optimizers.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]

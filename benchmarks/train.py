@@ -53,7 +53,7 @@ except ImportError:  # measuring an older checkout, which had none
 
 sys.path.insert(0, str(Path(__file__).parent))
 import optim as optim_bench  # noqa: E402  (benchmarks/optim.py)
-from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
+from record import SMOKE, write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 
 def _status_mib(field: str) -> float:
@@ -68,9 +68,6 @@ def reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-# --smoke: a model and corpus small enough for CI (the code paths, not the figures)
-SMOKE = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, table_size=997,
-             n_embed_per_ngram=32, n_head_per_ngram=2, engram_layers=(0,))
 _small: dict = {}
 
 

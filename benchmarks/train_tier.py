@@ -58,8 +58,8 @@ from engram.training import tier_attach
 from engram.training.train import TrainConfig, build_run, train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
-from record import write_json  # noqa: E402  (benchmarks/record.py)
-from table_optimizer import SMOKE, engram_config  # noqa: E402  (compare's Engram variant)
+from record import SMOKE, write_json  # noqa: E402  (benchmarks/record.py)
+from table_optimizer import engram_config  # noqa: E402  (compare's Engram variant)
 
 
 def main(argv: list[str] | None = None) -> dict:
