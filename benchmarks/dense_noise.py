@@ -14,11 +14,11 @@ a better-trained baseline makes Engram's claim harder to show, not easier. The v
 (compare's 0, 1, 2) are never run here.
 
 Each setting is compare's config for ``--variant`` (its shapes, 480 steps of 16 x 128 tokens,
-warmup = steps / 10, the default before this ablation chose 30%; full validation set at the last
-step) with ``key=value`` overrides applied after compare's budget (so ``warmup=`` takes). Runs go to studies' worker processes (one torch
-thread each, resumable), so the losses are compare's at ``--warmup_fraction 0.1``, bit for bit, for
-``base``. ``ENGRAM_GEMM``
-is recorded: set it (e.g. ``onednn``) to keep GEMM routes from being re-timed under load.
+warmup = steps / 10, compare's default before this ablation chose 30%; full validation set at the
+last step) with ``key=value`` overrides applied after compare's budget (so ``warmup=`` takes). Runs
+go to studies' worker processes (one torch thread each, resumable), so for ``base`` the losses are
+compare's at ``--warmup_fraction 0.1``, bit for bit. ``ENGRAM_GEMM`` is recorded: set it (e.g.
+``onednn``) to keep GEMM routes from being re-timed under load.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     small, cc = {}, CompareConfig(warmup_fraction=0.1)
     if args.smoke:
         small, args.seeds, args.settings = SMOKE, "100", "base;lr=1.5e-3"
-        cc = CompareConfig(steps=6, batch_size=2, seq_len=16, eval_every=3, eval_batches=2,
-                           ckpt_every=3, warmup_fraction=0.1)
+        cc = dataclasses.replace(cc, steps=6, batch_size=2, seq_len=16, eval_every=3,
+                                 eval_batches=2, ckpt_every=3)
         args.runs += "-smoke"
     seeds = [int(s) for s in args.seeds.split(",")]
     if set(seeds) & set(CompareConfig().seeds):
