@@ -93,7 +93,9 @@ def cli_page() -> str:
            "`@command`): what is here is what `engram COMMAND --help` prints. Every command with "
            "options also takes `--config FILE` (YAML or JSON: the same options as a mapping; the "
            "command line overrides it) and `--print_config` (the effective options as such a "
-           "file). Options are spelled `--name value`, `--name=value` or `--name-with-dashes`; "
+           "file); a command with named presets takes `--preset NAME` too (`engram compare --preset "
+           "thorough`): a set of options that `--config` and the command line override. Options "
+           "are spelled `--name value`, `--name=value` or `--name-with-dashes`; "
            "booleans also take bare `--flag` / `--no-flag`; tuples `a,b,c`; list options repeat.",
            "", f"**Exit status** (every command): {EXIT}.", "",
            "```text", top_parser().format_help().rstrip(), "```", ""]

@@ -103,3 +103,23 @@ def test_read_refuses_in_one_line(tmp_path):
             configfile.read(path)
     (tmp_path / "empty.yaml").write_text("# nothing set\n")
     assert configfile.read(tmp_path / "empty.yaml") == {}
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in COMMANDS.items() if c.presets))
+def test_a_preset_fills_and_the_file_and_command_line_override_it(capsys, tmp_path, name):
+    for preset, values in COMMANDS[name].presets.items():
+        out = json.loads(printed(capsys, name, *REQUIRED.get(name, []), "--preset", preset,
+                                 "--print_config=json"))
+        assert {k: out[k] for k in values} == {k: (list(v) if isinstance(v, tuple) else v)
+                                               for k, v in values.items()}
+        key = next(iter(values))
+        (tmp_path / "c.yaml").write_text(f"{key}: 3\n")
+        assert json.loads(printed(capsys, name, *REQUIRED.get(name, []), "--preset", preset,
+                                  "--config", str(tmp_path / "c.yaml"),
+                                  "--print_config=json"))[key] == 3
+        assert json.loads(printed(capsys, name, *REQUIRED.get(name, []), "--preset", preset,
+                                  "--config", str(tmp_path / "c.yaml"), f"--{key}=2",
+                                  "--print_config=json"))[key] == 2
+    with pytest.raises(SystemExit) as bad:  # argparse's one line, exit 2
+        main([name, *POSITIONALS.get(name, []), "--preset", "no-such", "--print_config"])
+    assert bad.value.code == 2 and "invalid choice: 'no-such'" in capsys.readouterr().err

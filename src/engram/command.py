@@ -26,6 +26,7 @@ from . import configfile, outputs
 from .errors import UserError
 from .options import (
     FILE_DEST,
+    PRESET_DEST,
     PRINT_DEST,
     SET_PREFIX,
     ConfigParser,
@@ -96,6 +97,9 @@ class Command:
     writes: tuple[Out, ...] = ()  # places the command writes
     interrupted: str = "nothing was kept to resume from; a rerun starts over"  # after Ctrl-C
     passthrough: bool = False  # run(argv): the options are another program's (lm-eval's)
+    # Named sets of option values (``--preset NAME``), read like a --config file's: the file and
+    # the command line override them. One place a setting that a study measured is kept by name.
+    presets: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict, hash=False)
 
     def parser(self) -> ConfigParser:
         p = new_parser(f"engram {self.name}", self.help + (f". {self.about}" if self.about else ""))
@@ -112,6 +116,12 @@ class Command:
                                choices=configfile.FORMATS, metavar="yaml|json", help=(
                 "print the effective options (file, then command line) as a file --config reads "
                 "back, and exit without doing the work [yaml|json; default: yaml when given]"))
+            if self.presets:
+                shown = "; ".join(f"{k}: {_show_preset(v)}" for k, v in self.presets.items())
+                files.add_argument(*option_names("preset"), dest=PRESET_DEST,
+                                   choices=list(self.presets), help=(
+                    f"a named set of options ({shown}); --config and the options given here "
+                    "override it [name; default: none]"))
         for i, c in enumerate(self.configs):
             add_config(p, c.ref, i, c.title, c.skip, c.prefix)
         return p
@@ -151,45 +161,51 @@ class Command:
                 if a.dest.startswith(SET_PREFIX) and a.help != argparse.SUPPRESS for o in a.option_strings}
 
     def _config_file(self, p: ConfigParser, argv: list[str]) -> list[dict[str, Any]]:
-        """Per config, the fields ``--config FILE`` in ``argv`` sets (typed); an option the file
-        gives is no longer required on the command line. UserError for a bad file or key."""
+        """Per config, the fields ``--preset NAME`` and then ``--config FILE`` in ``argv`` set
+        (typed); an option they give is no longer required on the command line. UserError for a
+        bad file or key."""
         filled: list[dict[str, Any]] = [{} for _ in self.configs]
         if not self.configs:
             return filled
         pre = ConfigParser(prog=p.prog, add_help=False, allow_abbrev=False)
         pre.add_argument(*option_names("config"), dest=FILE_DEST)
-        path = getattr(pre.parse_known_args(argv)[0], FILE_DEST)
-        if path is None:
-            return filled
-        label = f"--config {path}"
+        pre.add_argument(*option_names("preset"), dest=PRESET_DEST)
+        known = pre.parse_known_args(argv)[0]
+        path, preset = getattr(known, FILE_DEST), getattr(known, PRESET_DEST)
+        sources = []  # (label, {key: value}), the later overriding the earlier
+        if preset is not None and preset in self.presets:  # a bad name: argparse's choices say so
+            sources.append((f"--preset {preset}", self.presets[preset]))
+        if path is not None:
+            sources.append((f"--config {path}", configfile.read(path)))
         owners = self._owners(p)
         records = {r for c in self.configs for r in c.records}
         # A run's config.json holds every TrainConfig field, those this command sets itself too
         # (a study's warmup, a tier): passed over, and said.
         unowned = {s for c in self.configs for s in c.skip} - set(owners)
-        passed = []
-        for key, value in configfile.read(path).items():
-            action = owners.get(str(key))
-            if action is None:
-                if key in records:
-                    continue
-                if key in unowned:
-                    passed.append(str(key))
-                    continue
-                close = difflib.get_close_matches(str(key), list(owners), n=1, cutoff=0.6)
-                raise UserError(f"{label}: unknown option {key!r}" + (
-                    f"; did you mean {close[0]!r}?" if close else
-                    f" (`engram {self.name} --print_config` lists the options)"))
-            index, name = action.dest[len(SET_PREFIX):].split(".", 1)
-            f = next(f for f in fields_of(self.configs[int(index)].ref) if f.name == name)
-            try:
-                filled[int(index)][name] = file_value(f, value, str(key))
-            except UserError as e:
-                raise UserError(f"{label}: {e}") from None
-            action.required = False
-        if passed:
-            print(f"engram {self.name}: {label}: passed over {', '.join(passed)} (this command "
-                  "sets them itself)", file=sys.stderr)
+        for label, values in sources:
+            passed = []
+            for key, value in values.items():
+                action = owners.get(str(key))
+                if action is None:
+                    if key in records:
+                        continue
+                    if key in unowned:
+                        passed.append(str(key))
+                        continue
+                    close = difflib.get_close_matches(str(key), list(owners), n=1, cutoff=0.6)
+                    raise UserError(f"{label}: unknown option {key!r}" + (
+                        f"; did you mean {close[0]!r}?" if close else
+                        f" (`engram {self.name} --print_config` lists the options)"))
+                index, name = action.dest[len(SET_PREFIX):].split(".", 1)
+                f = next(f for f in fields_of(self.configs[int(index)].ref) if f.name == name)
+                try:
+                    filled[int(index)][name] = file_value(f, value, str(key))
+                except UserError as e:
+                    raise UserError(f"{label}: {e}") from None
+                action.required = False
+            if passed:
+                print(f"engram {self.name}: {label}: passed over {', '.join(passed)} (this "
+                      "command sets them itself)", file=sys.stderr)
         return filled
 
     def effective(self, configs: list[Any], fmt: str) -> str:
@@ -287,4 +303,7 @@ class Command:
         return argv
 
 
-
+def _show_preset(values: dict[str, Any]) -> str:
+    """A preset's options as --help shows them: ``--steps 960 --seeds 0,1,2``."""
+    return " ".join(f"--{k} {','.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
+                    for k, v in values.items())

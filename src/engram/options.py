@@ -32,6 +32,7 @@ from .schema import Field, fields_of, resolve, split_ref
 
 SET_PREFIX = "_engram_set_"  # namespace prefix of values the user gave: dest = f"{SET_PREFIX}{index}.{field}"
 FILE_DEST, PRINT_DEST = "_engram_config_file", "_engram_print_config"  # dests of --config, --print_config
+PRESET_DEST = "_engram_preset"  # dest of --preset
 
 
 # -- values ----------------------------------------------------------------------------------------

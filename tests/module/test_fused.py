@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from engram import Engram, EngramState
+from engram import Engram, EngramState, gemm
 from engram.module import fused
 
 pytestmark = pytest.mark.skipif(not fused.fits(), reason="numba is not installed")
@@ -165,17 +165,22 @@ def test_training_graph_and_inference_agree():
 
 def test_same_bits_on_any_thread_count(plans):
     """The serial twins and the parallel kernels on the pool's threads (uneven chunks too). torch
-    runs on one thread here: the value/key GEMM around the kernels is then the same sum in the
-    same order on both calls (MKL on several threads may change its split under load)."""
+    runs on one thread and every product on torch's route here: the value/key GEMM around the
+    kernels is then the same sum in the same order on both calls (MKL on several threads may
+    change its split under load; the auto route's decisions can change with the machine's
+    history). One failure seen in a full run beside a study on a fresh Zen 5, with the route not
+    pinned; it passed on every rerun, so its cause is not proven: pinning rules the route out."""
     mod = _module()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for b, t in ((4, 64), (3, 50)):
-            h, mem = torch.randn(b, t, 4, 40), torch.randn(b, t, 48)
-            one, many = _run(mod, h, mem, plans["serial"]), _run(mod, h, mem, plans["parallel"])
-            for k in one:
-                assert torch.equal(one[k], many[k]), k
+        with gemm.using("torch"):
+            for b, t in ((4, 64), (3, 50)):
+                h, mem = torch.randn(b, t, 4, 40), torch.randn(b, t, 48)
+                one = _run(mod, h, mem, plans["serial"])
+                many = _run(mod, h, mem, plans["parallel"])
+                for k in one:
+                    assert torch.equal(one[k], many[k]), k
     finally:
         torch.set_num_threads(threads)
 

@@ -3,7 +3,7 @@ says what a declaration holds), and what several commands' declarations share.""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..command import Arg, Command, Config, In, Out
 
@@ -23,17 +23,17 @@ COMMANDS: dict[str, Command] = {}  # name -> declaration, in `engram --help` ord
 def command(name: str, help: str, *, args: Sequence[Arg] = (),
             configs: Sequence[Config | type | str] = (), about: str = "",
             reads: Sequence[In | str] = (), writes: Sequence[Out] = (), interrupted: str = "",
-            passthrough: bool = False):
+            passthrough: bool = False, presets: dict[str, dict[str, Any]] | None = None):
     """Declare the decorated function as ``engram NAME`` (see the module docstring);
     ``interrupted``: what a Ctrl-C leaves, when the command does not say it itself;
     ``passthrough``: the function takes the raw argv (a command that hands over to another
-    program's own command line, e.g. lm-eval's)."""
+    program's own command line, e.g. lm-eval's); ``presets``: named option sets (``--preset``)."""
     def declare(run: Callable[..., int | None]) -> Callable[..., int | None]:
         assert name not in COMMANDS, f"command {name!r} declared twice"
         COMMANDS[name] = Command(name, help, run, tuple(args),
                                  tuple(c if isinstance(c, Config) else Config(c) for c in configs),
                                  about, tuple(r if isinstance(r, In) else In(r) for r in reads),
-                                 tuple(writes), passthrough=passthrough,
+                                 tuple(writes), passthrough=passthrough, presets=dict(presets or {}),
                                  **({"interrupted": interrupted} if interrupted else {}))
         return run
     return declare

@@ -26,7 +26,10 @@ class Baselines:
 
 @command("compare", "the main job: dense vs Engram vs MoE at matched parameters, seeds, report",
          configs=("engram.studies.compare:CompareConfig", STUDY_BASE),
-         writes=(Out("out_dir", "compare"),), interrupted=RUNS_KEPT)
+         writes=(Out("out_dir", "compare"),), interrupted=RUNS_KEPT,
+         # thorough: twice the tokens per run, where three seeds agree well enough for the 2x rule
+         # (issue 33: at the default the rule sits on its edge; benchmarks/results/compare/thorough/)
+         presets={"thorough": {"steps": 960}})
 def _compare(cc, base) -> None:
     _on_this_machine(base)
     from ..studies.compare import run_compare
