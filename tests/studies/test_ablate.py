@@ -7,7 +7,7 @@ import pytest
 
 from engram.cli.registry import STUDY_SKIP
 from engram.studies.ablate import AblateConfig, ablation_configs, run_ablate
-from engram.studies.ablate_report import verdict
+from engram.studies.ablate_report import interval, verdict
 from engram.studies.compare import counts
 from engram.training.train import TrainConfig
 
@@ -43,6 +43,14 @@ def test_parameter_counts_are_what_the_names_say(c):
     assert not cfgs["no-compress"].compress and cfgs["reference"].compress
 
 
+def test_interval_is_paired_over_seeds():
+    # no-compress's per-seed deltas in benchmarks/results/ablate/: small, but the same sign in
+    # every seed; orders234's: as small a mean, signs that disagree
+    assert interval([0.0151, 0.0121, 0.0100]) == "[+0.0060, +0.0188]: excludes zero"
+    assert interval([-0.0303, 0.0283, -0.0159]).endswith("includes zero")
+    assert interval([0.05]) == "n/a (one seed)"
+
+
 def test_verdict_words():
     assert verdict(0.01, 0.02, True).startswith("not resolved")
     assert verdict(0.1, 0.02, True) == "holds"
@@ -66,6 +74,7 @@ def test_ablate_end_to_end_small(tmp_path):
     assert (tmp_path / "ablate.png").stat().st_size > 1000
     report = (tmp_path / "report.md").read_text()
     assert "context-aware gate" in report and "gate1" in report
+    assert "| paired 95% interval |" in report
     assert summary["max_seed_spread"] is not None
     with pytest.raises(ValueError, match="unknown variants"):
         run_ablate(AblateConfig(out_dir=str(tmp_path), variants=("nope",)), tiny)

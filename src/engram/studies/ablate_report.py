@@ -7,6 +7,7 @@ from typing import Any
 
 from ..files import publish_text
 from .common import RESOLVE, RULE, resolved, save, spread_note, subplots
+from .evidence import paired_interval
 
 
 def plot_ablation(summary: dict[str, Any], path: Path) -> None:
@@ -51,8 +52,20 @@ def verdict(delta: float | None, noise: float | None, expect_worse: bool | None)
     return "holds" if worse == expect_worse else "does not hold (opposite sign)"
 
 
-def claims(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(paper's claim, what we measured, verdict) for each claim the variants test."""
+def interval(per_seed: list[float]) -> str:
+    """The paired 95% interval of a variant's per-seed deltas against its reference (the seed is
+    shared, so the pairs cancel what a seed does to both): compare's second verdict, beside the
+    rule's, never instead of it."""
+    iv = paired_interval(per_seed)
+    if iv is None:
+        return "n/a (one seed)"
+    side = "excludes zero" if iv["excludes_zero"] else "includes zero"
+    return f"[{iv['low']:+.4f}, {iv['high']:+.4f}]: {side}"
+
+
+def claims(summary: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(paper's claim, what we measured, verdict, paired interval) for each claim the variants
+    test."""
     vs, noise = summary["variants"], summary["max_seed_spread"]
     d = {n: v["delta"] for n, v in vs.items()}
     out = []
@@ -60,12 +73,14 @@ def claims(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
     if len(layers) > 1:
         best = min(layers, key=layers.get)
         best_name = "layer1 (reference)" if best == "reference" else best
-        later = [d[n] for n in ("layer2", "layer3") if n in d]
-        v = verdict(min(later), noise, True) if later else "not run"
+        later = [n for n in ("layer2", "layer3") if n in d]
+        judged = min(later, key=d.get) if later else None  # the later layer nearest to winning
+        v = verdict(d[judged], noise, True) if judged else "not run"
         out.append(("One module is best at an early layer (paper: layer 2 of the backbone)",
                     "mean val loss by layer: " + ", ".join(f"{k} {x:.4f}" for k, x in
                                                            layers.items()) + f"; best {best_name}",
-                    f"later layers worse than layer 1: {v}"))
+                    f"later layers worse than layer 1: {v}",
+                    f"{judged}: {interval(vs[judged]['delta_per_seed'])}" if judged else "-"))
     for name, claim, expect in (
             ("split12", "The same budget split over two layers beats one module", False),
             ("no-compress", "Tokenizer compression matters (removing it hurts)", True),
@@ -82,7 +97,7 @@ def claims(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
             v = ("holds: the cost is not resolved" if not resolved(d[name], noise)
                  else f"does not hold: a resolved cost of {d[name]:+.4f}" if d[name] > 0
                  else "holds: no cost (resolved, better without)")
-        out.append((claim, measured, v))
+        out.append((claim, measured, v, interval(vs[name]["delta_per_seed"])))
     return out
 
 
@@ -101,8 +116,11 @@ def write_ablation_report(summary: dict[str, Any], path: Path) -> None:
                      f"{', '.join(f'{x:.4f}' for x in v['val_loss_per_seed'])} | "
                      f"{_fmt(v['delta']) if n != 'reference' else '-'} | {p['total']:,} | "
                      f"{p['table']:,} | {p['active']:,} |")
-    lines += ["", "## The paper's claims here", "", "| claim | measured | verdict |",
-              "|---|---|---|"]
-    lines += [f"| {c} | {m} | {v} |" for c, m, v in claims(summary)]
+    lines += ["", "## The paper's claims here", "",
+              "The verdict is the rule's; the paired 95% interval of the per-seed deltas (the "
+              "variant minus its reference, seed by seed; as compare reports) says whether the "
+              "sign is supported.", "",
+              "| claim | measured | verdict | paired 95% interval |", "|---|---|---|---|"]
+    lines += [f"| {c} | {m} | {v} | {i} |" for c, m, v, i in claims(summary)]
     lines += ["", "![ablations](ablate.png)", ""]
     publish_text(path, "\n".join(lines))
