@@ -148,6 +148,8 @@ def test_every_report_states_the_rule_and_judges_by_it(tmp_path):
     text = sweep_report({"kind": "slots", "points": points, "best": points[0],
                          "max_seed_spread": 0.1})
     assert RULE in text and "| x=1 | 5.3000 |" in text and text.count("| yes |") == 1
+    # x=1 is 0.30 and 0.25 above the best, seed by seed: two seeds' t-interval is wide
+    assert "| best | - |" in text and "| yes | [-0.0426, +0.5926]: includes zero |" in text
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from engram.studies.evidence import (
+    interval_text,
     mean_curve,
     paired_interval,
     seeds_needed,
@@ -47,3 +48,11 @@ def test_seeds_needed_at_the_measured_effect():
     assert need["rule_run_sd_measured"] == pytest.approx(0.0835 / 1.693)
     assert need["rule_run_sd_needed_at_3_seeds"] == pytest.approx(0.1555 / (2 * 1.693), rel=1e-3)
     assert seeds_needed([0.1, -0.1, 0.1, -0.1], [0.2])["paired_interval_seeds"] is None
+
+
+def test_interval_text_says_whether_the_sign_is_supported():
+    # no-compress's per-seed deltas in benchmarks/results/ablate/: small, but the same sign in
+    # every seed; orders234's: as small a mean, signs that disagree
+    assert interval_text([0.0151, 0.0121, 0.0100]) == "[+0.0060, +0.0188]: excludes zero"
+    assert interval_text([-0.0303, 0.0283, -0.0159]).endswith("includes zero")
+    assert interval_text([0.05]) == "n/a (one seed)"

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..files import publish_text
 from .common import RESOLVE, RULE, resolved, save, spread_note, subplots
-from .evidence import paired_interval
+from .evidence import interval_text
 
 
 def plot_ablation(summary: dict[str, Any], path: Path) -> None:
@@ -52,20 +52,11 @@ def verdict(delta: float | None, noise: float | None, expect_worse: bool | None)
     return "holds" if worse == expect_worse else "does not hold (opposite sign)"
 
 
-def interval(per_seed: list[float]) -> str:
-    """The paired 95% interval of a variant's per-seed deltas against its reference (the seed is
-    shared, so the pairs cancel what a seed does to both): compare's second verdict, beside the
-    rule's, never instead of it."""
-    iv = paired_interval(per_seed)
-    if iv is None:
-        return "n/a (one seed)"
-    side = "excludes zero" if iv["excludes_zero"] else "includes zero"
-    return f"[{iv['low']:+.4f}, {iv['high']:+.4f}]: {side}"
-
-
 def claims(summary: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """(paper's claim, what we measured, verdict, paired interval) for each claim the variants
-    test."""
+    test. The interval is of the per-seed deltas against the reference (the seed is shared, so
+    the pairs cancel what a seed does to both): compare's second verdict, beside the rule's,
+    never instead of it."""
     vs, noise = summary["variants"], summary["max_seed_spread"]
     d = {n: v["delta"] for n, v in vs.items()}
     out = []
@@ -80,7 +71,7 @@ def claims(summary: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                     "mean val loss by layer: " + ", ".join(f"{k} {x:.4f}" for k, x in
                                                            layers.items()) + f"; best {best_name}",
                     f"later layers worse than layer 1: {v}",
-                    f"{judged}: {interval(vs[judged]['delta_per_seed'])}" if judged else "-"))
+                    f"{judged}: {interval_text(vs[judged]['delta_per_seed'])}" if judged else "-"))
     for name, claim, expect in (
             ("split12", "The same budget split over two layers beats one module", False),
             ("no-compress", "Tokenizer compression matters (removing it hurts)", True),
@@ -97,7 +88,7 @@ def claims(summary: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             v = ("holds: the cost is not resolved" if not resolved(d[name], noise)
                  else f"does not hold: a resolved cost of {d[name]:+.4f}" if d[name] > 0
                  else "holds: no cost (resolved, better without)")
-        out.append((claim, measured, v, interval(vs[name]["delta_per_seed"])))
+        out.append((claim, measured, v, interval_text(vs[name]["delta_per_seed"])))
     return out
 
 

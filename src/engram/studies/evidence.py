@@ -46,6 +46,15 @@ def paired_interval(gains: Sequence[float]) -> dict[str, Any] | None:
             "excludes_zero": m - half > 0 or m + half < 0}
 
 
+def interval_text(gains: Sequence[float]) -> str:
+    """:func:`paired_interval` as a report cell: ``[low, high]: excludes zero`` (or includes)."""
+    iv = paired_interval(gains)
+    if iv is None:
+        return "n/a (one seed)"
+    side = "excludes zero" if iv["excludes_zero"] else "includes zero"
+    return f"[{iv['low']:+.4f}, {iv['high']:+.4f}]: {side}"
+
+
 def tokens_to_target(curve: Sequence[tuple[float, float]], target: float) -> float | None:
     """The first token count at which the curve [(tokens, loss)] reaches ``target``, linear
     between evaluations; None when it never does."""

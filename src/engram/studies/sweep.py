@@ -21,6 +21,7 @@ from ..training.train import TrainConfig
 from .common import (RULE, job, largest_spread, resolved, run_jobs, save, seed_spread, spread_note,
                      subplots, train_run)
 from .compare import CompareConfig, budget, counts, solve_linear
+from .evidence import interval_text
 
 
 @dataclass
@@ -109,15 +110,20 @@ def run_sweep(kind: str, sc: SweepConfig, base: TrainConfig | None = None) -> di
 def _report(summary: dict[str, Any]) -> str:
     spread = summary["max_seed_spread"]
     lines = [f"# engram sweep-{summary['kind']}", "",
-             RULE + spread_note(spread),
-             "", "| point | val loss (mean) | per seed | seed spread | - best | best resolved? |",
-             "|---|---|---|---|---|---|"]
+             RULE + spread_note(spread) + " Beside the rule, the paired 95% interval of the point "
+             "minus the best, seed by seed (the seed is the same batch order at every point); the "
+             "best is picked from these same runs, which leans the intervals away from zero.",
+             "", "| point | val loss (mean) | per seed | seed spread | - best | best resolved? | "
+             "paired 95% interval (- best) |", "|---|---|---|---|---|---|---|"]
+    best_seeds = summary["best"]["val_loss_per_seed"]
     for p in summary["points"]:
         s, best = p["seed_spread"], p["name"] == summary["best"]["name"]
+        gains = [v - best_seeds[k] for k, v in p["val_loss_per_seed"].items() if k in best_seeds]
         lines.append(f"| {p['name']} | {p['val_loss']:.4f} | "
                      f"{', '.join(f'{x:.4f}' for x in p['val_loss_per_seed'].values())} | "
                      f"{'-' if s is None else f'{s:.4f}'} | {p['vs_best']:+.4f} | "
-                     f"{'best' if best else 'yes' if p['resolved_vs_best'] else 'no'} |")
+                     f"{'best' if best else 'yes' if p['resolved_vs_best'] else 'no'} | "
+                     f"{'-' if best else interval_text(gains)} |")
     return "\n".join(lines + ["", f"![{summary['kind']}]({summary['kind']}.png)", ""])
 
 
