@@ -53,6 +53,8 @@ def test_seeds_needed_at_the_measured_effect():
 def test_interval_text_says_whether_the_sign_is_supported():
     # no-compress's per-seed deltas in benchmarks/results/ablate/: small, but the same sign in
     # every seed; orders234's: as small a mean, signs that disagree
-    assert interval_text([0.0151, 0.0121, 0.0100]) == "[+0.0060, +0.0188]: excludes zero"
-    assert interval_text([-0.0303, 0.0283, -0.0159]).endswith("includes zero")
-    assert interval_text([0.05]) == "n/a (one seed)"
+    assert interval_text(paired_interval([0.0151, 0.0121, 0.0100])) == \
+        "[+0.0060, +0.0188]: excludes zero"
+    assert interval_text(paired_interval([-0.0303, 0.0283, -0.0159])).endswith("includes zero")
+    assert interval_text(paired_interval([0.05])) == "n/a (one seed)"
+    assert interval_text(paired_interval([0.2, 0.1]), " nats").endswith("] nats: includes zero")

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..files import publish_text
 from .common import RESOLVE, RULE, resolved, save, spread_note, subplots
-from .evidence import interval_text
+from .evidence import interval_text, paired_interval
 
 
 def plot_ablation(summary: dict[str, Any], path: Path) -> None:
@@ -71,7 +71,7 @@ def claims(summary: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                     "mean val loss by layer: " + ", ".join(f"{k} {x:.4f}" for k, x in
                                                            layers.items()) + f"; best {best_name}",
                     f"later layers worse than layer 1: {v}",
-                    f"{judged}: {interval_text(vs[judged]['delta_per_seed'])}" if judged else "-"))
+                    f"{judged}: {interval_text(paired_interval(vs[judged]['delta_per_seed']))}" if judged else "-"))
     for name, claim, expect in (
             ("split12", "The same budget split over two layers beats one module", False),
             ("no-compress", "Tokenizer compression matters (removing it hurts)", True),
@@ -88,7 +88,7 @@ def claims(summary: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             v = ("holds: the cost is not resolved" if not resolved(d[name], noise)
                  else f"does not hold: a resolved cost of {d[name]:+.4f}" if d[name] > 0
                  else "holds: no cost (resolved, better without)")
-        out.append((claim, measured, v, interval_text(vs[name]["delta_per_seed"])))
+        out.append((claim, measured, v, interval_text(paired_interval(vs[name]["delta_per_seed"]))))
     return out
 
 

@@ -46,13 +46,13 @@ def paired_interval(gains: Sequence[float]) -> dict[str, Any] | None:
             "excludes_zero": m - half > 0 or m + half < 0}
 
 
-def interval_text(gains: Sequence[float]) -> str:
-    """:func:`paired_interval` as a report cell: ``[low, high]: excludes zero`` (or includes)."""
-    iv = paired_interval(gains)
+def interval_text(iv: dict[str, Any] | None, unit: str = "") -> str:
+    """A :func:`paired_interval` as reports write it: ``[low, high]{unit}: excludes zero`` (or
+    includes zero); ``n/a (one seed)`` for None."""
     if iv is None:
         return "n/a (one seed)"
     side = "excludes zero" if iv["excludes_zero"] else "includes zero"
-    return f"[{iv['low']:+.4f}, {iv['high']:+.4f}]: {side}"
+    return f"[{iv['low']:+.4f}, {iv['high']:+.4f}]{unit}: {side}"
 
 
 def tokens_to_target(curve: Sequence[tuple[float, float]], target: float) -> float | None:

@@ -12,6 +12,7 @@ from ..files import publish_text
 from ..retrieval.compress import default_tokenizer
 from ..training.batches import val_batches
 from .common import RULE, figure, largest_spread, resolved, save, spread_note, subplots
+from .evidence import interval_text
 
 
 def plot_losses(results: list[dict], path: Path) -> None:
@@ -217,8 +218,7 @@ def _interval_line(what: str, summary: dict[str, Any], key: str) -> list[str]:
     if i is None:
         return []
     return [f"- {what}, paired 95% interval over {i['seeds']} seeds: {i['mean']:+.4f} "
-            f"[{i['low']:+.4f}, {i['high']:+.4f}] nats: "
-            f"{'excludes zero' if i['excludes_zero'] else 'includes zero'}."]
+            f"{interval_text(i, ' nats')}."]
 
 
 def _reach_lines(summary: dict[str, Any]) -> list[str]:

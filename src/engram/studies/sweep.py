@@ -21,7 +21,7 @@ from ..training.train import TrainConfig
 from .common import (RULE, job, largest_spread, resolved, run_jobs, save, seed_spread, spread_note,
                      subplots, train_run)
 from .compare import CompareConfig, budget, counts, solve_linear
-from .evidence import interval_text
+from .evidence import interval_text, paired_interval
 
 
 @dataclass
@@ -123,7 +123,7 @@ def _report(summary: dict[str, Any]) -> str:
                      f"{', '.join(f'{x:.4f}' for x in p['val_loss_per_seed'].values())} | "
                      f"{'-' if s is None else f'{s:.4f}'} | {p['vs_best']:+.4f} | "
                      f"{'best' if best else 'yes' if p['resolved_vs_best'] else 'no'} | "
-                     f"{'-' if best else interval_text(gains)} |")
+                     f"{'-' if best else interval_text(paired_interval(gains))} |")
     return "\n".join(lines + ["", f"![{summary['kind']}]({summary['kind']}.png)", ""])
 
 
