@@ -150,9 +150,9 @@ def main() -> None:
         print(f"{name}: skipped, {why}")
     res["load_avg_end"] = os.getloadavg()[0]
     shutil.rmtree(tmp)
-    from engram import gemm  # imports torch: after the timings
+    from engram import machine  # imports torch: after the timings
 
-    res["cpu"] = gemm.cpu_model()
+    res["cpu"] = machine.cpu_id()
     write_json(args.json, res, indent=1)
     print(f"wrote {args.json}")
 

@@ -63,10 +63,10 @@ def main() -> None:
     if args.smoke:
         args.reps = args.demo_reps = 1
     sys.path.insert(0, str(SRC))
-    from engram import gemm  # after the timings' subprocesses are set up: this imports torch
+    from engram import machine  # after the timings' subprocesses are set up: this imports torch
     from engram.cli import COMMANDS
 
-    res: dict = {"cpu": gemm.cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+    res: dict = {"cpu": machine.cpu_id(), "cores": os.cpu_count(), "python": platform.python_version(),
                  "load_avg_start": os.getloadavg()[0], "reps": args.reps}
     res["python_pass"] = timed(["-c", "pass"], args.reps)
     res["import_torch"] = timed(["-c", "import torch"], args.reps)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from engram import gemm
+from engram import gemm, machine
 from engram.studies.common import job, run_jobs, seed_spread, train_run
 from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.training.corpus import build_corpus
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
                       f"seed_spread_at_step_{cc.eval_every}": seed_spread(at80),
                       "wall_s_per_seed": [r["wall_s"] for r in mine]}
     chosen = min(rows, key=lambda n: rows[n]["val_loss"])
-    res = {"cpu": gemm.cpu_model(), "cpus": os.cpu_count(), "torch": torch.__version__,
+    res = {"cpu": machine.cpu_id(), "cpus": os.cpu_count(), "torch": torch.__version__,
            "gemm_backend": gemm.backend(), "ENGRAM_GEMM": os.environ.get("ENGRAM_GEMM"),
            "variant": args.variant, "seeds": seeds,
            "rule": "lowest mean final validation loss of the variant over the held-out seeds",

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from engram import gemm
+from engram import gemm, machine
 from record import with_allocator_env, write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 # (name, rows n, in i, out o): the compare model (d = 128, batch 16 x 128 tokens) and the module
@@ -107,7 +107,7 @@ def main() -> None:
     if not args.user_cache:
         os.environ["ENGRAM_GEMM_CACHE"] = str(Path(tempfile.mkdtemp()) / "gemm_routes.json")
     gemm.set_backend("auto")
-    res = {"cpu": gemm.cpu_model(), "cpu_id": gemm.cpu_id(), "torch": torch.__version__,
+    res = {"cpu": machine.cpu_id(), "cpu_id": machine.cpu_id(), "torch": torch.__version__,
            "note": args.note, "min_macs": gemm.MIN_MACS, "margin": gemm.MARGIN, "decisions": "user cache"
            if args.user_cache else "measured in this run", "load_avg_before": os.getloadavg(),
            "threads": {}}

@@ -71,8 +71,8 @@ def environment() -> dict:
     from importlib import metadata
 
     try:
-        from engram import gemm
-        cpu, gemm_backend = gemm.cpu_model(), gemm.backend()
+        from engram import gemm, machine
+        cpu, gemm_backend = machine.cpu_id(), gemm.backend()
     except ImportError:  # an older tree without engram.gemm
         cpu, gemm_backend = platform.processor(), None
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None

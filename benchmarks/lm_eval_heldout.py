@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engram import gemm
+from engram import machine
 from engram.cli import main
 from engram.training.corpus import build_corpus, load_documents
 from engram.training.train import TrainConfig, train
@@ -130,7 +130,7 @@ def main_(argv: list[str] | None = None) -> int:
         "max_abs_difference": float(np.max(np.abs(np.subtract(lm_eval_ll, eval_ll)))),
         "scored_tokens": scored, "nats_per_token": -sum(eval_ll) / scored,
         "engram_eval_stream_loss": ev["loss"], "timings_s": timings,
-        "cpu": gemm.cpu_model(), "threads": os.cpu_count(),
+        "cpu": machine.cpu_id(), "threads": os.cpu_count(),
     }
     Path(a.json or out / "lm_eval_heldout.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: summary[k] for k in ("lm_eval", "per_document_equal", "nats_per_token",

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engram import EngramConfig, EngramState, build_engram, gemm
+from engram import EngramConfig, EngramState, build_engram, gemm, machine
 from engram.retrieval.primes import prime_table_sizes
 from engram.training.train import ALLOCATOR_ENV
 from record import with_allocator_env, write_json  # benchmarks/record.py: the script's folder is on sys.path
@@ -289,7 +289,7 @@ def main() -> None:
     res = {
         "config": vars(args) | {"d_mem": cfg.d_mem, "table_rows": ours.table.num_rows},
         "allocator_env": {k: os.environ.get(k) for k in ALLOCATOR_ENV},
-        "cpu": gemm.cpu_model(), "gemm_backend": gemm.backend(),
+        "cpu": machine.cpu_id(), "gemm_backend": gemm.backend(),
         "load_avg": {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
         "fwd_bwd_tokens_per_s": {k: n / v for k, v in tb.items()},
         "fwd_tokens_per_s": {k: n / v for k, v in tf.items()},

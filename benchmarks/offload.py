@@ -49,7 +49,7 @@ from engram import (
     build_compression,
     build_engram,
 )
-from engram.gemm import cpu_model
+from engram.machine import cpu_id
 from engram.tables.cache import build_cache, zipf_exponent
 from engram.tables.registry import TIERS
 from engram.tables.tablefile import table_path, write_table
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tiers_agree": {"prefill_logits": same_prefill.pop("same"),
                                 "decode_tokens": same_decode.pop("same")},
                 "prefill_detail": same_prefill, "decode_detail": same_decode,
-                "tier_stats": stats, "cpus": os.cpu_count(), "cpu": cpu_model(),
+                "tier_stats": stats, "cpus": os.cpu_count(), "cpu": cpu_id(),
                 "tiers": args.tiers.split(","), "tiers_skipped": tiers.skipped,
                 "loadavg_1min": [load0, os.getloadavg()[0]]}  # other jobs on the machine
             del memory, tiers, served, lookahead

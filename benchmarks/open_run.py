@@ -34,9 +34,9 @@ TINY = dict(n_layer=2, d_model=32, n_head=2, seq_len=32, batch_size=2, table_siz
 
 
 def cpu() -> str:
-    from engram import gemm
+    from engram import machine
 
-    return gemm.cpu_model()  # model and vector ISA
+    return machine.cpu_id()  # model and vector ISA
 
 
 def make_run(work: Path, name: str, mb: float, sources: dict) -> tuple[Path, dict]:

@@ -34,7 +34,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from engram import gemm
+from engram import gemm, machine
 from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.training.corpus import build_corpus
 from engram.training.loop import lr_at
@@ -119,7 +119,7 @@ def train(runs: dict, backends: dict[str, str | None], steps: int, warmup: int) 
 
 
 def cpu_flags() -> dict:
-    flags = set(gemm._cpuinfo("flags").split())
+    flags = set(machine.cpuinfo("flags").split())
     want = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
     cap = getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)()
     return {"torch_cpu_capability": cap, **{f: f in flags for f in want}}
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"config": {**vars(args), "model": {k: v for k, v in dataclasses.asdict(
                cfgs["engram"]).items() if k in ("n_layer", "d_model", "batch_size", "seq_len",
                                                  "table_size", "steps", "lr", "threads")}},
-           "cpu": gemm.cpu_model(), "cpu_id": gemm.cpu_id(), "cpu_flags": cpu_flags(),
+           "cpu": machine.cpu_id(), "cpu_id": machine.cpu_id(), "cpu_flags": cpu_flags(),
            "torch": torch.__version__, "threads": torch.get_num_threads(),
            "load_avg": {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
            "wall_s": wall, "precisions_unsupported_here": skipped, "variants": res,

@@ -300,12 +300,12 @@ def main() -> None:
         args.sizes, args.throughput_mb, args.repeats = "0.2,0.4", 0.3, 1
         args.steps, args.speed_steps = 2, 2
 
-    from engram import gemm
+    from engram import machine
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     parts = set(args.parts.split(","))
-    res: dict = {"cpu": gemm.cpu_model(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()}
+    res: dict = {"cpu": machine.cpu_id(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()}
     path = Path(args.json)
     previous = json.loads(path.read_text()) if path.exists() and not args.smoke else {}
     sources = text_sources() if parts & {"throughput", "memory"} else {}

@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-from engram import gemm
+from engram import machine
 from engram.studies.common import Workers
 from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.studies.estimate import probe
@@ -85,7 +85,7 @@ def main() -> None:
             print(f"round {r} {'alone' if w == 1 else 'pair '}: " + ", ".join(
                 f"{n} {p['step_ms'][n]:.0f} ms ({p['step_cpu_ms'][n]:.0f} CPU)" for n, _ in ks)
                 + f"; load {p['load_before'][0]:.1f}", flush=True)
-    res = {"cpu": gemm.cpu_model(), "cpus": os.cpu_count(), "config": vars(args),
+    res = {"cpu": machine.cpu_id(), "cpus": os.cpu_count(), "config": vars(args),
            "tokens_per_step": tokens, "phases": phases, "variants": {}}
     for n, _ in ks:
         def mean(w, key):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from engram import gemm
+from engram import gemm, machine
 from engram.studies.common import job, run_jobs, seed_spread, train_run
 from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.tables.store import MemoryTable
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = engram_config(small, cc)
     load0, t0 = os.getloadavg(), time.perf_counter()
     loss = losses(cfg, optimizers, seeds, args.workers, Path(args.runs))
-    res = {"cpu": gemm.cpu_model(), "cpus": os.cpu_count(), "torch": torch.__version__,
+    res = {"cpu": machine.cpu_id(), "cpus": os.cpu_count(), "torch": torch.__version__,
            "gemm_backend": gemm.backend(), "baseline": optimizers[0],
            "budget": {"steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
                       "tokens": cfg.steps * cfg.batch_size * cfg.seq_len, "lr": cfg.lr,

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engram import Engram, gemm
+from engram import Engram, gemm, machine
 from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.training.corpus import build_corpus
 from engram.training.optim import clip_grad_norm_
@@ -205,7 +205,7 @@ def main() -> None:
     res = {"config": vars(args), "allocator_env": {k: os.environ.get(k) for k in ALLOCATOR_ENV},
            "load_avg": {"before": load_before, "after_throughput": os.getloadavg(),
                         "cpus": os.cpu_count()},
-           "cpu": gemm.cpu_model(), "gemm_backend": gemm.backend(),
+           "cpu": machine.cpu_id(), "gemm_backend": gemm.backend(),
            "throughput": speed, "engram_over_dense_tokens_per_s":
                speed["engram"]["tokens_per_s"] / speed["dense"]["tokens_per_s"],
            "engram_module_kernels_speedup":

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from engram import gemm
+from engram import machine
 from engram.studies.compare import CompareConfig
 from engram.training import tier_attach
 from engram.training.train import TrainConfig, build_run, train_step
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "read_ms_per_step": 1e3 * t.read_s / len(losses[k]),
                     "write_ms_per_step": 1e3 * t.write_s / len(losses[k])}
         t.close()
-    res = {"cpu": gemm.cpu_model(), "cpus": os.cpu_count(), "torch": torch.__version__,
+    res = {"cpu": machine.cpu_id(), "cpus": os.cpu_count(), "torch": torch.__version__,
            "threads": 1, "smoke": args.smoke, "budget_frac_asked": args.budget_frac,
            "shape": {"batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
                      "table_size": cfg.table_size, "table_optimizer": cfg.table_optimizer,
@@ -262,7 +262,7 @@ def _lockstep(args, cfg, procs: dict, root: Path, limit: int, big: int) -> dict:
     speed = {k: {"median_step_s": statistics.median(w),
                  "tokens_per_s": tokens / statistics.median(w)} for k, w in wall.items()}
     c = done["c"]
-    res = {"cpu": gemm.cpu_model(), "cpus": os.cpu_count(), "torch": torch.__version__,
+    res = {"cpu": machine.cpu_id(), "cpus": os.cpu_count(), "torch": torch.__version__,
            "threads": 1, "smoke": args.smoke, "timed_steps": args.steps,
            "rlimit_as_bytes": limit, "table_size_c": big,
            "table_bytes_c": big_tables, "file_bytes_c": files_c["file_bytes"],

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from engram import EngramConfig
-from engram.gemm import cpu_model
+from engram.machine import cpu_id
 from engram.tables.fp8 import dequantize_fp8, gather_rows, quantize_fp8_e8m0, row_bytes
 from engram.tables.pool import PoolRegion, write_pool
 from engram.tables.tablefile import write_table
@@ -94,7 +94,7 @@ def main() -> None:
     cfg = EngramConfig(engram_vocab_size=a.rows, max_ngram_size=4, n_embed_per_ngram=8 * DIM,
                        n_head_per_ngram=8, layer_ids=[1], profile="v4.1")
     shapes = {"decode (64 seqs x 24 heads)": 64 * 24, "prefill (4 x 512 x 24 heads)": 4 * 512 * 24}
-    res = {"cpu": cpu_model(), "torch_threads": torch.get_num_threads(), "rows": a.rows,
+    res = {"cpu": cpu_id(), "torch_threads": torch.get_num_threads(), "rows": a.rows,
            "load_avg_start": os.getloadavg()[0],
            "head_dim": DIM, "bytes_per_row": {f: row_bytes(DIM, f) for f in
                                               ("fp8+e8m0", "fp8+fp32", "bf16", "fp32")},

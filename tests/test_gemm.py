@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engram import gemm
+from engram import gemm, machine
 
 needs_onednn = pytest.mark.skipif(not gemm._onednn_available(), reason="torch built without oneDNN")
 # One thread: timings are short and steady (two threads on a busy 2-core machine stall for ms).
@@ -95,7 +95,7 @@ def test_onednn_bits_repeat_and_do_not_depend_on_threads():
         finally:
             torch.set_num_threads(n)
     assert torch.equal(two, again)
-    if gemm.cpu_id().startswith("AMD EPYC (family 26"):  # measured on this Zen 5 only
+    if machine.cpu_id().startswith("AMD EPYC (family 26"):  # measured on this Zen 5 only
         assert torch.equal(one, two)
 
 
@@ -293,16 +293,6 @@ def test_bad_backend_names_are_refused_clearly(fresh, monkeypatch):
     monkeypatch.setenv("ENGRAM_GEMM", "torch")
     assert gemm.resolve() == "torch" and gemm.backend() == "torch"
     assert gemm.route(4096, 1024, 1024) == "torch" and not fresh.exists()
-
-
-def test_cpu_id_tells_processors_apart():
-    zen3 = "vendor_id : AuthenticAMD\ncpu family : 25\nmodel : 1\nmodel name : AMD EPYC\n" \
-           "flags : avx2"
-    zen5 = "vendor_id : AuthenticAMD\ncpu family : 26\nmodel : 2\nmodel name : AMD EPYC\n" \
-           "flags : avx2 avx512f"
-    assert gemm.cpu_id(zen3) == "AMD EPYC (family 25 model 1, avx2)"
-    assert gemm.cpu_id(zen5) == "AMD EPYC (family 26 model 2, avx512f)"
-    assert gemm.cpu_vendor(zen3) == "AuthenticAMD" and gemm.cpu_vendor("no such line") == ""
 
 
 def test_adopt_swaps_plain_linears_and_keeps_the_state_dict():

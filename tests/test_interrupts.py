@@ -466,14 +466,14 @@ def record_times():
         sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
         from record import write_json
 
-        from engram import gemm
+        from engram import machine
 
         old = json.loads(Path(path).read_text()) if Path(path).exists() else {}
         write_json(path, {
             "what": "tests/test_interrupts.py: each long command started at tiny size, signalled "
                     "once its work was under way; seconds from the signal to its exit (status "
                     "130, one line saying what was kept)",
-            "cpu": gemm.cpu_model(), "cpus": os.cpu_count(),
+            "cpu": machine.cpu_id(), "cpus": os.cpu_count(),
             "rerun": "ENGRAM_INTERRUPTS_JSON=benchmarks/results/interrupts.json python -m pytest "
                      "-m 'slow or not slow' tests/test_interrupts.py",
             "seconds": {**old.get("seconds", {}), **TIMES}})

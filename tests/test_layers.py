@@ -10,9 +10,9 @@ import engram
 
 SRC = Path(engram.__file__).parent
 # Lowest first. errors, ranges, schema, files, outputs, interrupts, configfile, options, command,
-# jit and gemm are the foundation every layer may use; the root re-exports.
+# machine, jit and gemm are the foundation every layer may use; the root re-exports.
 LAYERS = ["errors", "ranges", "schema", "files", "outputs", "interrupts", "configfile", "options",
-          "command", "jit", "gemm",
+          "command", "machine", "jit", "gemm",
           "retrieval", "tables", "module", "models", "training", "serving", "studies", "cli",
           "__main__", "__init__"]
 

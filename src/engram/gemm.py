@@ -1,12 +1,7 @@
 """Dense float32 matrix multiplies on CPU: torch's BLAS (MKL) or oneDNN, whichever this machine
-runs faster at each shape, measured once.
-
-torch's CPU wheel multiplies float32 matrices with MKL, which dispatches its fast kernels by CPU
-vendor; oneDNN ships in the same wheel. Neither wins everywhere: on an AMD EPYC (Zen 5, AVX-512)
-oneDNN ran 1.45-2.5x faster on one thread at every shape this package trains with, on another
-(Zen 3, AVX2) it was the slower one (training at 0.91x MKL's tokens/s). So the route is timed, not
-read off the vendor: ``linear`` sends a float32 CPU product to oneDNN, forward and backward, where
-its shape bucket's route says so, and to ``F.linear`` otherwise.
+runs faster at each shape, measured once. Neither wins everywhere (oneDNN 1.45-2.5x MKL's speed
+on a Zen 5; training at 0.91x MKL's tokens/s on a Zen 3: docs/speed.md), so ``linear`` sends a
+float32 CPU product, forward and backward, to oneDNN where its bucket's route says so.
 
 Backends (``ENGRAM_GEMM`` or :func:`set_backend`): ``auto`` (the default: measured), ``torch``
 (always ``F.linear``), ``onednn`` (oneDNN for every product of at least ``MIN_MACS``
@@ -22,14 +17,12 @@ it. A decision measured while the machine was busy (load average above its cores
 marked: the first process that finds the machine quiet measures it again. With no writable cache
 (nor temp dir) the decisions live in the process.
 
-So the cache's decisions change with the machine's history, and with them a product's summation
-order. A training run therefore keeps the routes its products took (:func:`record`: the buckets this
-process routed, bucket -> route) and puts them back on resume before any product runs
-(:func:`install`, or :func:`pinned` for a block; training/settings.py): those buckets then take the
-recorded route whatever the cache now says. ``ENGRAM_GEMM`` = torch / onednn still overrides them.
-
-Results agree with MKL's to float32 rounding (summation order differs), not to the bit; oneDNN's
-are bit-identical from call to call, and on 1 or 2 threads on the AMD EPYC measured (tested).
+The cache's decisions change with the machine's history, and a product's summation order with
+them, so a training run keeps the routes its products took (:func:`record`, bucket -> route) and
+puts them back on resume before any product (:func:`install`, :func:`pinned`; training/settings.py),
+whatever the cache now says; ``ENGRAM_GEMM`` = torch / onednn still overrides them. Results agree
+with MKL's to float32 rounding, not to the bit; oneDNN's are the same bits from call to call, and
+on 1 or 2 threads on the AMD EPYC measured (tested).
 
 Shape legend:
     n rows (tokens: every leading dimension of x flattened), i in features, o out features.
@@ -41,7 +34,6 @@ import contextlib
 import functools
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -52,11 +44,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .files import publish_text
+from .machine import cpu_id
 
 BACKENDS = ("auto", "torch", "onednn")
-# Under ~2M multiply-adds (a decode step's few rows) a product takes tens of microseconds either
-# way and oneDNN's per-call cost outweighs its faster loops (8 x 128 x 384 ran at 0.66x MKL's
-# speed on the Zen 5): torch's, unmeasured (a decode would otherwise time a bucket per length).
+# Under ~2M multiply-adds (a decode step's few rows: tens of microseconds) oneDNN's per-call cost
+# outweighs its faster loops (8 x 128 x 384: 0.66x MKL's speed on the Zen 5): torch's, unmeasured.
 MIN_MACS = 1 << 21
 MARGIN = 1.10  # oneDNN / torch speed needed to leave torch's default (noise is ~5% here)
 MEASURE_MACS = 1 << 25  # a timed product's size: a bucket's rows are capped to fit it ...
@@ -70,42 +62,6 @@ _chosen: str | None = None  # set_backend's choice or ENGRAM_GEMM's, read once
 _table: dict[str, str] = {}  # bucket key -> 'torch' / 'onednn', fixed once decided
 _loaded = False  # _table holds ENGRAM_GEMM_ROUTES' and the cache file's decisions
 _mine: set[str] = set()  # buckets this process's products took under 'auto', or installed: record()
-
-
-def _cpuinfo(field: str, text: str | None = None) -> str:
-    """The first value of ``field`` in /proc/cpuinfo's text (or ``text``), or ''."""
-    if text is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                text = f.read(1 << 16)
-        except OSError:
-            return ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == field:
-            return value.strip()
-    return ""
-
-
-def cpu_vendor(cpuinfo: str | None = None) -> str:
-    """The x86 vendor id ('AuthenticAMD', 'GenuineIntel', ...), or ''."""
-    return _cpuinfo("vendor_id", cpuinfo)
-
-
-def cpu_model() -> str:
-    """The processor as recorded beside timings and results: :func:`cpu_id` (a model name alone
-    can be 'AMD EPYC' for a Zen 3 and a Zen 5 alike, 4x apart in speed here)."""
-    return cpu_id()
-
-
-def cpu_id(cpuinfo: str | None = None) -> str:
-    """The processor as the cache keys it: model name, family/model numbers and widest vector
-    ISA (a virtual machine may show only 'AMD EPYC' for a Zen 3 and a Zen 5 alike)."""
-    flags = set(_cpuinfo("flags", cpuinfo).split())
-    isa = next((f for f in ("avx512f", "avx2", "avx", "sse2", "asimd") if f in flags), "")
-    name = _cpuinfo("model name", cpuinfo) or platform.processor() or platform.machine()
-    fam, model = _cpuinfo("cpu family", cpuinfo), _cpuinfo("model", cpuinfo)
-    return f"{name} (family {fam or '?'} model {model or '?'}, {isa or '?'})"
 
 
 @functools.cache

@@ -55,12 +55,12 @@ def test_compare_end_to_end_writes_results(tmp_path):
     assert ("People's Daily" in report) == ("peoples-daily" in TINY.sources)
     assert 0 < summary["gates"]["mean"] < 1
     # Results say which machine and which GEMM path produced them (rounding differs between them).
-    from engram import gemm
-    assert summary["machine"] == {"cpu": gemm.cpu_model(), "gemm": gemm.backend()}
+    from engram import gemm, machine
+    assert summary["machine"] == {"cpu": machine.cpu_id(), "gemm": gemm.backend()}
     assert f"matrix products through {gemm.backend()}" in report
     # The wall-time estimate made before the runs, beside what they took and where it went.
     t = res["time"]
-    assert t["cpu_model"] == gemm.cpu_model() and t["cpus"] >= 1 and t["workers"] == 2
+    assert t["cpu_model"] == machine.cpu_id() and t["cpus"] >= 1 and t["workers"] == 2
     est = t["estimate"]
     assert est["total_s"] > 0 and sorted(est["order"]) == list(range(6))
     assert set(est["costs"]) == {"dense", "engram", "moe"}

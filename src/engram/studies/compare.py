@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .. import gemm
+from .. import gemm, machine
 from ..errors import UserError
 from ..files import publish_text
 from ..models.model import EngramLM
@@ -172,7 +172,7 @@ def timing(results: list[dict], est: Estimate | None, wall: float, runs_end: flo
     cpus = os.cpu_count() or 1
     cpu = sum(r.get("job_cpu_s", 0.0) for r in results)
     rec = {"wall_s": wall, "runs_end_s": runs_end, "workers": workers, "cpus": cpus,
-           "cpu_model": gemm.cpu_model(), "runs_cpu_s": cpu,
+           "cpu_model": machine.cpu_id(), "runs_cpu_s": cpu,
            "cpu_utilisation": cpu / (wall * min(cpus, workers)),  # the runs' CPU s / (wall x cores)
            "load_avg": {"start": load0, "end": os.getloadavg()}}
     if est is not None:
@@ -238,4 +238,4 @@ def summarise(results: list[dict], configs: dict[str, TrainConfig], corpus, wall
                        "val_tokens": len(corpus.streams["val"]),
                        "sources": corpus.sources,
                        "max_chars": configs["dense"].max_chars, "data": configs["dense"].data},
-            "machine": {"cpu": gemm.cpu_model(), "gemm": gemm.backend()}, "wall_s": wall}
+            "machine": {"cpu": machine.cpu_id(), "gemm": gemm.backend()}, "wall_s": wall}

@@ -396,7 +396,7 @@ def finished_seed(folder: Path, cfg: FinetuneStudyConfig) -> dict[str, Any] | No
 def run_study(cfg: FinetuneStudyConfig, model: nn.Module | None = None,
               tokenizer: Any = None) -> dict[str, Any]:
     """Every seed of cfg.seeds (finished ones read back), then the summary over them."""
-    from ..gemm import cpu_model
+    from ..machine import cpu_id
 
     t0 = time.perf_counter()
     out = Path(cfg.out_dir)
@@ -412,7 +412,7 @@ def run_study(cfg: FinetuneStudyConfig, model: nn.Module | None = None,
                 model, tokenizer = load_pretrained(cfg.model)
             summary = run_finetune(cfg, model, tokenizer, seed=seed, out_dir=folder)
         runs.append(summary)
-    study = {"config": dataclasses.asdict(cfg), "cpu": cpu_model(),
+    study = {"config": dataclasses.asdict(cfg), "cpu": cpu_id(),
              "threads": cfg.threads or torch.get_num_threads(), **summarise(runs),
              "per_seed": {str(r["seed"]): r for r in runs},
              "wall_seconds": time.perf_counter() - t0}
