@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from engram import gemm, machine
+from engram import gemm, gemm_decisions, machine
 from record import with_allocator_env, write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 # (name, rows n, in i, out o): the compare model (d = 128, batch 16 x 128 tokens) and the module
@@ -121,7 +121,7 @@ def main() -> None:
             chosen = gemm.route(n, i, o)
             decide_s = time.perf_counter() - t0
             key = gemm.bucket(n, i, o)
-            record = gemm._read(gemm.cache_path()).get(key) if n * i * o >= gemm.MIN_MACS else None
+            record = gemm_decisions.read(gemm_decisions.cache_path(), gemm._machine()).get(key) if n * i * o >= gemm.MIN_MACS else None
             r = time_variants(n, i, o, args.budget_s)
             rows[name] = {"shape": [n, i, o], "route": chosen, "bucket": key,
                           "decision": record, "decide_s": decide_s, **r}

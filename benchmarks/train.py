@@ -10,7 +10,9 @@
    conv on the torch path (``engram_torch``, ``Engram.kernels = False``): what the compiled
    kernels (module/fused.py) buy at these shapes. Where engram/gemm.py's backend is oneDNN, also
    dense and Engram with every product through torch's default BLAS (``dense_mkl``,
-   ``engram_mkl``): what the GEMM route buys, and the Engram / dense ratio without it.
+   ``engram_mkl``): what the GEMM route buys, and the Engram / dense ratio without it; and with
+   oneDNN's weight gradient taken the old way (``dense_dw_copy``, ``engram_dw_copy``: dY^T copied
+   as the first operand; the same bits): what engram/gemm.py's ``_grad_weight`` buys.
 2. Memory. Each variant again, alone in a fresh process: peak RSS after model + corpus, and after
    training steps (gradients and optimiser state included).
 3. Optimiser. RowAdam step time with a table of 1M vs 50M rows at the same batch (see
@@ -29,6 +31,7 @@ The measuring process runs with the allocator settings compare gives its workers
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import resource
@@ -84,6 +87,18 @@ def step(run, i: int, backend: str | None = None) -> None:
         train_step(run)
 
 
+@contextlib.contextmanager
+def copied_grad_weight():
+    """oneDNN's weight gradient as it was before issue 33's change: dY^T X with dY^T as the first
+    operand, which oneDNN copies whole (gemm._grad_weight takes (X^T dY)^T: the same bits)."""
+    keep = gemm._grad_weight
+    gemm._grad_weight = lambda gy, x: gemm._mm(gy.t(), x.t())
+    try:
+        yield
+    finally:
+        gemm._grad_weight = keep
+
+
 def throughput(cfgs: dict[str, TrainConfig], steps: int, warmup: int) -> dict:
     runs = {name: build_run(cfg) for name, cfg in cfgs.items()}
     if "engram" in cfgs:  # the same model with the module's gate and conv as eager torch ops
@@ -91,14 +106,16 @@ def throughput(cfgs: dict[str, TrainConfig], steps: int, warmup: int) -> dict:
         for mod in runs["engram_torch"].model.modules():
             if isinstance(mod, Engram):
                 mod.kernels = False
-    if gemm.backend() != "torch":  # the same models with every product through F.linear (MKL)
-        for name in [k for k in ("dense", "engram") if k in cfgs]:
+    if gemm.backend() != "torch":  # the same models with every product through F.linear (MKL),
+        for name in [k for k in ("dense", "engram") if k in cfgs]:  # and with the old dW
             runs[f"{name}_mkl"] = build_run(cfgs[name])
+            runs[f"{name}_dw_copy"] = build_run(cfgs[name])
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in tqdm(range(warmup + steps), desc="train steps (interleaved)"):
         for name, run in runs.items():
             t0 = time.perf_counter()
-            step(run, i, "torch" if name.endswith("_mkl") else None)
+            with copied_grad_weight() if name.endswith("_dw_copy") else contextlib.nullcontext():
+                step(run, i, "torch" if name.endswith("_mkl") else None)
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
     cfg = next(iter(cfgs.values()))
@@ -215,6 +232,9 @@ def main() -> None:
                                      for k in ("dense", "engram")}
         res["engram_over_dense_tokens_per_s_mkl"] = (speed["engram_mkl"]["tokens_per_s"]
                                                      / speed["dense_mkl"]["tokens_per_s"])
+        # issue 33: the step against the same code with oneDNN's old weight gradient (same bits)
+        res["grad_weight_speedup"] = {k: speed[k]["tokens_per_s"]
+                                      / speed[f"{k}_dw_copy"]["tokens_per_s"] for k in ("dense", "engram")}
     if args.breakdown_steps:
         all_cfgs = configs(args.batch, args.seq, moe=True)
         res["breakdown_cpu_ms"] = bd = breakdown(all_cfgs, args.breakdown_steps, 2)
@@ -246,6 +266,10 @@ def main() -> None:
         print(f"GEMM route ({res['gemm_backend']}) vs F.linear (MKL): dense {r['dense']:.2f}x, "
               f"Engram {r['engram']:.2f}x tokens/s; Engram / dense with MKL "
               f"{res['engram_over_dense_tokens_per_s_mkl']:.3f}; CPU: {res['cpu']}")
+    if "grad_weight_speedup" in res:
+        r = res["grad_weight_speedup"]
+        print(f"oneDNN's weight gradient as (X^T dY)^T vs dY^T copied first (same bits): dense "
+              f"{r['dense']:.3f}x, Engram {r['engram']:.3f}x the tokens/s")
     if not args.skip_optim:
         sizes = dict(small=10_000, large=100_000, batch=512, warmup=1) if args.smoke else {}
         res["optimizer"] = optim_bench.run(steps=args.optim_steps, **sizes)

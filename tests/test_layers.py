@@ -10,9 +10,9 @@ import engram
 
 SRC = Path(engram.__file__).parent
 # Lowest first. errors, ranges, schema, files, outputs, interrupts, configfile, options, command,
-# machine, jit and gemm are the foundation every layer may use; the root re-exports.
+# machine, jit, gemm_decisions and gemm are the foundation every layer may use; the root re-exports.
 LAYERS = ["errors", "ranges", "schema", "files", "outputs", "interrupts", "configfile", "options",
-          "command", "machine", "jit", "gemm",
+          "command", "machine", "jit", "gemm_decisions", "gemm",
           "retrieval", "tables", "module", "models", "training", "serving", "studies", "cli",
           "__main__", "__init__"]
 

@@ -9,7 +9,7 @@ multiply-adds). Under ``auto`` a shape bucket's route is decided on its first pr
 :func:`prepare`) by a short timing (:func:`measure`, ~0.1 s) of its forward and both backward
 products on both backends, interleaved, each product's fastest sample; oneDNN only where it is at
 least ``MARGIN`` faster, else torch's own default. The decision is then fixed for the process and
-kept in a JSON file in the user's cache (:func:`cache_path`; keyed by CPU, torch version, thread
+kept in a JSON file in the user's cache (``gemm_decisions.cache_path``; keyed by CPU, torch version, thread
 count and bucket): later runs on this machine reuse it, so they repeat bit for bit. It is also
 exported in ``ENGRAM_GEMM_ROUTES``, so spawned workers take their parent's decisions; one no
 process has made yet is measured by one process at a time under a file lock, and the others read
@@ -34,16 +34,14 @@ import contextlib
 import functools
 import json
 import os
-import tempfile
 import time
-from pathlib import Path
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .files import publish_text
+from . import gemm_decisions as decisions
 from .machine import cpu_id
 
 BACKENDS = ("auto", "torch", "onednn")
@@ -56,7 +54,6 @@ MEASURE_ROWS = 64  # ... but not below this many rows (the per-row regime, not a
 ROUNDS = 11  # interleaved samples of each product per decision, at most ...
 MEASURE_S = 0.1  # ... while they take under this many seconds (at least 5)
 ROUTES_ENV = "ENGRAM_GEMM_ROUTES"  # the decisions, handed to spawned workers
-_VERSION = 1  # the cache file's format
 
 _chosen: str | None = None  # set_backend's choice or ENGRAM_GEMM's, read once
 _table: dict[str, str] = {}  # bucket key -> 'torch' / 'onednn', fixed once decided
@@ -144,62 +141,6 @@ def _machine() -> str:
     return f"{cpu_id()} | torch {torch.__version__}"
 
 
-def cache_path() -> Path:
-    """The decisions file: $ENGRAM_GEMM_CACHE, else gemm_routes.json in $ENGRAM_CACHE (else
-    $XDG_CACHE_HOME/engram, ~/.cache/engram)."""
-    if os.environ.get("ENGRAM_GEMM_CACHE"):
-        return Path(os.environ["ENGRAM_GEMM_CACHE"])
-    root = os.environ.get("ENGRAM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "engram")
-    return Path(root) / "gemm_routes.json"
-
-
-def _read(path: Path) -> dict:
-    """This machine's decisions in a decisions file ({} when absent, unreadable or corrupt)."""
-    try:
-        data = json.loads(path.read_text())
-        return data["machines"].get(_machine(), {}) if data.get("version") == _VERSION else {}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {}
-
-
-def _write(path: Path, key: str, record: dict) -> None:
-    try:
-        data = json.loads(path.read_text())
-        assert data.get("version") == _VERSION and isinstance(data.get("machines"), dict)
-    except (OSError, ValueError, AssertionError):
-        data = {"version": _VERSION, "machines": {}}
-    data["machines"].setdefault(_machine(), {})[key] = record
-    publish_text(path, json.dumps(data, indent=1, sort_keys=True))
-
-
-def _paths() -> list[Path]:
-    """Where the decisions may live: the user's cache, else a private folder in the temp dir."""
-    tmp = Path(tempfile.gettempdir()) / f"engram-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    return [cache_path(), tmp / "gemm_routes.json"]
-
-
-@contextlib.contextmanager
-def _locked():
-    """The first writable decisions file, held exclusively (fcntl) while one process decides;
-    None where neither place is writable (the decision then stays in this process)."""
-    for path in _paths():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            lock = open(path.with_name(path.name + ".lock"), "a")
-        except OSError:
-            continue
-        with lock:
-            try:
-                import fcntl
-                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            except (ImportError, OSError):
-                pass  # no locking here: concurrent first measurements may disagree
-            yield path
-        return
-    yield None
-
-
 def _load() -> None:
     """Once per process: the parent's decisions (ENGRAM_GEMM_ROUTES), else the cache file's; all
     handed on to this process's workers."""
@@ -213,8 +154,8 @@ def _load() -> None:
     except (ValueError, AttributeError):
         inherited = {}
     quiet = not _busy()
-    for path in _paths():
-        for key, rec in _read(path).items():
+    for path in decisions.paths():
+        for key, rec in decisions.read(path, _machine()).items():
             if _usable(rec, quiet):
                 _table.setdefault(key, rec["route"])
     _table.update({k: v for k, v in inherited.items() if v in ("torch", "onednn")})
@@ -255,7 +196,7 @@ def measure(n: int, i: int, o: int, rounds: int = ROUNDS) -> dict:
     g = torch.Generator().manual_seed(0)
     x, w, gy = (torch.randn(*s, generator=g) for s in ((n, i), (o, i), (n, o)))
     products = {"torch": (lambda: F.linear(x, w), lambda: gy.mm(w), lambda: gy.t().mm(x)),
-                "onednn": (lambda: _mm(x, w), lambda: _mm(gy, w.t()), lambda: _mm(gy.t(), x.t()))}
+                "onednn": (lambda: _mm(x, w), lambda: _mm(gy, w.t()), lambda: _grad_weight(gy, x))}
 
     def clock(fn, reps):
         t0 = time.perf_counter()
@@ -287,15 +228,15 @@ def _decide(n: int, i: int, o: int) -> str:
     _load()
     key = bucket(n, i, o)
     if key not in _table:
-        with _locked() as path:
-            rec = _read(path).get(key) if path else None  # decided meanwhile by another process
+        with decisions.locked() as path:
+            rec = decisions.read(path, _machine()).get(key) if path else None  # decided meanwhile by another process
             busy = _busy()
             if not _usable(rec, not busy):
                 rec = {**measure(*_shape(n, i, o)), "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
                        "busy": busy}
                 if path is not None:
                     with contextlib.suppress(OSError):
-                        _write(path, key, rec)
+                        decisions.write(path, _machine(), key, rec)
         _table[key] = rec["route"]
         _export()
     _mine.add(key)
@@ -402,6 +343,13 @@ def _mm(a: torch.Tensor, b_t: torch.Tensor, bias: torch.Tensor | None = None) ->
     return torch.ops.mkldnn._linear_pointwise(a, b_t, bias, "none", [], "")
 
 
+def _grad_weight(gy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW = dY^T X [o, i], as (X^T dY)^T: oneDNN copies a strided first operand whole (dY^T cost 10x
+    the product at the adaptive head's ~30k-output cluster), not a second. Same bits on the Zen 4
+    measured (tests/test_gemm.py); laid out as the weight, so autograd keeps it as it is."""
+    return _mm(x.t(), gy.t()).t().contiguous()  # [i, n] @ [n, o] -> [i, o] -> [o, i]
+
+
 class _OneDnnLinear(torch.autograd.Function):
     """y = x W^T + b with all three products (forward, dx, dW) in oneDNN."""
 
@@ -421,7 +369,7 @@ class _OneDnnLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gx = _mm(g2, weight.t()).view(ctx.x_shape)  # [n, o] @ [o, i]
         if ctx.needs_input_grad[1]:
-            gw = _mm(g2.t(), x2.t())  # [o, n] @ [n, i] -> [o, i]
+            gw = _grad_weight(g2, x2)  # [o, i]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)  # [o]
         return gx, gw, gb
