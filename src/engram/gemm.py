@@ -1,7 +1,12 @@
 """Dense float32 matrix multiplies on CPU: torch's BLAS (MKL) or oneDNN, whichever this machine
-runs faster at each shape, measured once. Neither wins everywhere (oneDNN 1.45-2.5x MKL's speed
-on a Zen 5; training at 0.91x MKL's tokens/s on a Zen 3: docs/speed.md), so ``linear`` sends a
-float32 CPU product, forward and backward, to oneDNN where its bucket's route says so.
+runs faster at each shape, measured once.
+
+torch's CPU wheel multiplies float32 matrices with MKL, which dispatches its fast kernels by CPU
+vendor; oneDNN ships in the same wheel. Neither wins everywhere: on an AMD EPYC (Zen 5, AVX-512)
+oneDNN ran 1.45-2.5x faster on one thread at every shape this package trains with, on another
+(Zen 3, AVX2) it was the slower one (training at 0.91x MKL's tokens/s). So the route is timed, not
+read off the vendor: ``linear`` sends a float32 CPU product to oneDNN, forward and backward, where
+its shape bucket's route says so, and to ``F.linear`` otherwise.
 
 Backends (``ENGRAM_GEMM`` or :func:`set_backend`): ``auto`` (the default: measured), ``torch``
 (always ``F.linear``), ``onednn`` (oneDNN for every product of at least ``MIN_MACS``
@@ -9,20 +14,22 @@ multiply-adds). Under ``auto`` a shape bucket's route is decided on its first pr
 :func:`prepare`) by a short timing (:func:`measure`, ~0.1 s) of its forward and both backward
 products on both backends, interleaved, each product's fastest sample; oneDNN only where it is at
 least ``MARGIN`` faster, else torch's own default. The decision is then fixed for the process and
-kept in a JSON file in the user's cache (``gemm_decisions.cache_path``; keyed by CPU, torch version, thread
-count and bucket): later runs on this machine reuse it, so they repeat bit for bit. It is also
-exported in ``ENGRAM_GEMM_ROUTES``, so spawned workers take their parent's decisions; one no
-process has made yet is measured by one process at a time under a file lock, and the others read
-it. A decision measured while the machine was busy (load average above its cores) is used, and
-marked: the first process that finds the machine quiet measures it again. With no writable cache
-(nor temp dir) the decisions live in the process.
+kept in a JSON file in the user's cache (``gemm_decisions.cache_path``; keyed by CPU, torch
+version, thread count and bucket): later runs on this machine reuse it, so they repeat bit for
+bit. It is also exported in ``ENGRAM_GEMM_ROUTES``, so spawned workers take their parent's
+decisions; one no process has made yet is measured by one process at a time under a file lock, and
+the others read it. A decision measured while the machine was busy (load average above its cores)
+is used, and marked: the first process that finds the machine quiet measures it again. With no
+writable cache (nor temp dir) the decisions live in the process.
 
-The cache's decisions change with the machine's history, and a product's summation order with
-them, so a training run keeps the routes its products took (:func:`record`, bucket -> route) and
-puts them back on resume before any product (:func:`install`, :func:`pinned`; training/settings.py),
-whatever the cache now says; ``ENGRAM_GEMM`` = torch / onednn still overrides them. Results agree
-with MKL's to float32 rounding, not to the bit; oneDNN's are the same bits from call to call, and
-on 1 or 2 threads on the AMD EPYC measured (tested).
+So the cache's decisions change with the machine's history, and with them a product's summation
+order. A training run therefore keeps the routes its products took (:func:`record`: the buckets this
+process routed, bucket -> route) and puts them back on resume before any product runs
+(:func:`install`, or :func:`pinned` for a block; training/settings.py): those buckets then take the
+recorded route whatever the cache now says. ``ENGRAM_GEMM`` = torch / onednn still overrides them.
+
+Results agree with MKL's to float32 rounding (summation order differs), not to the bit; oneDNN's
+are bit-identical from call to call, and on 1 or 2 threads on the AMD EPYC measured (tested).
 
 Shape legend:
     n rows (tokens: every leading dimension of x flattened), i in features, o out features.
@@ -45,8 +52,9 @@ from . import gemm_decisions as decisions
 from .machine import cpu_id
 
 BACKENDS = ("auto", "torch", "onednn")
-# Under ~2M multiply-adds (a decode step's few rows: tens of microseconds) oneDNN's per-call cost
-# outweighs its faster loops (8 x 128 x 384: 0.66x MKL's speed on the Zen 5): torch's, unmeasured.
+# Under ~2M multiply-adds (a decode step's few rows) a product takes tens of microseconds either
+# way and oneDNN's per-call cost outweighs its faster loops (8 x 128 x 384 ran at 0.66x MKL's
+# speed on the Zen 5): torch's, unmeasured (a decode would otherwise time a bucket per length).
 MIN_MACS = 1 << 21
 MARGIN = 1.10  # oneDNN / torch speed needed to leave torch's default (noise is ~5% here)
 MEASURE_MACS = 1 << 25  # a timed product's size: a bucket's rows are capped to fit it ...
@@ -229,7 +237,8 @@ def _decide(n: int, i: int, o: int) -> str:
     key = bucket(n, i, o)
     if key not in _table:
         with decisions.locked() as path:
-            rec = decisions.read(path, _machine()).get(key) if path else None  # decided meanwhile by another process
+            # decided meanwhile by another process?
+            rec = decisions.read(path, _machine()).get(key) if path else None
             busy = _busy()
             if not _usable(rec, not busy):
                 rec = {**measure(*_shape(n, i, o)), "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
