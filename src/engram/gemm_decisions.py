@@ -38,7 +38,8 @@ def read(path: Path, machine: str) -> dict:
 
 
 def write(path: Path, machine: str, key: str, record: dict) -> None:
-    """Add or replace ``machine``'s decision for bucket ``key``, keeping every other entry."""
+    """Add or replace ``machine``'s decision for bucket ``key``, keeping the file's other entries
+    (a file of another format, or unreadable, is started afresh)."""
     try:
         data = json.loads(path.read_text())
         assert data.get("version") == VERSION and isinstance(data.get("machines"), dict)
