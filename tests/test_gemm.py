@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engram import gemm, machine
+from engram import gemm, gemm_decisions, machine
 
 needs_onednn = pytest.mark.skipif(not gemm._onednn_available(), reason="torch built without oneDNN")
 # One thread: timings are short and steady (two threads on a busy 2-core machine stall for ms).
@@ -84,8 +84,8 @@ def test_onednn_takes_strided_inputs_and_partial_grads():
 @needs_onednn
 @pytest.mark.parametrize("n,i,o", [(283, 8, 30112), (2048, 128, 384), (37, 96, 130)])
 def test_onednn_weight_grad_is_dy_t_x_in_the_weights_layout(n, i, o):
-    """dW as (X^T dY)^T (no copy of dY^T): dY^T X to float32 rounding, laid out as the weight; on the
-    Zen 4 measured, the very bits of dY^T X as one product (so runs repeat across the change)."""
+    """dW as (X^T dY)^T (no copy of dY^T): dY^T X to float32 rounding, laid out as the weight; on
+    the Zen 4 measured, the very bits of dY^T X as one product (runs repeat across the change)."""
     g = torch.Generator().manual_seed(3)
     x, gy = torch.randn(n, i, generator=g), torch.randn(n, o, generator=g)
     got = gemm._grad_weight(gy, x)
@@ -212,7 +212,7 @@ def test_a_decision_made_on_a_busy_machine_is_measured_again_when_quiet(fresh, m
 def test_the_parents_decisions_beat_the_file_and_reach_spawned_workers(fresh, tmp_path):
     key = gemm.bucket(512, 256, 256)
     fresh.parent.mkdir(parents=True)
-    fresh.write_text(json.dumps({"version": 1, "machines": {gemm._machine(): {
+    fresh.write_text(json.dumps({"version": gemm_decisions.VERSION, "machines": {gemm._machine(): {
         key: {"route": "torch"}}}}))
     os.environ[gemm.ROUTES_ENV] = json.dumps({"machine": gemm._machine(),
                                               "routes": {key: "onednn"}})
@@ -230,12 +230,27 @@ def test_the_parents_decisions_beat_the_file_and_reach_spawned_workers(fresh, tm
     assert not child_cache.exists()
 
 
+def test_a_file_of_another_format_is_measured_again(fresh):
+    """Decisions timed before the format changed (e.g. with oneDNN's old weight gradient) are not
+    read: the bucket is measured again and the file rewritten in today's format."""
+    key = gemm.bucket(512, 256, 256)
+    fresh.parent.mkdir(parents=True)
+    old = {"version": gemm_decisions.VERSION - 1, "machines": {gemm._machine(): {
+        key: {"route": "torch"}}}}
+    fresh.write_text(json.dumps(old))
+    assert gemm_decisions.read(fresh, gemm._machine()) == {}
+    gemm.route(512, 256, 256)
+    data = json.loads(fresh.read_text())
+    assert data["version"] == gemm_decisions.VERSION
+    assert "measured" in data["machines"][gemm._machine()][key]
+
+
 @needs_onednn
 def test_installed_routes_beat_the_cache_until_pinned_ends(fresh):
     """A run's recorded routes (training/settings.py) over the cache's; ENGRAM_GEMM over both."""
     key = gemm.bucket(512, 256, 256)
     fresh.parent.mkdir(parents=True)
-    fresh.write_text(json.dumps({"version": 1, "machines": {gemm._machine(): {
+    fresh.write_text(json.dumps({"version": gemm_decisions.VERSION, "machines": {gemm._machine(): {
         key: {"route": "torch"}}}}))
     assert gemm.route(512, 256, 256) == "torch" and gemm.used() == {key: "torch"}
     with gemm.pinned({key: "onednn"}):
