@@ -107,7 +107,8 @@ def main() -> None:
     if not args.user_cache:
         os.environ["ENGRAM_GEMM_CACHE"] = str(Path(tempfile.mkdtemp()) / "gemm_routes.json")
     gemm.set_backend("auto")
-    res = {"cpu": machine.cpu_id(), "cpu_id": machine.cpu_id(), "torch": torch.__version__,
+    cpu = machine.cpu_id()  # under both keys, as earlier records have them
+    res = {"cpu": cpu, "cpu_id": cpu, "torch": torch.__version__,
            "note": args.note, "min_macs": gemm.MIN_MACS, "margin": gemm.MARGIN, "decisions": "user cache"
            if args.user_cache else "measured in this run", "load_avg_before": os.getloadavg(),
            "threads": {}}
@@ -121,7 +122,8 @@ def main() -> None:
             chosen = gemm.route(n, i, o)
             decide_s = time.perf_counter() - t0
             key = gemm.bucket(n, i, o)
-            record = gemm_decisions.read(gemm_decisions.cache_path(), gemm._machine()).get(key) if n * i * o >= gemm.MIN_MACS else None
+            record = (gemm_decisions.read(gemm_decisions.cache_path(), gemm._machine()).get(key)
+                      if n * i * o >= gemm.MIN_MACS else None)
             r = time_variants(n, i, o, args.budget_s)
             rows[name] = {"shape": [n, i, o], "route": chosen, "bucket": key,
                           "decision": record, "decide_s": decide_s, **r}

@@ -162,10 +162,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     ref = res["engram_fp32"]
     noise = max(MIN_NOISE, max(r["noise"] for r in res.values()))
+    cpu = machine.cpu_id()  # under both keys, as earlier records have them
     out = {"config": {**vars(args), "model": {k: v for k, v in dataclasses.asdict(
                cfgs["engram"]).items() if k in ("n_layer", "d_model", "batch_size", "seq_len",
                                                  "table_size", "steps", "lr", "threads")}},
-           "cpu": machine.cpu_id(), "cpu_id": machine.cpu_id(), "cpu_flags": cpu_flags(),
+           "cpu": cpu, "cpu_id": cpu, "cpu_flags": cpu_flags(),
            "torch": torch.__version__, "threads": torch.get_num_threads(),
            "load_avg": {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
            "wall_s": wall, "precisions_unsupported_here": skipped, "variants": res,

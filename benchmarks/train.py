@@ -233,8 +233,8 @@ def main() -> None:
         res["engram_over_dense_tokens_per_s_mkl"] = (speed["engram_mkl"]["tokens_per_s"]
                                                      / speed["dense_mkl"]["tokens_per_s"])
         # issue 33: the step against the same code with oneDNN's old weight gradient (same bits)
-        res["grad_weight_speedup"] = {k: speed[k]["tokens_per_s"]
-                                      / speed[f"{k}_dw_copy"]["tokens_per_s"] for k in ("dense", "engram")}
+        res["grad_weight_speedup"] = {k: speed[k]["tokens_per_s"] / speed[f"{k}_dw_copy"]["tokens_per_s"]
+                                      for k in ("dense", "engram")}
     if args.breakdown_steps:
         all_cfgs = configs(args.batch, args.seq, moe=True)
         res["breakdown_cpu_ms"] = bd = breakdown(all_cfgs, args.breakdown_steps, 2)

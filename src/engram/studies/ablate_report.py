@@ -71,7 +71,8 @@ def claims(summary: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                     "mean val loss by layer: " + ", ".join(f"{k} {x:.4f}" for k, x in
                                                            layers.items()) + f"; best {best_name}",
                     f"later layers worse than layer 1: {v}",
-                    f"{judged}: {interval_text(paired_interval(vs[judged]['delta_per_seed']))}" if judged else "-"))
+                    f"{judged}: {interval_text(paired_interval(vs[judged]['delta_per_seed']))}"
+                    if judged else "-"))
     for name, claim, expect in (
             ("split12", "The same budget split over two layers beats one module", False),
             ("no-compress", "Tokenizer compression matters (removing it hurts)", True),
