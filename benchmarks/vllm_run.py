@@ -14,9 +14,33 @@ max_tokens only (``ignore_eos``), as ``Generator`` with no stop ids.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
+import tempfile
 import time
+
+# vLLM's engine processes talk over ZMQ IPC sockets at VLLM_RPC_BASE_PATH/<uuid4> (default: the temp
+# dir), and a unix socket's path holds at most 107 bytes: under a deep TMPDIR (a pytest-xdist
+# worker's test folder) the engine cannot start. Past this length, a short folder of its own.
+RPC_DIR_MAX = 64
+
+
+@contextlib.contextmanager
+def short_rpc_dir():
+    """Sets VLLM_RPC_BASE_PATH (in this process, for vLLM's processes) to a short folder under
+    /tmp, removed after, where the temp dir's path is too long for vLLM's sockets; else nothing."""
+    if "VLLM_RPC_BASE_PATH" in os.environ or len(tempfile.gettempdir()) <= RPC_DIR_MAX:
+        yield
+        return
+    path = tempfile.mkdtemp(prefix="vllm-rpc-", dir="/tmp")
+    os.environ["VLLM_RPC_BASE_PATH"] = path
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
                    "force preemption")
     a = p.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with short_rpc_dir():
+        return run(a)
+
+
+def run(a: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
 
     req = json.load(open(a.requests))

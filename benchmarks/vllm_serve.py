@@ -34,6 +34,7 @@ from engram.serving.hf_export import export_model
 from engram.serving.loader import export_hf
 from engram.training.process_group import free_port
 from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
+from vllm_run import short_rpc_dir  # vLLM's sockets in a short folder (a deep TMPDIR breaks them)
 
 TIERS = {"memory": {}, "file+cache+prefetch": {"tier": "file", "cache_fraction": 0.05,
                                                "prefetch": True},
@@ -73,7 +74,9 @@ def engine_run(python, model_dir, ps, max_tokens, overrides, work):
     req.write_text(json.dumps({"prompts": ps, "max_tokens": max_tokens}))
     cmd = [python, str(Path(__file__).with_name("vllm_run.py")), str(model_dir), "--requests", str(req),
            "--result", str(res), "--hf_overrides", json.dumps({"engram_serving": overrides})]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=1200)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    if done.returncode != 0:  # the engine's own words, not only its exit status
+        raise RuntimeError(f"vllm_run.py exited {done.returncode}:\n{done.stderr[-3000:]}")
     return json.loads(res.read_text())
 
 
@@ -175,4 +178,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with short_rpc_dir():  # for every vLLM process it starts: engine runs and the server
+        main()

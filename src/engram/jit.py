@@ -18,7 +18,8 @@ FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 def kernel(parallel: bool = False, fastmath: bool = False):
     """numba.njit, cached on disk next to the source (or in numba's user cache where that is
-    read-only); with no writable place at all, compiled again in each process (~1 s).
+    read-only) under names of this numba's version (see _named); with no writable place at all,
+    compiled again in each process (~1 s).
 
     A parallel kernel also carries ``.serial``, the same loops compiled without threads, for
     callers that run on one thread: numba's thread pool, once started, keeps a worker spinning
@@ -30,15 +31,31 @@ def kernel(parallel: bool = False, fastmath: bool = False):
         opts["fastmath"] = FASTMATH
 
     def wrap(fn):
-        compiled = _njit(fn, parallel=parallel, **opts)
+        compiled = _njit(_named(fn, ""), parallel=parallel, **opts)
         if parallel:
-            # a function of its own name: numba's disk cache is keyed by it, not by the options
-            twin = types_.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial",
-                                       fn.__defaults__, fn.__closure__)
-            twin.__qualname__ = fn.__qualname__ + "_serial"
-            compiled.serial = _njit(twin, parallel=False, **opts)
+            # a name of its own: numba's disk cache is keyed by it, not by the options
+            compiled.serial = _njit(_named(fn, "_serial"), parallel=False, **opts)
         return compiled
     return wrap
+
+
+# numba names a function's cache files by its qualified name and keeps one index per name, which
+# it discards when another numba version wrote it. Two versions over one source tree (vLLM's venv
+# has its own numba and shares this package, README) would each recompile what the other wrote
+# and, running at once (pytest-xdist beside vLLM's tests), could load the other's files: numba
+# 0.65's LLVM refuses 0.68's bitcode ("Unknown attribute kind"), and older bitcode may compile to
+# other bits. A version tag in the name keeps each version's files apart, as CPython's cpython-311
+# tag does for .pyc files.
+_TAG = "numba_" + "".join(c if c.isalnum() else "_" for c in numba.__version__)
+
+
+def _named(fn, suffix: str):
+    """fn as a function whose qualified name carries ``suffix`` and numba's version (_TAG)."""
+    named = types_.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + suffix,
+                                fn.__defaults__, fn.__closure__)
+    named.__qualname__ = f"{fn.__qualname__}{suffix}.{_TAG}"
+    named.__doc__, named.__module__ = fn.__doc__, fn.__module__
+    return named
 
 
 def _njit(fn, **opts):

@@ -168,8 +168,11 @@ def test_same_bits_on_any_thread_count(plans):
     runs on one thread and every product on torch's route here: the value/key GEMM around the
     kernels is then the same sum in the same order on both calls (MKL on several threads may
     change its split under load; the auto route's decisions can change with the machine's
-    history). One failure seen in a full run beside a study on a fresh Zen 5, with the route not
-    pinned; it passed on every rerun, so its cause is not proven: pinning rules the route out."""
+    history). Failures seen twice in full runs, never alone: beside a study on a fresh Zen 5 with
+    the route not pinned (pinning rules that out), and in CI under pytest-xdist beside vLLM's
+    tests, whose venv's numba (0.65) wrote the same cache files as ours (0.68), so one process
+    could load kernels the other compiled; each version has its own files since (engram/jit.py).
+    Neither cause is proven."""
     mod = _module()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
