@@ -171,8 +171,9 @@ def test_same_bits_on_any_thread_count(plans):
     history). Failures seen twice in full runs, never alone: beside a study on a fresh Zen 5 with
     the route not pinned (pinning rules that out), and in CI under pytest-xdist beside vLLM's
     tests, whose venv's numba (0.65) wrote the same cache files as ours (0.68), so one process
-    could load kernels the other compiled; each version has its own files since (engram/jit.py).
-    Neither cause is proven."""
+    could load kernels the other compiled: with 0.65's serial gate among 0.68's files, the serial
+    and parallel calls part by ~1e-5 (shown by copying the file in). Each version has its own files
+    since (engram/jit.py); that this was CI's cause is likely, not proven."""
     mod = _module()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
