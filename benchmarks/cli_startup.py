@@ -66,7 +66,8 @@ def main() -> None:
     from engram import machine  # after the timings' subprocesses are set up: this imports torch
     from engram.cli import COMMANDS
 
-    res: dict = {"cpu": machine.cpu_id(), "cores": os.cpu_count(), "python": platform.python_version(),
+    res: dict = {"cpu": machine.cpu_id(), "cores": os.cpu_count(),
+                 "python": platform.python_version(),
                  "load_avg_start": os.getloadavg()[0], "reps": args.reps}
     res["python_pass"] = timed(["-c", "pass"], args.reps)
     res["import_torch"] = timed(["-c", "import torch"], args.reps)

@@ -219,22 +219,21 @@ def main() -> None:
     cfgs = configs(args.batch, args.seq)
     load_before = os.getloadavg()  # the ratios are interleaved; absolute numbers follow the load
     speed = throughput(cfgs, args.steps, args.warmup)
+
+    def faster(a: str, b: str) -> float:  # run a's tokens/s over run b's
+        return speed[a]["tokens_per_s"] / speed[b]["tokens_per_s"]
+
     res = {"config": vars(args), "allocator_env": {k: os.environ.get(k) for k in ALLOCATOR_ENV},
            "load_avg": {"before": load_before, "after_throughput": os.getloadavg(),
                         "cpus": os.cpu_count()},
            "cpu": machine.cpu_id(), "gemm_backend": gemm.backend(),
-           "throughput": speed, "engram_over_dense_tokens_per_s":
-               speed["engram"]["tokens_per_s"] / speed["dense"]["tokens_per_s"],
-           "engram_module_kernels_speedup":
-               speed["engram"]["tokens_per_s"] / speed["engram_torch"]["tokens_per_s"]}
+           "throughput": speed, "engram_over_dense_tokens_per_s": faster("engram", "dense"),
+           "engram_module_kernels_speedup": faster("engram", "engram_torch")}
     if "dense_mkl" in speed:
-        res["gemm_route_speedup"] = {k: speed[k]["tokens_per_s"] / speed[f"{k}_mkl"]["tokens_per_s"]
-                                     for k in ("dense", "engram")}
-        res["engram_over_dense_tokens_per_s_mkl"] = (speed["engram_mkl"]["tokens_per_s"]
-                                                     / speed["dense_mkl"]["tokens_per_s"])
+        res["gemm_route_speedup"] = {k: faster(k, f"{k}_mkl") for k in ("dense", "engram")}
+        res["engram_over_dense_tokens_per_s_mkl"] = faster("engram_mkl", "dense_mkl")
         # issue 33: the step against the same code with oneDNN's old weight gradient (same bits)
-        res["grad_weight_speedup"] = {k: speed[k]["tokens_per_s"] / speed[f"{k}_dw_copy"]["tokens_per_s"]
-                                      for k in ("dense", "engram")}
+        res["grad_weight_speedup"] = {k: faster(k, f"{k}_dw_copy") for k in ("dense", "engram")}
     if args.breakdown_steps:
         all_cfgs = configs(args.batch, args.seq, moe=True)
         res["breakdown_cpu_ms"] = bd = breakdown(all_cfgs, args.breakdown_steps, 2)
