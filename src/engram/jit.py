@@ -11,12 +11,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-# Reassociation lets LLVM vectorise reductions (sums over a row); no "nnan"/"ninf", so a NaN or an
-# infinity in the data still comes out as one.
-FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
-
-def kernel(parallel: bool = False, fastmath: bool = False):
+def kernel(parallel: bool = False):
     """numba.njit, cached on disk next to the source (or in numba's user cache where that is
     read-only) under names of this numba's version (see _named); with no writable place at all,
     compiled again in each process (~1 s).
@@ -24,11 +20,17 @@ def kernel(parallel: bool = False, fastmath: bool = False):
     A parallel kernel also carries ``.serial``, the same loops compiled without threads, for
     callers that run on one thread: numba's thread pool, once started, keeps a worker spinning
     after each parallel loop, and beside other single-threaded processes (`engram compare`'s
-    workers) that took the cores from them (training ran 10x slower)."""
+    workers) that took the cores from them (training ran 10x slower).
+
+    No fastmath: IEEE arithmetic, so a kernel's bits do not depend on how LLVM optimised it.
+    numba links a copy of each kernel a kernel calls (a parallel loop's body too) into the caller
+    and optimises it again; a process that compiled them runs the callees as first compiled, one
+    that loaded the caller from the cache runs the copies. With reassociation allowed the two
+    vectorised their sums differently (gradients parted by ~1e-5: serial twins against parallel
+    kernels when one came from the cache and the other was compiled, the failure CI saw twice).
+    Its price: the gate's sums over a row stay sequential, ~10% of the kernels' time (docs/speed.md)."""
     # error_model="numpy": a float division may not raise, so the loops vectorise (5x here).
     opts = dict(nogil=True, error_model="numpy")
-    if fastmath:
-        opts["fastmath"] = FASTMATH
 
     def wrap(fn):
         compiled = _njit(_named(fn, ""), parallel=parallel, **opts)

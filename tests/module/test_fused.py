@@ -4,6 +4,7 @@ threads, that the parallel kernels do run, fallbacks, and the kernels' exp."""
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -168,12 +169,7 @@ def test_same_bits_on_any_thread_count(plans):
     runs on one thread and every product on torch's route here: the value/key GEMM around the
     kernels is then the same sum in the same order on both calls (MKL on several threads may
     change its split under load; the auto route's decisions can change with the machine's
-    history). Failures seen twice in full runs, never alone: beside a study on a fresh Zen 5 with
-    the route not pinned (pinning rules that out), and in CI under pytest-xdist beside vLLM's
-    tests, whose venv's numba (0.65) wrote the same cache files as ours (0.68), so one process
-    could load kernels the other compiled: with 0.65's serial gate among 0.68's files, the serial
-    and parallel calls part by ~1e-5 (shown by copying the file in). Each version has its own files
-    since (engram/jit.py); that this was CI's cause is likely, not proven."""
+    history). Whether each came from numba's cache or was compiled here: the next test."""
     mod = _module()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -187,6 +183,51 @@ def test_same_bits_on_any_thread_count(plans):
                     assert torch.equal(one[k], many[k]), k
     finally:
         torch.set_num_threads(threads)
+
+
+def test_same_bits_compiled_or_loaded_from_the_cache(tmp_path):
+    """A fresh copy of the package: one process compiles the serial twins (into the cache), the
+    next loads them and compiles the parallel kernels. Both calls, in both processes, give the
+    same bits. numba links a copy of each callee (a parallel loop's body too) into its caller and
+    optimises it again, so compiled and loaded code are not the same machine code; with fastmath's
+    reassociation they summed differently (~1e-5 in the gradients: CI's failure of the test
+    above, twice, under pytest-xdist with the cache filled by other processes meanwhile). The
+    kernels are IEEE now (engram/jit.py); this fails with fastmath back on."""
+    shutil.copytree(Path(SRC) / "engram", tmp_path / "engram",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    code = textwrap.dedent("""
+        import hashlib, sys, torch
+        from engram import Engram, gemm
+        from engram.module import fused
+        torch.manual_seed(0)
+        mod = Engram(None, None, 48, 40, 4, gate="demo", kernel_size=4, dilation=3,
+                     conv_init="default")
+        with torch.no_grad():
+            for p in mod.parameters():
+                p.add_(torch.randn_like(p) * 0.2)
+        h, mem = torch.randn(4, 64, 4, 40), torch.randn(4, 64, 48, requires_grad=True)
+        h.requires_grad_()
+        torch.set_num_threads(1)
+        plans = {"serial": fused.make_plan(1), "parallel": fused.make_plan(2, serial_below=0)}
+        for name in sys.argv[1:]:
+            mod.kernels = plans[name]
+            mod.zero_grad(set_to_none=True)
+            h.grad = mem.grad = None
+            with gemm.using("torch"):
+                y, a = mod(h, memory=mem, return_gate=True)
+                (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+            bits = [y, a, h.grad, mem.grad] + [p.grad for p in mod.parameters()]
+            print(name, hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in bits))
+                  .hexdigest())
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env.update(PYTHONPATH=str(tmp_path), NUMBA_NUM_THREADS="2")
+    runs = [subprocess.run([sys.executable, "-c", code, *modes], env=env, capture_output=True,
+                           text=True, timeout=300) for modes in (["serial"], ["serial", "parallel"])]
+    for out in runs:
+        assert out.returncode == 0, out.stderr[-3000:]
+    first, second = (dict(line.split() for line in out.stdout.splitlines()) for out in runs)
+    assert first["serial"] == second["serial"] == second["parallel"], (first, second)
 
 
 def test_parallel_kernels_run_and_share_the_pool_across_threads():

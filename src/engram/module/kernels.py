@@ -20,7 +20,7 @@ from ..jit import kernel, pow2
 F32 = np.float32
 
 
-@kernel(fastmath=True)
+@kernel()
 def exp_neg(x):
     """exp(-x) in float32 to ~2 ulp, as multiply-adds (vectorises; numba's exp does not without
     Intel's SVML): Cephes' expf. Saturates: exp(-88) for x > 88 (NaN too), exp(87) for x < -87."""
@@ -38,7 +38,7 @@ def exp_neg(x):
     return (p * f * f + f + F32(1.0)) * pow2(np.int32(k))
 
 
-@kernel(fastmath=True)
+@kernel()
 def silu(y):
     return y / (F32(1.0) + exp_neg(y))
 
@@ -66,7 +66,7 @@ def gate_forward(kv, h, w12, eps1, eps2, eps3, demo, conv, live, stats, alpha, o
         gate_row(p, kv, h, w12, eps1, eps2, eps3, demo, conv, live, stats, alpha, out)
 
 
-@kernel(fastmath=True)
+@kernel()
 def gate_row(p, kv, h, w12, eps1, eps2, eps3, demo, conv, live, stats, alpha, out):
     """gate_forward at position p (each parallel kernel calls a per-item function, which its
     serial twin calls too: both run the same compiled loops, so the same bits)."""
@@ -99,7 +99,7 @@ def gate_row(p, kv, h, w12, eps1, eps2, eps3, demo, conv, live, stats, alpha, ou
                 o[c] = a * v[c]
 
 
-@kernel(fastmath=True)
+@kernel()
 def conv_input(kv, alpha, live, stats, nw, p, xn):
     """The conv's normalised input RMSNorm(alpha v) nw = v (alpha r) nw at flat position p into
     xn [C] (alpha times live[p]: zero at padding)."""
@@ -136,7 +136,7 @@ def weight_rows(cw, flip, zero):
             pick(cw, k - 4 if flip else 3, k > 3, zero))
 
 
-@kernel(fastmath=True)
+@kernel()
 def conv_silu_grad(x0, x1, x2, x3, w0, w1, w2, w3, gout, gy):
     """gy = gout SiLU'(y), y = sum_j x_j w_j recomputed (rows [C]): the forward keeps no y."""
     for c in range(gy.shape[0]):
@@ -175,7 +175,7 @@ def conv_forward(kv, alpha, live, stats, nw, cw, past, dil, t, chunk, out, full)
         conv_item(item, kv, alpha, live, stats, nw, cw, past, dil, t, chunk, out, full)
 
 
-@kernel(fastmath=True)
+@kernel()
 def conv_item(item, kv, alpha, live, stats, nw, cw, past, dil, t, chunk, out, full):
     """conv_forward's work item."""
     n, m, d = out.shape
@@ -225,7 +225,7 @@ def backward(kv, h, w12, nw, cw, past, gout, galpha, stats, alpha, live, demo, c
                       conv, dil, t, chunk, gkv, gh, acc_w12, acc_nw, acc_cw)
 
 
-@kernel(fastmath=True)
+@kernel()
 def backward_item(item, kv, h, w12, nw, cw, past, gout, galpha, stats, alpha, live, demo,
                   conv, dil, t, chunk, gkv, gh, acc_w12, acc_nw, acc_cw):
     """backward's work item."""
