@@ -28,7 +28,8 @@ def kernel(parallel: bool = False):
     that loaded the caller from the cache runs the copies. With reassociation allowed the two
     vectorised their sums differently (gradients parted by ~1e-5: serial twins against parallel
     kernels when one came from the cache and the other was compiled, the failure CI saw twice).
-    Its price: the gate's sums over a row stay sequential, ~10% of the kernels' time (docs/speed.md)."""
+    Its price: the gate's sums over a row stay sequential, 5-12% of the kernels' own time
+    (docs/speed.md)."""
     # error_model="numpy": a float division may not raise, so the loops vectorise (5x here).
     opts = dict(nogil=True, error_model="numpy")
 

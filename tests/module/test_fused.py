@@ -223,7 +223,8 @@ def test_same_bits_compiled_or_loaded_from_the_cache(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     env.update(PYTHONPATH=str(tmp_path), NUMBA_NUM_THREADS="2")
     runs = [subprocess.run([sys.executable, "-c", code, *modes], env=env, capture_output=True,
-                           text=True, timeout=300) for modes in (["serial"], ["serial", "parallel"])]
+                           text=True, timeout=300)
+            for modes in (["serial"], ["serial", "parallel"])]
     for out in runs:
         assert out.returncode == 0, out.stderr[-3000:]
     first, second = (dict(line.split() for line in out.stdout.splitlines()) for out in runs)

@@ -69,7 +69,8 @@ def gate_forward(kv, h, w12, eps1, eps2, eps3, demo, conv, live, stats, alpha, o
 @kernel()
 def gate_row(p, kv, h, w12, eps1, eps2, eps3, demo, conv, live, stats, alpha, out):
     """gate_forward at position p (each parallel kernel calls a per-item function, which its
-    serial twin calls too: both run the same compiled loops, so the same bits)."""
+    serial twin calls too: the same operations in the same order, IEEE (jit.kernel), so the same
+    bits, though numba compiles a copy into each caller)."""
     n, m, d = h.shape
     inv_d, inv_sqrt_d = F32(1.0 / d), F32(1.0 / math.sqrt(d))
     row, v = kv[p], kv[p, :d]  # 1-d views: numba vectorises loops over those, not over [p, c]
