@@ -195,29 +195,22 @@ def test_same_bits_compiled_or_loaded_from_the_cache(tmp_path):
     kernels are IEEE now (engram/jit.py); this fails with fastmath back on."""
     shutil.copytree(Path(SRC) / "engram", tmp_path / "engram",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    code = textwrap.dedent("""
+    code = textwrap.dedent(f"""
         import hashlib, sys, torch
-        from engram import Engram, gemm
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_fused import _module, _run  # this file's module and its gradients
+        import engram
+        from engram import gemm
         from engram.module import fused
-        torch.manual_seed(0)
-        mod = Engram(None, None, 48, 40, 4, gate="demo", kernel_size=4, dilation=3,
-                     conv_init="default")
-        with torch.no_grad():
-            for p in mod.parameters():
-                p.add_(torch.randn_like(p) * 0.2)
-        h, mem = torch.randn(4, 64, 4, 40), torch.randn(4, 64, 48, requires_grad=True)
-        h.requires_grad_()
+        assert engram.__file__.startswith({str(tmp_path)!r}), engram.__file__  # the fresh copy
+        mod = _module()
+        h, mem = torch.randn(4, 64, 4, 40), torch.randn(4, 64, 48)
         torch.set_num_threads(1)
-        plans = {"serial": fused.make_plan(1), "parallel": fused.make_plan(2, serial_below=0)}
+        plans = {{"serial": fused.make_plan(1), "parallel": fused.make_plan(2, serial_below=0)}}
         for name in sys.argv[1:]:
-            mod.kernels = plans[name]
-            mod.zero_grad(set_to_none=True)
-            h.grad = mem.grad = None
             with gemm.using("torch"):
-                y, a = mod(h, memory=mem, return_gate=True)
-                (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
-            bits = [y, a, h.grad, mem.grad] + [p.grad for p in mod.parameters()]
-            print(name, hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in bits))
+                got = _run(mod, h, mem, plans[name])
+            print(name, hashlib.sha256(b"".join(t.numpy().tobytes() for t in got.values()))
                   .hexdigest())
     """)
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
