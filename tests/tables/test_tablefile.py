@@ -125,7 +125,7 @@ def test_corruption_is_detected_and_named(tmp_path, hasher, weight):
         FileTable(path, verify=False)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp8"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp8", "int8", "int4"])
 def test_a_file_holding_these_rows_is_kept_and_any_other_written_again(tmp_path, hasher, weight,
                                                                          dtype):
     """``kept`` (an export's rerun): the same rows, header and verified checksums keep the file

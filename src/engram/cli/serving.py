@@ -15,7 +15,7 @@ from .registry import GENERATION, RUN_DIR, RUN_RECORDS, TIER_OPTIONS, TRAIN, com
 class Tables:
     # Where table rows are read from.
     tier: str = field(default="memory", metadata={"choices": "engram.tables.registry:TIERS"})
-    # Row type of the table files.
+    # Row type of the table files (only fp32 is exact; int8 / int4: GGUF Q8_0 / Q4_0 blocks).
     table_dtype: str = field(default="fp32", metadata={"choices": "engram.tables.tablefile:DTYPES"})
     cache_fraction: float = 0.0  # hot cache of this fraction of each table's rows (file tiers)
     prefetch: bool = False  # gather each step's rows in background threads

@@ -5,8 +5,9 @@ entry from flushing its small ones to zero. Scales are stored as fp32, or as Dee
 its Engram tables: E8M0, one byte per scale holding a power of two's exponent (OCP MX, bias 127),
 so that an imported V4.1 table keeps its exact bytes and every tier dequantises it alike.
 
-Every tier reads its rows through :class:`StoredRows`: gather and dequantise in one pass
-(tables/read_kernels.py) with the values torch's ``dequantize_fp8`` gives, bit for bit.
+Every tier reads its rows through ``StoredRows``: gather and dequantise in one pass
+(tables/read_kernels.py) with the values torch's ``dequantize_fp8`` gives, bit for bit (and
+int8 / int4 blocks', tables/blocks.py, ``dequantize_blocks``).
 
 Shape legend: n rows, e row width, nb = e / block scale blocks per row, r rows of a table.
 """
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from .blocks import block_bytes, dequantize_blocks
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # fp8 scale format -> (torch dtype of the stored scales, bytes per scale). "e8m0": the unsigned
@@ -44,18 +47,27 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 class StoredRows:
     """A table's rows as stored, data [r, e] (fp32, bf16, fp16, or fp8 with block scales [r, nb],
-    fp32 or E8M0 bytes), read by :meth:`gather`. Made once per table (or mapping): a decode
-    step's read is tens of microseconds, so what can be settled once (which path, the arrays the
-    kernel takes) is not settled again per read."""
+    fp32 or E8M0 bytes), or with ``blocks`` = (kind, block) int8 / int4 GGUF blocks as bytes
+    [r, rb] (tables/blocks.py), read by ``gather``. Made once per table (or mapping): a
+    decode step's read is tens of microseconds, so what can be settled once (which path, the
+    arrays the kernel takes) is not settled again per read."""
 
-    def __init__(self, data: torch.Tensor, scales: torch.Tensor | None = None):
-        self.data, self.scales = data, scales
+    def __init__(self, data: torch.Tensor, scales: torch.Tensor | None = None,
+                 blocks: tuple[str, int] | None = None):
+        self.data, self.scales, self.blocks = data, scales, blocks
         self.dim = data.shape[1]
         self.kernel = None  # the fused read, when it takes these rows
-        if (data.dtype in (torch.float8_e4m3fn, torch.bfloat16) and data.device.type == "cpu"
+        if blocks is not None:
+            kind, block = blocks
+            self.dim = data.shape[1] // block_bytes(kind, block) * block
+            if (data.dtype == torch.uint8 and data.device.type == "cpu" and scales is None
+                    and data.stride(1) == 1 and _kernels() is not None):
+                self.kernel = _kernels().gather_blocks
+                self.args = (data.numpy(), kind == "int4", block)
+        elif (data.dtype in (torch.float8_e4m3fn, torch.bfloat16) and data.device.type == "cpu"
                 and (scales is None) == (data.dtype == torch.bfloat16) and data.stride(1) == 1
                 and (scales is None or scales.stride(1) == 1)):
-            kernels = _kernels()  # numba is imported by fp8 and bf16 reads only
+            kernels = _kernels()  # numba is imported by fp8, bf16 and block reads only
             if kernels is not None and scales is None:
                 self.kernel = kernels.gather_bf16
                 self.args = (data.view(torch.int16).numpy().view(np.uint16),)
@@ -68,9 +80,10 @@ class StoredRows:
                out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``ids`` [n] (int64 on the CPU, in range; None: every row in order) as
         ``out_dtype`` [n, e] (into ``out`` when given): the values of ``dequantize_fp8(data[ids],
-        scales[ids])`` (fp8) or ``data[ids]`` (others) cast to out_dtype, bit for bit; ids
-        outside the rows raise :func:`check_range`'s IndexError (tiers leave the check to this
-        read). fp8 and bf16 rows on the CPU are read to fp32 in one pass by a compiled kernel,
+        scales[ids])`` (fp8), ``blocks.dequantize_blocks(data[ids], *blocks)`` (int8, int4) or
+        ``data[ids]`` (others) cast to out_dtype, bit for bit; ids outside the rows raise
+        ``check_range``'s IndexError (tiers leave the check to this read). fp8, bf16, int8
+        and int4 rows on the CPU are read to fp32 in one pass by a compiled kernel,
         which checks the ids as it goes and holds no lock of Python's (a large read can be split
         over threads)."""
         data, scales = self.data, self.scales
@@ -80,10 +93,12 @@ class StoredRows:
         if self.kernel is None or out.dtype != torch.float32 or not out.is_contiguous():
             if ids is not None and ids.device.type == "cpu":
                 check_range(ids.numpy(), data.shape[0])
-            if scales is None and ids is not None and data.dtype == out.dtype:
+            if scales is None and ids is not None and data.dtype == out.dtype and not self.blocks:
                 return torch.index_select(data, 0, ids, out=out)
             raw = data if ids is None else data.index_select(0, ids)
-            if scales is not None:
+            if self.blocks is not None:
+                raw = dequantize_blocks(raw, *self.blocks)
+            elif scales is not None:
                 raw = dequantize_fp8(raw, scales if ids is None else scales.index_select(0, ids))
             return out.copy_(raw)
         at = np.arange(n) if ids is None else ids.numpy()
@@ -101,10 +116,11 @@ def check_range(ids: np.ndarray, num_rows: int) -> None:
 
 
 def gather_rows(data: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor | None,
-                out_dtype: torch.dtype = torch.float32,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """``StoredRows(data, scales).gather(ids, out_dtype, out)``: one read of rows as stored."""
-    return StoredRows(data, scales).gather(ids, out_dtype, out)
+                out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+                blocks: tuple[str, int] | None = None) -> torch.Tensor:
+    """``StoredRows(data, scales, blocks).gather(ids, out_dtype, out)``: one read of rows as
+    stored."""
+    return StoredRows(data, scales, blocks).gather(ids, out_dtype, out)
 
 
 def _kernels():

@@ -1,7 +1,7 @@
-"""Tables in host memory: the memory tier (:class:`HostTable`, rows kept as the table file stores
-them) and pinned host memory copied to the device on demand (:class:`PinnedTable`). Each
-implements the :class:`engram.tables.store.TableStore` protocol and is tested row for row against
-:class:`engram.tables.store.MemoryTable` (tests/tables/test_tiers.py, test_fp8.py).
+"""Tables in host memory: the memory tier (``HostTable``, rows kept as the table file stores
+them) and pinned host memory copied to the device on demand (``PinnedTable``). Each
+implements the ``engram.tables.store.TableStore`` protocol and is tested row for row against
+``engram.tables.store.MemoryTable`` (tests/tables/test_tiers.py, test_fp8.py).
 
 Shape legend: r rows, e row width, n rows asked for, ... any leading shape of row ids,
 nb fp8 scale blocks per row.
@@ -19,21 +19,23 @@ from .tiers import FileTable, check_rows
 
 class HostTable:
     """A table in this process's memory, its rows kept as the table file stores them (fp8 values
-    and block scales, bf16, ...): an FP8 + E8M0 table takes 264 bytes a row of head dim 256, not
-    the 1,024 of fp32, and every lookup gathers and dequantises in one pass (fp8.StoredRows).
+    and block scales, int8 / int4 blocks, bf16, ...): an FP8 + E8M0 table takes 264 bytes a row of
+    head dim 256 (int8 272, int4 144), not the 1,024 of fp32, and every lookup gathers and
+    dequantises in one pass (fp8.StoredRows).
 
-    ``source``: a :class:`FileTable` (its stored rows are copied; with ``dtype`` they are read
+    ``source``: a ``FileTable`` (its stored rows are copied; with ``dtype`` they are read
     as ``dtype`` instead), rows [r, e], a module with a ``weight`` [r, e], or any TableStore (its
     lookups' rows, in their dtype or ``dtype``). ``pin``: page-locked memory (CUDA only).
     """
 
     def __init__(self, source: Any, *, dtype: torch.dtype | None = None,
                  chunk_rows: int = 1 << 16, pin: bool = False):
-        scales = None
+        scales, blocks = None, None
         if isinstance(source, FileTable) and dtype is None:  # as stored: fp8 keeps its scales
             num_rows, dim = source.num_rows, source.dim
             read = source.stored  # (a, b) -> (values, scales or None)
             dtype, self.out_dtype = source._data.dtype, source.out_dtype
+            width, blocks = source._data.width, source._data.blocks  # int8 / int4: row bytes
             if source._scales is not None:
                 scales = (source._scales.width, source._scales.dtype)
         else:
@@ -49,9 +51,10 @@ class HostTable:
                 rows = lambda a, b: source.lookup(torch.arange(a, b))  # noqa: E731
             read = lambda a, b: (rows(a, b), None)  # noqa: E731
             dtype = dtype or rows(0, 1).dtype
-            self.out_dtype = dtype
+            self.out_dtype, width = dtype, dim
         self.num_rows, self.dim = int(num_rows), int(dim)
-        self.host = torch.empty(self.num_rows, self.dim, dtype=dtype, pin_memory=pin)  # [r, e]
+        # [r, e], or [r, rb]: int8 / int4 blocks
+        self.host = torch.empty(self.num_rows, width, dtype=dtype, pin_memory=pin)
         self.host_scales = (None if scales is None else  # [r, nb] fp32 or E8M0 bytes
                             torch.empty(self.num_rows, scales[0], dtype=scales[1],
                                         pin_memory=pin))
@@ -62,7 +65,7 @@ class HostTable:
                 self.host[a:b] = values.to(dtype)
                 if sc is not None:
                     self.host_scales[a:b] = sc
-        self.rows = StoredRows(self.host, self.host_scales)
+        self.rows = StoredRows(self.host, self.host_scales, blocks)
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         flat = check_rows(rows, self.num_rows, bounds=False)  # the read checks them
@@ -89,7 +92,7 @@ class PinnedTable(HostTable):
     Pinned memory lets the host-to-device copy run as DMA, asynchronously on the current stream
     (paper section 2.5: a 100B-parameter table in host DRAM costs under 3% of throughput). Without
     CUDA the table is ordinary host memory and rows stay on the CPU. Rows are held as a
-    :class:`HostTable` holds them (a table file's as stored) and read to fp32 on the host.
+    ``HostTable`` holds them (a table file's as stored) and read to fp32 on the host.
     """
 
     def __init__(self, source: Any, *, device: torch.device | str | None = None,

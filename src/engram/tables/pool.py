@@ -15,7 +15,7 @@ each table's rows, then its scales, each at a 2 MiB boundary.
 
 The sequence number is a seqlock: odd while rank 0 writes, even once the pool is complete. A
 reader refuses (or waits for) an odd number, and every lookup reads it before and after copying
-its rows: a lookup that overlapped a rewrite raises :class:`PoolChanged` instead of returning
+its rows: a lookup that overlapped a rewrite raises ``PoolChanged`` instead of returning
 torn rows. (Stores to a shared mapping become visible in program order on x86 (TSO); on weaker
 memory models a writer would need fences around the sequence number.)
 
@@ -56,7 +56,7 @@ from .tiers import check_rows
 
 ALIGN = 2 << 20  # device DAX maps in units of its alignment, 2 MiB by default
 MAGIC = b"ENGRAMPL"
-VERSION = 1
+VERSION = 2  # the newest read here; a pool is written at its tables' newest table file version
 _HEAD = struct.Struct("<8sIIQQQII")  # magic, version, reserved, seq, size, reserved, dir len, crc
 _SEQ = 16  # byte offset of the u64 sequence number (8-byte aligned: one atomic store)
 
@@ -162,16 +162,15 @@ def write_pool(path: str | Path, sources: dict[Key, Source], *, config: EngramCo
     be large enough. ``on_chunk(bytes done, bytes in all)`` is called after each copied chunk.
     """
     path = Path(path)
-    entries, readers, off = {}, {}, ALIGN
+    entries, readers, off, version = {}, {}, ALIGN, 1
     sources = {_key(k): src for k, src in sources.items()}
     for part, lid in sorted(sources):
         prof = hasher.profile(lid, part) if hasher is not None else None
         head, read = _source(sources[(part, lid)], lid, config, prof)
-        rb = head["dim"] * DTYPES[head["dtype"]][1]
-        sw = 0 if head["scale_block"] is None else head["dim"] // head["scale_block"]
-        sb = SCALE_FORMATS[head.get("scale_format", "fp32")][1]  # bytes per scale
-        e = {"header": head, "data_offset": off, "data_bytes": head["num_rows"] * rb,
-             "scale_offset": None, "scale_bytes": head["num_rows"] * sw * sb}
+        th = TableHeader(**head)
+        e = {"header": head, "data_offset": off, "data_bytes": th.num_rows * th.row_bytes,
+             "scale_offset": None, "scale_bytes": th.num_rows * th.scale_row_bytes}
+        version = max(version, th.version)
         off = _up(off + e["data_bytes"], ALIGN)
         if e["scale_bytes"]:
             e["scale_offset"], off = off, _up(off + e["scale_bytes"], ALIGN)
@@ -191,7 +190,7 @@ def write_pool(path: str | Path, sources: dict[Key, Source], *, config: EngramCo
             magic = bytes(mm[:8])
             old = int(seq[0]) if magic == MAGIC else 0
             writing = old + 1 if old % 2 == 0 else old + 2  # odd: being written
-            mm[:_HEAD.size] = _HEAD.pack(MAGIC, VERSION, 0, writing, total, 0, 0, 0)
+            mm[:_HEAD.size] = _HEAD.pack(MAGIC, version, 0, writing, total, 0, 0, 0)
             mm.flush(0, ALIGN)  # readers see "being written" before any row changes
             done, n_bytes = 0, sum(e["data_bytes"] + e["scale_bytes"] for e in entries.values())
             for key, e in entries.items():
@@ -212,7 +211,7 @@ def write_pool(path: str | Path, sources: dict[Key, Source], *, config: EngramCo
             if _HEAD.size + len(body) > ALIGN:
                 raise PoolError(f"{path}: directory of {len(body)} bytes does not fit the header")
             mm[_HEAD.size:_HEAD.size + len(body)] = body
-            mm[:_HEAD.size] = _HEAD.pack(MAGIC, VERSION, 0, writing, total, 0, len(body),
+            mm[:_HEAD.size] = _HEAD.pack(MAGIC, version, 0, writing, total, 0, len(body),
                                          zlib.crc32(body))
             mm.flush(0, ALIGN)
             seq[0] = writing + 1  # even: complete; one aligned 8-byte store
@@ -230,7 +229,7 @@ def write_pool(path: str | Path, sources: dict[Key, Source], *, config: EngramCo
 # -- reading (every rank) --------------------------------------------------------------------------
 
 class PoolRegion:
-    """A pool mapped read-only; ``store(layer)`` gives each layer's :class:`PoolTable`, ``parts``
+    """A pool mapped read-only; ``store(layer)`` gives each layer's ``PoolTable``, ``parts``
     every table by (part, owner layer).
 
     Refuses a pool being written; with ``wait_s`` it waits up to that long for rank 0 to finish
@@ -276,9 +275,11 @@ class PoolRegion:
                 head.close()
                 raise (PoolNotReady if magic == bytes(8) else PoolError)(
                     f"{self.path}: not an Engram pool (magic {magic!r})")
-            if version != VERSION:
+            if not 1 <= version <= VERSION:
                 head.close()
-                raise PoolError(f"{self.path}: pool version {version}, this engram reads {VERSION}")
+                raise PoolError(f"{self.path}: pool version {version}, this engram reads 1 to "
+                                f"{VERSION} (a newer engram wrote it: upgrade, or rewrite the "
+                                "pool)")
             if seq % 2:
                 head.close()
                 raise PoolNotReady(f"{self.path}: rank 0 is still writing this pool "
@@ -325,18 +326,19 @@ class PoolRegion:
 
 
 class PoolTable:
-    """One layer's rows inside a :class:`PoolRegion` (a TableStore); rows come back as copies."""
+    """One layer's rows inside a ``PoolRegion`` (a TableStore); rows come back as copies."""
 
     def __init__(self, region: PoolRegion, header: TableHeader, entry: dict,
                  out_dtype: torch.dtype):
         self.region, self.header, self.out_dtype = region, header, out_dtype
         self.num_rows, self.dim = header.num_rows, header.dim
         dtype = DTYPES[header.dtype][0]
-        self.data = _view(region._mm, dtype, entry["data_offset"], self.num_rows, self.dim)
+        self.data = _view(region._mm, dtype, entry["data_offset"], self.num_rows,
+                          header.data_width)  # [r, e], or int8 / int4 blocks' bytes [r, rb]
         self.scales = (None if not entry["scale_bytes"] else
                        _view(region._mm, SCALE_FORMATS[header.scale_format][0],
                              entry["scale_offset"], self.num_rows, header.scale_width))
-        self.rows = StoredRows(self.data, self.scales)
+        self.rows = StoredRows(self.data, self.scales, header.blocks)
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         flat = check_rows(rows, self.num_rows, bounds=False)  # [n]; the read checks them

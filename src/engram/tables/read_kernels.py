@@ -1,5 +1,6 @@
 """The numba kernels behind tables/fp8.py's ``StoredRows``: a table read that gathers the asked
-rows and widens them to fp32 in one pass (fp8 E4M3 values times their block scales; bf16), so a
+rows and widens them to fp32 in one pass (fp8 E4M3 values times their block scales; bf16; int8
+and int4 GGUF blocks, tables/blocks.py), so a
 tier reads the 264 bytes of an FP8 + E8M0 row and writes its 1,024 fp32 bytes with no separate
 fp8 -> fp32 conversion (torch's costs ~3 ns a value on CPU). Compiled on first call, cached on
 disk next to this file (engram/jit.py). Each kernel also checks the row ids (returning where the
@@ -7,9 +8,11 @@ first bad one is), so a tier's read of a decode step's rows pays for no separate
 
 Every value is bit for bit what torch computes (``q.float() * scale``, tables/fp8.py
 ``dequantize_fp8``): an E4M3 value is exact in fp16 and fp32, so its product with the scale,
-rounded once, is the whole dequantisation; bf16 -> fp32 is its bits moved up 16 places.
+rounded once, is the whole dequantisation; bf16 -> fp32 is its bits moved up 16 places; an int8
+or int4 value times its fp16 block scale is exact in fp32.
 
-Shape legend: r rows in the table, e row width, nb = e / block scale blocks per row, n rows read.
+Shape legend: r rows in the table, e row width, nb = e / block scale blocks per row, n rows read,
+rb bytes of an int8 / int4 row (its blocks).
 """
 
 from __future__ import annotations
@@ -215,4 +218,98 @@ def gather_bf16(data, ids, out):
         src, dst = data[k], out[i]
         for c in range(src.shape[0]):
             dst[c] = bf16(src[c])
+    return n
+
+
+# -- int8 / int4 GGUF blocks (tables/blocks.py) ----------------------------------------------
+
+@intrinsic
+def half_at(typingctx, data, k, a):
+    """The fp16 at bytes data[k, a], data[k, a + 1] (little-endian, any alignment) in fp32: exact,
+    fp16's subnormals being fp32 normals, whatever MXCSR says (vcvtph2ps)."""
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], args[2]],
+                                       wraparound=False)
+        h = builder.load(builder.bitcast(ptr, I16.as_pointer()), align=1)
+        return builder.fpext(builder.bitcast(h, ir.HalfType()), F32)
+    return types.float32(data, types.intp, types.intp), codegen
+
+
+def _block_lanes(int4: bool):
+    @intrinsic
+    def lanes(typingctx, data, k, a, out, i, col, d):
+        def codegen(context, builder, sig, args):
+            ptrs = []
+            for at, idx in ((0, (1, 2)), (3, (4, 5))):
+                aryty = sig.args[at]
+                ary = context.make_array(aryty)(context, builder, args[at])
+                ptrs.append(cgutils.get_item_pointer(context, builder, aryty, ary,
+                                                     [args[idx[0]], args[idx[1]]],
+                                                     wraparound=False))
+            vf32 = ir.VectorType(F32, LANES)
+            if int4:  # 16 bytes: low nibbles are values 0..15, high nibbles 16..31, each q - 8
+                half = LANES // 2
+                b = builder.load(builder.bitcast(ptrs[0], ir.VectorType(I8, half).as_pointer()),
+                                 align=1)
+                lo = builder.and_(b, ir.Constant(ir.VectorType(I8, half), [0x0F] * half))
+                hi = builder.lshr(b, ir.Constant(ir.VectorType(I8, half), [4] * half))
+                q = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, LANES),
+                                                               list(range(LANES))))
+                q = builder.sub(q, _vector(I8, 8))  # -8..7
+            else:
+                q = builder.load(builder.bitcast(ptrs[0], ir.VectorType(I8, LANES).as_pointer()),
+                                 align=1)
+            v = builder.sitofp(q, vf32)  # exact
+            one = builder.insert_element(ir.Constant(vf32, ir.Undefined), args[6],
+                                         ir.Constant(I32, 0))
+            s = builder.shuffle_vector(one, ir.Constant(vf32, ir.Undefined), _vector(I32, 0))
+            builder.store(builder.fmul(v, s), builder.bitcast(ptrs[1], vf32.as_pointer()),
+                          align=4)
+            return context.get_dummy_value()
+        return (types.none(data, types.intp, types.intp, out, types.intp, types.intp,
+                           types.float32), codegen)
+    return lanes
+
+
+# out[i, col:col + 32] = the 32 values of the block whose values start at data[k, a] (int8
+# bytes, or int4 nibbles in Q4_0's order) times d: one load, the integers widened to fp32 (exact)
+# and one product each (exact too). No bounds checks: the caller's.
+q8_lanes = _block_lanes(int4=False)
+q4_lanes = _block_lanes(int4=True)
+
+
+@kernel()
+def gather_blocks(data, int4, block, ids, out):
+    """out[i] = row ids[i] of data [r, rb] (int8 or, ``int4``, int4 GGUF blocks of ``block``
+    values, as uint8) in fp32. Returns n, or the position of the first id outside [0, r) (rows
+    before it are read). Blocks of 32 (GGUF's) go 32 values a step; others value by value."""
+    n, r, e = ids.shape[0], data.shape[0], out.shape[1]
+    nb = e // block
+    step = 2 + (block // 2 if int4 else block)  # bytes a block
+    half = block // 2
+    vec = block == LANES
+    for i in range(n):
+        k = ids[i]
+        if k < 0 or k >= r:
+            return i
+        if i + AHEAD < n:  # the row's first line; the CPU fetches the rest of a row's bytes
+            prefetch(data[ids[i + AHEAD]], 0)
+        for j in range(nb):
+            a, col = j * step, j * block
+            d = half_at(data, k, a)
+            if vec and int4:
+                q4_lanes(data, k, a + 2, out, i, col, d)
+            elif vec:
+                q8_lanes(data, k, a + 2, out, i, col, d)
+            elif int4:
+                for c in range(half):
+                    b = np.int32(data[k, a + 2 + c])
+                    out[i, col + c] = np.float32((b & 15) - 8) * d
+                    out[i, col + half + c] = np.float32((b >> 4) - 8) * d
+            else:
+                for c in range(block):
+                    b = np.int32(data[k, a + 2 + c])
+                    out[i, col + c] = np.float32(b - 256 if b >= 128 else b) * d
     return n

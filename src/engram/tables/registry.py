@@ -5,10 +5,10 @@ set, ``engram.retrieval.hashing.Hasher.parts``) as one store per part, all with 
 
     opener(directory, config, hasher, *, verify, device, **options) -> Opened
 
-:func:`open_tier` puts the optional hot cache (tables/cache.py) and background prefetch
+``open_tier`` puts the optional hot cache (tables/cache.py) and background prefetch
 (tables/prefetch.py) in front and assembles each layer's store (tables/hotcold.py), whatever the
 tier. The command line's choices (``engram generate --tier``, ``engram export-hf --tier``), the vLLM
-plugin's ``engram_serving.tier`` and ``engram pool-budget --tiers`` all come from :data:`REGISTRY`,
+plugin's ``engram_serving.tier`` and ``engram pool-budget --tiers`` all come from ``REGISTRY``,
 and tests/tables/test_tiers.py checks every registered tier row for row against the in-memory
 table: a new tier is added, offered and tested by registering it here.
 """
@@ -32,12 +32,12 @@ from .host import HostTable, PinnedTable
 Parts = dict[tuple[str, int], TableStore]  # (part, owner layer) -> store
 # Stored dtypes the memory tier keeps as stored on the CPU (HostTable: every lookup gathers and
 # dequantises in one pass, fp8.StoredRows); other files are read into an fp32 MemoryTable.
-STORED = ("fp8", "bf16")
+STORED = ("fp8", "bf16", "int8", "int4")
 
 
 @dataclass
 class Opened:
-    """What a tier's opener gives: every part's store, and what :meth:`close` releases."""
+    """What a tier's opener gives: every part's store, and what ``close`` releases."""
     parts: Parts
     resources: list[Any] = field(default_factory=list)  # objects with close(), closed last first
 
@@ -136,7 +136,7 @@ def _open_memory(directory: Path, config: EngramConfig, hasher: Hasher | None, *
     parts = {}
     for key, f in files.items():
         if torch.device(device).type == "cpu" and f.dtype in STORED:
-            parts[key] = HostTable(f)  # as stored: a quarter of fp32's memory for fp8 rows
+            parts[key] = HostTable(f)  # as stored: fp8 a quarter of fp32's memory, int4 1/7
         else:
             parts[key] = MemoryTable(f.num_rows, f.dim, device=device)
             _copy_rows(f, parts[key].weight.data)

@@ -8,7 +8,9 @@ on NVMe or in a pool shared by processes; this is the file every such tier maps.
                          u32 crc32 of the header, u32 reserved, u64 total file size
     [32, 32 + len)       header: UTF-8 JSON (shape, dtype, Engram config, hash profile, layer id,
                          per-chunk crc32s)
-    [data_offset, ...)   rows [r, e] in the stored dtype (fp32, bf16, fp16 or fp8 e4m3)
+    [data_offset, ...)   rows [r, e] in the stored dtype (fp32, bf16, fp16 or fp8 e4m3), or
+                         int8 / int4 rows [r, rb] of GGUF Q8_0 / Q4_0 blocks, each an fp16 scale
+                         and its values (tables/blocks.py)
     [scale_offset, ...)  fp8 only: per-block scales [r, e / block], fp32 or (``scale_format``
                          "e8m0") one byte each: a power of two's exponent, DeepSeek-V4.1's format
 
@@ -18,7 +20,12 @@ named. A new version is written aside, fsynced and renamed over the old name: a 
 the path gets the old file or the new one whole, and a reader that already mapped the old one keeps
 it.
 
-Shape legend: r rows, e row width (head dim), nb scale blocks per row (e / block).
+Format versions: 1, every dtype but int8 and int4; 2 added them. A file is written at the oldest
+version that holds it (an fp8 file stays readable by an engram that reads 1), and a reader refuses
+a version newer than its own in one line.
+
+Shape legend: r rows, e row width (head dim), nb scale blocks per row (e / block), rb bytes of an
+int8 / int4 row.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from ..files import disk_errors, open_beside
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import PARTS, Hasher, differences
 from ..retrieval.primes import rows_per_layer
+from . import blocks
 from .fp8 import (  # noqa: F401  (quantize_fp8, dequantize_fp8 and FP8_MAX were defined here)
     FP8_MAX,
     SCALE_FORMATS,
@@ -49,14 +57,16 @@ from .fp8 import (  # noqa: F401  (quantize_fp8, dequantize_fp8 and FP8_MAX were
 )
 
 MAGIC = b"ENGRAMTB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this engram reads and writes (the module's docstring: versions)
 _PREAMBLE = struct.Struct("<8sIIIIQ")  # magic, version, header len, header crc, reserved, file size
 PAGE = 4096
-# Stored dtype name -> (torch dtype of the stored values, bytes per value).
+# Stored dtype name -> (torch dtype of the stored units, bytes per unit): a value each, or for
+# int8 and int4 (lossy, tables/blocks.py) the bytes of a row's blocks.
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "fp32": (torch.float32, 4), "bf16": (torch.bfloat16, 2), "fp16": (torch.float16, 2),
-    "fp8": (torch.float8_e4m3fn, 1),
+    "fp8": (torch.float8_e4m3fn, 1), "int8": (torch.uint8, 1), "int4": (torch.uint8, 1),
 }
+BLOCK_SCALES = "fp16"  # the scale_format an int8 / int4 header names: fp16, inside each block
 # File name suffix of each part of a table set (engram.retrieval.hashing.PARTS): hashed rows of
 # one head each, or Engram-Nine's hot rows [S, K * e].
 SUFFIX = {"cold": "", "hot": ".hot"}
@@ -74,7 +84,7 @@ class TableHeader:
     num_rows: int
     dim: int
     dtype: str  # a DTYPES key
-    scale_block: int | None  # fp8: values per scale; else None
+    scale_block: int | None  # fp8, int8, int4: values per scale; else None
     data_offset: int
     scale_offset: int | None
     file_size: int
@@ -84,19 +94,38 @@ class TableHeader:
     hash_profile: dict[str, Any] | None
     tag: str = ""  # free-form version label of this publish (e.g. a training step)
     format: str = "engram-table"
-    scale_format: str = "fp32"  # fp8: a SCALE_FORMATS key (files before it existed: fp32)
+    # fp8: a SCALE_FORMATS key (files before it existed: fp32); int8, int4: BLOCK_SCALES
+    scale_format: str = "fp32"
+
+    @property
+    def blocks(self) -> tuple[str, int] | None:
+        """int8 / int4: (dtype, values per block), how its rows' bytes read; else None."""
+        return (self.dtype, self.scale_block) if self.dtype in blocks.KINDS else None
+
+    @property
+    def data_width(self) -> int:
+        """Stored units a row (DTYPES): its values, or an int8 / int4 row's bytes."""
+        b = self.blocks
+        return self.dim if b is None else blocks.row_bytes(self.dtype, self.dim, b[1])
 
     @property
     def row_bytes(self) -> int:
-        return self.dim * DTYPES[self.dtype][1]
+        return self.data_width * DTYPES[self.dtype][1]
 
     @property
     def scale_width(self) -> int:
-        return 0 if self.scale_block is None else self.dim // self.scale_block
+        """Scales a row in the scale region (fp8's); int8 / int4 keep theirs in the row."""
+        fp8 = self.dtype == "fp8" and self.scale_block is not None
+        return self.dim // self.scale_block if fp8 else 0
 
     @property
     def scale_row_bytes(self) -> int:
-        return self.scale_width * SCALE_FORMATS[self.scale_format][1]
+        return self.scale_width and self.scale_width * SCALE_FORMATS[self.scale_format][1]
+
+    @property
+    def version(self) -> int:
+        """The oldest format version that holds this file (the module's docstring)."""
+        return 2 if self.dtype in blocks.KINDS else 1
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
@@ -140,8 +169,11 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
     ``rows`` is a tensor [r, e] or a function ``(start, stop) -> rows [stop-start, e]`` (so a table
     larger than memory can be written piece by piece; then pass num_rows and dim). With fp8 the
     function may also return rows already quantised, ``(fp8 values, scales in scale_format)``:
-    they are stored byte for byte (a DeepSeek-V4.1 table is imported without re-quantising).
+    they are stored byte for byte (a DeepSeek-V4.1 table is imported without re-quantising);
+    with int8 / int4, the rows' blocks as uint8 [stop-start, rb] (a GGUF Q8_0 / Q4_0 tensor's).
     ``scale_format``: "fp32" scales, or "e8m0" power-of-two exponent bytes (fp8 only).
+    ``scale_block``: values per scale of fp8, int8 and int4 rows (a width it does not divide
+    gets one scale a row).
     ``kept``: given, a file already at ``path`` that holds exactly these rows (the same header,
     every chunk's crc32 that of the rows given, its own checksums verified) is kept, not written
     again, and its path appended: the rerun of an interrupted export writes only what is missing.
@@ -159,26 +191,31 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
         rows = lambda a, b: tensor[a:b].cpu()  # noqa: E731  (a device table, slice by slice)
     if num_rows is None or dim is None or num_rows <= 0 or dim <= 0:
         raise ValueError("a row function needs positive num_rows and dim")
-    esize = DTYPES[dtype][1]
     block = None
-    if dtype == "fp8":
+    if dtype == "fp8" or dtype in blocks.KINDS:
         block = scale_block if dim % scale_block == 0 else dim
-    chunk_rows = chunk_rows or max(1, (4 << 20) // (dim * esize))  # ~4 MiB of rows per checksum
-    n_chunks = -(-num_rows // chunk_rows)
+    if dtype in blocks.KINDS:
+        blocks.check_block(dtype, dim, block)
+    split = dtype == "fp8"  # scales in a region of their own
+    fmt = scale_format if split else BLOCK_SCALES if block else "fp32"
     header = TableHeader(
         layer_id=int(layer_id), num_rows=int(num_rows), dim=int(dim), dtype=dtype,
-        scale_block=block, data_offset=0, scale_offset=None, file_size=0, chunk_rows=chunk_rows,
-        chunks=["0" * 8] * n_chunks, engram_config=config.to_dict(), hash_profile=profile,
-        tag=str(tag), scale_format=scale_format if block else "fp32")
+        scale_block=block, data_offset=0, scale_offset=None, file_size=0, chunk_rows=1,
+        chunks=[], engram_config=config.to_dict(), hash_profile=profile, tag=str(tag),
+        scale_format=fmt)
+    rb = header.row_bytes
+    chunk_rows = header.chunk_rows = chunk_rows or max(1, (4 << 20) // rb)  # ~4 MiB a checksum
+    n_chunks = -(-num_rows // chunk_rows)
+    header.chunks = ["0" * 8] * n_chunks
     # The crc values are fixed-width hex, so the header's length depends only on the offsets' digit
     # counts: settle them first, then write the rows, then the header in front of them.
-    data_bytes = num_rows * dim * esize
+    data_bytes = num_rows * rb
     hlen = -1
     while hlen != len(header.to_json()):
         hlen = len(header.to_json())
         header.data_offset = _align(_PREAMBLE.size + hlen)
-        header.scale_offset = _align(header.data_offset + data_bytes) if block else None
-        header.file_size = (header.scale_offset + num_rows * header.scale_row_bytes if block
+        header.scale_offset = _align(header.data_offset + data_bytes) if split else None
+        header.file_size = (header.scale_offset + num_rows * header.scale_row_bytes if split
                             else header.data_offset + data_bytes)
 
     def chunk(c: int) -> tuple[int, bytes, bytes]:
@@ -188,6 +225,9 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
         if isinstance(x, tuple) and dtype == "fp8":
             q, sc = check_quantized(*x, b - a, dim, block, header.scale_format, f"rows {a}:{b}")
             return a, _row_bytes(q), _row_bytes(sc)
+        if dtype in blocks.KINDS and x.dtype == torch.uint8:  # as stored
+            return a, _row_bytes(blocks.check_stored(x, dtype, b - a, dim, block,
+                                                     f"rows {a}:{b}")), b""
         if tuple(x.shape) != (b - a, dim):
             raise ValueError(f"row source gave {tuple(x.shape)} for rows {a}:{b}, expected "
                              f"{(b - a, dim)}")
@@ -195,6 +235,8 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
             q, s = (quantize_fp8_e8m0(x, block) if header.scale_format == "e8m0"
                     else quantize_fp8(x, block))
             return a, _row_bytes(q), _row_bytes(s)
+        if dtype in blocks.KINDS:
+            return a, _row_bytes(blocks.quantize_blocks(x, dtype, block, f"rows {a}:{b}")), b""
         return a, _row_bytes(x.to(DTYPES[dtype][0])), b""
 
     path = Path(path)
@@ -212,10 +254,10 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
 
                 for c in tqdm(range(n_chunks), disable=not progress, desc=path.name, leave=False):
                     a, data, scales = chunk(c)
-                    f.seek(header.data_offset + a * dim * esize)
+                    f.seek(header.data_offset + a * rb)
                     f.write(data)
                     crc = zlib.crc32(data)
-                    if block:
+                    if split:
                         f.seek(header.scale_offset + a * header.scale_row_bytes)
                         f.write(scales)
                         crc = zlib.crc32(scales, crc)
@@ -224,7 +266,7 @@ def write_table(path: str | Path, rows: RowSource, *, num_rows: int | None = Non
                 assert len(body) == hlen, "header length moved"
                 f.truncate(header.file_size)
                 f.seek(0)
-                f.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, hlen, zlib.crc32(body), 0,
+                f.write(_PREAMBLE.pack(MAGIC, header.version, hlen, zlib.crc32(body), 0,
                                        header.file_size))
                 f.write(body)
                 f.flush()
@@ -302,9 +344,12 @@ def read_header(source: str | Path | int, name: str | None = None) -> TableHeade
         magic, version, hlen, hcrc, _, file_size = _PREAMBLE.unpack(pre)
         if magic != MAGIC:
             raise TableFileError(f"{name}: not an Engram table file (magic {magic!r})")
-        if version != FORMAT_VERSION:
-            raise TableFileError(f"{name}: format version {version}, this engram reads "
-                                 f"{FORMAT_VERSION}")
+        if version > FORMAT_VERSION:
+            raise TableFileError(f"{name}: table format version {version}, written by a newer "
+                                 f"engram; this one reads versions 1 to {FORMAT_VERSION} "
+                                 "(upgrade engram to read it)")
+        if version < 1:
+            raise TableFileError(f"{name}: table format version {version} does not exist")
         if size < file_size:
             raise TableFileError(f"{name}: truncated: {size} of {file_size} bytes")
         if size > file_size:
@@ -318,7 +363,9 @@ def read_header(source: str | Path | int, name: str | None = None) -> TableHeade
         except (ValueError, TypeError) as e:
             raise TableFileError(f"{name}: unreadable header: {e}") from e
         if (header.file_size != file_size or header.dtype not in DTYPES
-                or header.scale_format not in SCALE_FORMATS):
+                or header.version > version
+                or header.scale_format not in ((BLOCK_SCALES,) if header.blocks else SCALE_FORMATS)
+                or (header.blocks and not header.scale_block)):
             raise TableFileError(f"{name}: inconsistent header")
         return header
     finally:

@@ -1,13 +1,13 @@
 """Table tiers beyond memory: a memory-mapped table file and a shared pool (host memory and pinned
 memory: tables/host.py).
 
-Each implements the :class:`engram.tables.store.TableStore` protocol and is tested row for row against
-:class:`engram.tables.store.MemoryTable`. Paper section 2.5 and spec section 4: row ids are known before
+Each implements the ``engram.tables.store.TableStore`` protocol and is tested row for row against
+``engram.tables.store.MemoryTable``. Paper section 2.5 and spec section 4: row ids are known before
 the forward pass, so the table need not sit next to the compute; it can be a file on NVMe served
-through the page cache (:class:`FileTable`), host memory copied to the device on demand
-(:class:`PinnedTable`), or one read-only mapping shared by every server process
-(:class:`SharedPool`). Put :class:`engram.tables.cache.CachedTable` and
-:class:`engram.tables.prefetch.PrefetchTable` in front of any of them.
+through the page cache (``FileTable``), host memory copied to the device on demand
+(``PinnedTable``), or one read-only mapping shared by every server process
+(``SharedPool``). Put ``engram.tables.cache.CachedTable`` and
+``engram.tables.prefetch.PrefetchTable`` in front of any of them.
 
 Shape legend: r rows, e row width, n rows asked for, ... any leading shape of row ids,
 nb fp8 scale blocks per row.
@@ -59,19 +59,21 @@ def check_rows(rows: torch.Tensor, num_rows: int, bounds: bool = True) -> torch.
 
 
 class _Region:
-    """Rows [r, w] of one dtype at a file offset, mapped read-only, whole or in windows.
+    """Rows [r, w] of one dtype at a file offset, mapped read-only, whole or in windows; ``blocks``:
+    how an int8 / int4 row's bytes read (TableHeader.blocks).
 
     Windows keep the address space bounded (a process under a RAM budget can still serve a table
     larger than the budget); ``window_rows=None`` maps the whole region once.
     """
 
     def __init__(self, fd: int, offset: int, rows: int, width: int, dtype: torch.dtype,
-                 itemsize: int, window_rows: int | None, max_windows: int, advice: str):
+                 itemsize: int, window_rows: int | None, max_windows: int, advice: str,
+                 blocks: tuple[str, int] | None = None):
         # Its own descriptor: a lookup still holding this region after a refresh() maps windows of
         # the version it started with, never of whatever file reuses the old descriptor number.
         self.fd = os.dup(fd)
         self.offset, self.rows, self.width = offset, rows, width
-        self.dtype, self.row_bytes = dtype, width * itemsize
+        self.dtype, self.row_bytes, self.blocks = dtype, width * itemsize, blocks
         self.window_rows = rows if window_rows is None else max(1, min(rows, window_rows))
         self.max_windows, self.advice = max(1, max_windows), ADVICE[advice]
         self.windows: OrderedDict[int, torch.Tensor] = OrderedDict()
@@ -130,16 +132,17 @@ class FileTable:
     Opens the file once and reads header and rows through that one descriptor, so a publish that
     renames a new version over the path during the open yields the old version or the new one
     whole. ``refresh()`` switches to a newer published version. Rows come back as ``out_dtype``
-    (fp8 rows are dequantised with their block scales).
+    (fp8, int8 and int4 rows are dequantised with their block scales).
 
-    Args:
-        verify: check every chunk's crc32 on open (reads the whole file once).
-        expect: ``(config, layer_id, hasher or None[, part])`` the file must match
-            (``tablefile.check_compatible``; part "hot" for an Engram-Nine hot rows file).
-        window_bytes: map windows of this many bytes, at most ``max_windows`` at a time (None: the
-            whole file at once); bounds the address space, e.g. under RLIMIT_AS.
-        io_threads: split large gathers over this many threads, so the page faults of a cold
-            file are in flight together (queue depth) instead of one after another.
+    Its arguments:
+
+    - ``verify``: check every chunk's crc32 on open (reads the whole file once).
+    - ``expect``: ``(config, layer_id, hasher or None[, part])`` the file must match
+      (``tablefile.check_compatible``; part "hot" for an Engram-Nine hot rows file).
+    - ``window_bytes``: map windows of this many bytes, at most ``max_windows`` at a time (None: the
+      whole file at once); bounds the address space, e.g. under RLIMIT_AS.
+    - ``io_threads``: split large gathers over this many threads, so the page faults of a cold
+      file are in flight together (queue depth) instead of one after another.
     """
 
     def __init__(self, path: str | Path, *, out_dtype: torch.dtype = torch.float32,
@@ -192,10 +195,10 @@ class FileTable:
     def _regions(self, fd: int, h: TableHeader) -> tuple[_Region, _Region | None]:
         dtype, esize = DTYPES[h.dtype]
         wrows = None if self.window_bytes is None else max(1, self.window_bytes // h.row_bytes)
-        data = _Region(fd, h.data_offset, h.num_rows, h.dim, dtype, esize, wrows,
-                       self.max_windows, self.advice)
+        data = _Region(fd, h.data_offset, h.num_rows, h.data_width, dtype, esize, wrows,
+                       self.max_windows, self.advice, h.blocks)
         scales = None
-        if h.scale_block:  # windows over the same rows, so one window id covers both
+        if h.scale_width:  # windows over the same rows, so one window id covers both
             scales = _Region(fd, h.scale_offset, h.num_rows, h.scale_width,
                              *SCALE_FORMATS[h.scale_format], wrows, self.max_windows, self.advice)
         return data, scales
@@ -269,7 +272,7 @@ class FileTable:
             whole = self._whole(data, scales)
             self._split(lambda f, o: whole.gather(f, out=o), flat, out)
         else:  # windows: the stored rows copied out window by window, then widened
-            StoredRows(*self._stored(data, scales, flat)).gather(None, out=out)
+            StoredRows(*self._stored(data, scales, flat), data.blocks).gather(None, out=out)
         return out if rows.dim() == 1 else out.view(*rows.shape, self.dim)
 
     def _whole(self, data: _Region, scales: _Region | None) -> StoredRows:
@@ -278,12 +281,14 @@ class FileTable:
         with self._lock:
             rows = self._rows
             if rows is None or rows.data is not d:
-                rows = self._rows = StoredRows(d, None if scales is None else scales.window(0))
+                rows = self._rows = StoredRows(d, None if scales is None else scales.window(0),
+                                               data.blocks)
         return rows
 
     def stored(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows a..b as the file stores them: values [b-a, e] in the stored dtype, and fp8's
-        block scales [b-a, nb] (fp32 or E8M0 bytes; None for other dtypes), copied out."""
+        """Rows a..b as the file stores them: values [b-a, e] in the stored dtype (int8 / int4:
+        their blocks' bytes [b-a, rb]), and fp8's block scales [b-a, nb] (fp32 or E8M0 bytes;
+        None for other dtypes), copied out."""
         with self._lock:
             data, scales = self._data, self._scales
         if data is None:
@@ -292,7 +297,7 @@ class FileTable:
 
     def _stored(self, data: _Region, scales: _Region | None,
                 flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        raw = torch.empty(flat.numel(), self.dim, dtype=data.dtype)  # [n, e] stored dtype
+        raw = torch.empty(flat.numel(), data.width, dtype=data.dtype)  # [n, e] or [n, rb]
         self._split(data.gather, flat, raw)
         sc = None
         if scales is not None:  # [n, nb] fp32 or E8M0 bytes
