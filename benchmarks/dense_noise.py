@@ -3,7 +3,14 @@ an ablation of the dense baseline on seeds the verdict never uses (issue 33).
 
     python benchmarks/dense_noise.py --json benchmarks/results/compare/noise/ablation.json \
         [--variant dense] [--seeds 100,101,102] [--settings "base;lr=1.5e-3;warmup=144"] \
-        [--workers 1] [--runs DIR] [--smoke]
+        [--warmup_fraction 0.1] [--workers 1] [--runs DIR] [--smoke]
+
+The same held-out-seed choice for a control arm's own setting (issue 46): bigram-hash's table
+learning-rate multiplier, at compare's default warmup (benchmarks/results/compare/bigram_lr/):
+
+    python benchmarks/dense_noise.py --variant bigram-hash --warmup_fraction 0.3 --seeds 100,101 \
+        --settings "table_lr_mult=1;table_lr_mult=5;table_lr_mult=25" --workers 2 \
+        --json benchmarks/results/compare/bigram_lr/bigram_lr.json
 
 Why dense, why these seeds: on compare's default corpus the dense variant is the noisy one (its
 seed spread ~3x Engram's and MoE's, benchmarks/results/compare/noise/), and its seed order is set
@@ -34,7 +41,7 @@ import torch
 
 from engram import gemm, machine
 from engram.studies.common import job, run_jobs, seed_spread, train_run
-from engram.studies.compare import CompareConfig, budget, variant_configs
+from engram.studies.compare import ARMS, CompareConfig, budget, variant_configs
 from engram.training.corpus import build_corpus
 from engram.training.train import TrainConfig
 
@@ -69,7 +76,10 @@ def early_loss(history: list[dict], step: int) -> float | None:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the figures here")
-    ap.add_argument("--variant", default="dense", help="compare's variant: dense, engram or moe")
+    ap.add_argument("--variant", default="dense", choices=list(ARMS),
+                    help="compare's arm (studies/compare.py ARMS)")
+    ap.add_argument("--warmup_fraction", type=float, default=0.1,
+                    help="compare's warmup fraction (0.1: the base of the recorded ablation)")
     ap.add_argument("--seeds", default="100,101,102", help="comma-separated; never 0, 1, 2")
     ap.add_argument("--settings", default=SETTINGS, help="';'-separated, each 'base' or k=v,k=v")
     ap.add_argument("--workers", type=int, default=1, help="parallel training processes")
@@ -78,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny model, 6 steps, one seed (CI)")
     args = ap.parse_args(argv)
     # the base the recorded ablation measured against: compare's warmup before issue 33
-    small, cc = {}, CompareConfig(warmup_fraction=0.1)
+    small, cc = {}, CompareConfig(warmup_fraction=args.warmup_fraction)
     if args.smoke:
         small, args.seeds, args.settings = SMOKE, "100", "base;lr=1.5e-3"
         cc = dataclasses.replace(cc, steps=6, batch_size=2, seq_len=16, eval_every=3,
@@ -90,7 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{CompareConfig().seeds}; choose others")
     with_allocator_env()
     base = budget(TrainConfig(**small), cc)
-    cfg = variant_configs(base, build_corpus(base.data_config()).vocab_size)[args.variant]
+    cfg = variant_configs(base, build_corpus(base.data_config()).vocab_size,
+                          (args.variant,))[args.variant]
     settings = {s: parse_setting(s, cfg) for s in args.settings.split(";")}
     # seed-major: with fewer seeds finished, every setting has as many
     tagged = [(name, job(f"{args.variant}-{name.replace('=', '').replace(',', '-')}",
@@ -112,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     chosen = min(rows, key=lambda n: rows[n]["val_loss"])
     res = {"cpu": machine.cpu_id(), "cpus": os.cpu_count(), "torch": torch.__version__,
            "gemm_backend": gemm.backend(), "ENGRAM_GEMM": os.environ.get("ENGRAM_GEMM"),
-           "variant": args.variant, "seeds": seeds,
+           "variant": args.variant, "seeds": seeds, "warmup_fraction": args.warmup_fraction,
            "rule": "lowest mean final validation loss of the variant over the held-out seeds",
            "chosen": chosen,
            "budget": {"steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,

@@ -218,3 +218,50 @@ def test_bad_compression_and_config_raise(tiny_config, tiny_lookup):
         h.hash(torch.zeros(2, 3, dtype=torch.long), attention_mask=torch.ones(2, 4))
     with pytest.raises(ValueError, match="shape"):
         h.stream(2).step(torch.zeros(3, 1, dtype=torch.long))
+
+
+def _control_hasher(**kw):
+    cfg = EngramConfig(engram_vocab_size=[101, 103], max_ngram_size=3, n_embed_per_ngram=8,
+                       n_head_per_ngram=2, layer_ids=[0], pad_id=0, **kw)
+    return NgramHasher(cfg, np.arange(50))
+
+
+def test_constant_lookup_reads_one_row_per_head_everywhere():
+    """Capacity 1 (compare's pathway control): every position, pad, sequence start and dead
+    positions included, reads row 0 of each head, whose table has one row."""
+    h = _control_hasher(lookup="constant")
+    assert h.table_sizes(0) == [1, 1, 1, 1]
+    ids = torch.tensor([[5, 7, 0, 9, 3], [0, 0, 4, 4, 4]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    out = h.hash(ids, attention_mask=mask)[0]
+    assert out.shape == (2, 5, 4) and int(out.abs().sum()) == 0
+    stream = h.stream(2)
+    assert int(stream.step(ids[:, :2])[0].abs().sum()) == 0
+    assert h.profile(0)["lookup"] == "constant"  # its table files are told apart
+
+
+def test_unigram_lookup_keys_on_the_current_token_alone():
+    h, ngram = _control_hasher(lookup="unigram"), _control_hasher()
+    a = h.hash(torch.tensor([[5, 7, 9]]))[0]
+    b = h.hash(torch.tensor([[8, 2, 9]]))[0]  # same last token, other context
+    assert torch.equal(a[0, 2], b[0, 2]) and not torch.equal(a[0, 1], b[0, 1])
+    n = ngram.hash(torch.tensor([[5, 7, 9]]))[0]
+    assert not torch.equal(n[0, 2], a[0, 2])
+    assert h.table_sizes(0) == ngram.table_sizes(0)  # the same tables, keyed on less
+    # every order's heads hash the same product x'[t] * mult[0] modulo their own primes
+    mix = 9 * int(h.multipliers[0][0])
+    assert a[0, 2].tolist() == [mix % p for p in h.table_sizes(0)]
+
+
+def test_exact_sizes_without_primes():
+    h = _control_hasher(prime_sizes=False)
+    assert h.table_sizes(0) == [101, 101, 103, 103]
+    assert "lookup" not in h.profile(0)  # the plain n-gram stamp is unchanged
+
+
+def test_controls_are_demo_v1_only():
+    from engram.errors import UserError
+    with pytest.raises(UserError, match="lookup must be one of"):
+        _control_hasher(lookup="bigram")
+    with pytest.raises(UserError, match="demo-v1 only"):
+        EngramConfig.v4_1(lookup="constant")

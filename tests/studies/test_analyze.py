@@ -80,19 +80,55 @@ SMALL = ["--batches=4", "--lens_batches=2", "--cka_tokens=256", "--probes=16", "
          "--copy_span=6", "--min_count=3"]
 
 
-def test_analyze_several_seeds_combines_them(runs, tmp_path):
+def test_analyze_several_seeds_combines_them(runs, tmp_path, capsys):
     from engram.studies.analysis_seeds import combine
+    from engram.studies.buckets import BUCKETS
+    from engram.studies.evidence import paired_interval
 
-    for s in (1,):
-        for name, extra in (("engram", {}), ("dense", {"engram": False})):
-            train(TrainConfig(out_dir=str(runs / f"{name}{s}"), steps=3, seed=s,
+    for s in (0, 1):  # pathway: compare's capacity-1 control of each Engram run
+        for name, extra in (("engram", {}), ("dense", {"engram": False}),
+                            ("pathway", {"engram_lookup": "constant"})):
+            if s == 0 and name != "pathway":
+                continue  # the module's runs
+            train(TrainConfig(out_dir=str(runs / f"{name}{s or ''}"), steps=3, seed=s,
                               **{**TINY, **extra}), progress=False)
     out = tmp_path / "seeds"
     assert main(["analyze", str(runs / "engram"), str(runs / "engram1"), "--baseline",
-                 f"{runs / 'dense'},{runs / 'dense1'}", f"--out_dir={out}", *SMALL]) == 0
+                 f"{runs / 'dense'},{runs / 'dense1'}", "--pathway",
+                 f"{runs / 'pathway'},{runs / 'pathway1'}", f"--out_dir={out}", *SMALL]) == 0
     c = json.loads((out / "analysis.json").read_text())
     assert c["n_seeds"] == 2 and (out / "seeds.png").stat().st_size > 100
     one = [json.loads((out / n / "analysis.json").read_text()) for n in ("engram", "engram1")]
+    # where the gain lands: per seed, the buckets share out the held-out tokens; combined, the
+    # per-seed differences with their paired interval
+    b = c["buckets"]
+    assert b["compared"] == ["dense", "pathway"] and list(b["orders"]) == ["2", "3"]
+    for r in one:
+        assert r["buckets"]["tokens"] == 4 * 4 * 32 and r["buckets"]["training_windows"] == 3 * 4
+        for rows in r["buckets"]["orders"].values():
+            assert sum(x["share"] for x in rows.values()) == pytest.approx(1.0)
+        kinds = r["kinds"]["all"]["all"]  # the buckets' losses are the suppression table's
+        assert r["buckets"]["all"]["nll"]["engram"] == pytest.approx(kinds["full"]["nll"])
+    for n in ("2", "3"):
+        for bucket in BUCKETS:
+            v = b["orders"][n][bucket]["vs"]["pathway"]
+            per = [r["buckets"]["orders"][n][bucket]["diff"]["pathway"] for r in one]
+            assert v["per_seed"] == per
+            if None not in per:
+                assert v["interval"] == pytest.approx(paired_interval(per))
+    report = (out / "report.md").read_text()
+    assert "Where the gain lands" in report and "### Engram - pathway" in report
+    assert "| 3 | 100+ |" in (out / "engram" / "report.md").read_text()
+    # a pathway run of another seed, or one that is not the capacity-1 control: one clear line
+    capsys.readouterr()
+    for pathway, says in ((f"{runs / 'pathway1'},{runs / 'pathway'}", "differs in seed: 1 vs 0"),
+                          (f"{runs / 'engram'},{runs / 'engram1'}",
+                           "engram_lookup: 'ngram', not 'constant'")):
+        assert main(["analyze", str(runs / "engram"), str(runs / "engram1"), "--baseline",
+                     f"{runs / 'dense'},{runs / 'dense1'}", "--pathway", pathway,
+                     f"--out_dir={tmp_path / 'bad'}", *SMALL]) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and "is not the capacity-1 control" in err and "\n" not in err, err
     # the combined numbers are the per-seed numbers' mean and spread
     row = "held-out phrase (all)"
     per = [r["retention"][row]["zeroed"] for r in one]

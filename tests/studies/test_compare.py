@@ -41,7 +41,7 @@ def test_compare_end_to_end_writes_results(tmp_path):
                        eval_batches=1, seeds=(0, 1), workers=2)
     summary = run_compare(cc, TINY)
     res = json.loads((tmp_path / "results.json").read_text())
-    assert set(res["runs"]) == {"dense", "engram", "moe"}
+    assert set(res["runs"]) == {"dense", "engram", "moe", "pathway"}
     for r in res["runs"].values():
         assert set(r) >= {"val_loss", "total_params", "active_params", "tokens", "tokens_per_s"}
         assert r["tokens"] == 4 * 2 * 16 and r["val_loss"] > 0
@@ -62,12 +62,12 @@ def test_compare_end_to_end_writes_results(tmp_path):
     t = res["time"]
     assert t["cpu_model"] == machine.cpu_id() and t["cpus"] >= 1 and t["workers"] == 2
     est = t["estimate"]
-    assert est["total_s"] > 0 and sorted(est["order"]) == list(range(6))
-    assert set(est["costs"]) == {"dense", "engram", "moe"}
+    assert est["total_s"] > 0 and sorted(est["order"]) == list(range(8))
+    assert set(est["costs"]) == {"dense", "engram", "moe", "pathway"}
     assert t["wall_over_estimate"] == pytest.approx(t["wall_s"] / est["total_s"])
     assert res["wall_s"] == t["wall_s"] and 0 < t["cpu_utilisation"] <= 1.05
     assert [(r["name"], r["seed"]) for r in t["per_run"]] == [
-        (n, s) for n in ("moe", "engram", "dense") for s in (0, 1)]
+        (n, s) for n in ("moe", "engram", "pathway", "dense") for s in (0, 1)]
     assert all(r["cpu_s"] > 0 and r["wall_s"] > 0 and r["predicted_s"] > 0 for r in t["per_run"])
     assert len(t["load_avg"]["start"]) == 3
     # Both verdicts: the rule's and the paired interval's, from the same per-seed gains.
@@ -76,7 +76,17 @@ def test_compare_end_to_end_writes_results(tmp_path):
     assert i["mean"] == pytest.approx(sum(res["engram_gain_per_seed"]) / 2)
     assert res["resolved"]["engram_vs_dense_interval"] == i["excludes_zero"]
     assert "paired 95% interval over 2 seeds" in report and "Tokens to target" in report
-    assert set(res["tokens_to_target"]) == {"engram", "moe"}
+    assert set(res["tokens_to_target"]) == {"engram", "moe", "pathway"}
+    # The gain split at the capacity-1 control: the parts add up to the gain, seed by seed.
+    sp = res["split"]
+    for p, m, g in zip(sp["pathway"]["per_seed"], sp["memory"]["per_seed"],
+                       res["engram_gain_per_seed"]):
+        assert p + m == pytest.approx(g)
+    assert sp["pathway"]["what"] == "dense - pathway" and sp["memory"]["what"] == "pathway - engram"
+    assert "## Is it the memory?" in report and "The memory carries the gain" in report
+    # The main verdicts keep their own arms' spread, whatever the pathway's is.
+    main = [res["noise_seed_spread"][n] for n in ("dense", "engram", "moe")]
+    assert res["max_seed_spread"] == pytest.approx(max(main))
 
 
 def test_allocation_sweep_keeps_total_and_active_params():
@@ -91,15 +101,21 @@ def test_allocation_sweep_keeps_total_and_active_params():
     assert not cfgs["rho=1"].engram and cfgs["rho=0"].n_routed_experts == 1
     tables = [v["table"] for v in c.values()]
     assert tables == sorted(tables, reverse=True)  # more rho, less table
-    assert [s.table_size for s in slots_configs(TrainConfig(), sc).values()] == list(sc.table_sizes)
+    slots = slots_configs(TrainConfig(), 38_304, sc)
+    assert [s.table_size for s in slots.values()][1:] == list(sc.table_sizes)[1:]
+    # The sweep starts at capacity 1 (no memory), every point at compare's trimmed FFN.
+    assert sc.table_sizes[0] == 1 and slots["slots=1"].engram_lookup == "constant"
+    eng = variant_configs(TrainConfig(), 38_304)["engram"]
+    assert {s.d_ff for s in slots.values()} == {eng.d_ff}
 
 
 def test_slots_sweep_end_to_end(tmp_path):
     from engram.studies.sweep import SweepConfig, run_sweep
     sc = SweepConfig(out_dir=str(tmp_path), steps=2, batch_size=2, seq_len=16, eval_every=2,
-                     eval_batches=1, table_sizes=(50, 400), workers=2)
+                     eval_batches=1, table_sizes=(1, 50, 400), workers=2)
     s = run_sweep("slots", sc, TINY)
-    assert [p["name"] for p in s["points"]] == ["slots=50", "slots=400"]
+    assert [p["name"] for p in s["points"]] == ["slots=1", "slots=50", "slots=400"]
+    assert s["points"][0]["slots"] == 4  # one row for each of TINY's 2 x 2 heads
     assert all(list(p["val_loss_per_seed"]) == [0] for p in s["points"])
     assert (tmp_path / "slots.json").exists() and (tmp_path / "slots.png").stat().st_size > 100
 
@@ -109,3 +125,51 @@ def test_report_names_the_corpus_that_ran():
     assert corpus_name({"sources": ["kjv"]}) == "King James Bible"
     assert corpus_name({"sources": ["python-doc", "peoples-daily"], "max_chars": 1000}) == \
         "Python docs + People's Daily 1998, first 1,000 characters of each"
+
+
+def test_controls_match_the_reference():
+    """Every control keeps Engram's activated parameters (bigram-hash through its FFN width, to
+    within one unit of it) and its table parameters (bigram-hash within one row)."""
+    from engram.studies.compare import ARMS
+    vocab = 38_304
+    cfgs = variant_configs(TrainConfig(), vocab, tuple(ARMS))
+    assert list(cfgs) == list(ARMS)
+    c = {k: _counts(v, vocab) for k, v in cfgs.items()}
+    eng = c["engram"]
+    for arm in ("pathway", "unigram", "frozen", "frozen-scaled"):
+        assert c[arm]["active"] == eng["active"], arm
+        assert cfgs[arm].d_ff == cfgs["engram"].d_ff
+    for arm in ("unigram", "frozen"):
+        assert c[arm]["table"] == eng["table"]
+    heads = (cfgs["engram"].max_ngram_size - 1) * cfgs["engram"].n_head_per_ngram
+    assert c["frozen-scaled"]["table"] == eng["table"] + heads  # the per-head gains
+    head_dim = cfgs["engram"].n_embed_per_ngram // cfgs["engram"].n_head_per_ngram
+    assert c["pathway"]["table"] == heads * head_dim  # capacity 1: one row per head
+    d = TrainConfig().d_model
+    assert abs(c["bigram-hash"]["table"] - eng["table"]) <= d  # within one row of width d
+    assert abs(c["bigram-hash"]["active"] - c["dense"]["active"]) <= 3 * d  # one FFN unit
+    big = cfgs["bigram-hash"]
+    assert (big.engram_layers, big.max_ngram_size, big.n_head_per_ngram) == ((0,), 2, 1)
+    assert big.engram_fixed_gate and big.engram_conv is False and not big.engram_prime_sizes
+
+
+def test_arms_option(tmp_path):
+    assert CompareConfig().arms == ("dense", "engram", "moe", "pathway")
+    assert CompareConfig(arms=("unigram",)).arms == ("dense", "engram", "unigram")
+    with pytest.raises(UserError, match="unknown arms"):
+        CompareConfig(arms=("memory",))
+
+
+def test_fieller_share():
+    from engram.studies.compare import fieller_ratio
+    r = fieller_ratio([0.05, 0.06, 0.04], [0.10, 0.11, 0.09])
+    assert r["estimate"] == pytest.approx(0.5) and r["low"] < 0.5 < r["high"]
+    # The bounds solve Fieller's quadratic: (a - R b)^2 = t^2 var(a - R b) / n at both ends.
+    from engram.studies.evidence import mean_sd, t975
+    for R in (r["low"], r["high"]):
+        d = [x - R * y for x, y in zip([0.05, 0.06, 0.04], [0.10, 0.11, 0.09])]
+        m, sd = mean_sd(d)
+        assert m ** 2 == pytest.approx(t975(2) ** 2 * sd ** 2 / 3)
+    # A gain not bounded away from zero: no interval, and the report says why.
+    u = fieller_ratio([0.01, -0.02, 0.015], [0.02, -0.03, 0.01])
+    assert u["low"] is None and "undefined" in u["why"]

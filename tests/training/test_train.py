@@ -264,3 +264,49 @@ def test_a_checkpoint_reads_only_the_parts_asked(tmp_path):
     part, _, _ = load_checkpoint(path, parts=("model", "hot_index"))
     assert sorted(part) == ["hot_index", "model"] and torch.equal(part["model"]["w"],
                                                                   state["model"]["w"])
+
+
+def test_arms_share_every_initial_parameter_but_their_memory(tmp_path, corpus):
+    """Init pairs exactly (issue 46): each parameter is drawn from (seed, its name), so arms that
+    differ in their memory share every other initial parameter bit for bit, the dense model its
+    attention, embeddings and head; another seed draws other values."""
+    base = _cfg(tmp_path, "x", d_ff=64)
+    arms = {"engram": base, "pathway": dataclasses.replace(base, engram_lookup="constant"),
+            "unigram": dataclasses.replace(base, engram_lookup="unigram"),
+            "frozen": dataclasses.replace(base, freeze_tables=True),
+            "frozen-scaled": dataclasses.replace(base, freeze_tables=True, engram_head_gain=True),
+            "bigger": dataclasses.replace(base, table_size=5003),
+            "dense": dataclasses.replace(base, engram=False)}
+    states = {k: build_run(c, corpus).model.state_dict() for k, c in arms.items()}
+    ref = states["engram"]
+    for arm, sd in states.items():
+        shared = [k for k in ref if "table" not in k and k in sd]
+        assert shared and all(torch.equal(ref[k], sd[k]) for k in shared), arm
+    assert len([k for k in ref if k in states["dense"]]) == len(states["dense"])
+    same_rows = ref["blocks.0.engram.table.weight"]
+    for arm in ("unigram", "frozen", "frozen-scaled"):  # same table shape: the same rows too
+        assert torch.equal(states[arm]["blocks.0.engram.table.weight"], same_rows)
+    other = build_run(dataclasses.replace(base, seed=1), corpus).model.state_dict()
+    assert not torch.equal(other["embed.weight"], ref["embed.weight"])
+
+
+def test_frozen_tables_keep_every_row(tmp_path, corpus):
+    cfg = _cfg(tmp_path, "frozen", steps=4, freeze_tables=True, engram_head_gain=True)
+    init = build_run(cfg, corpus).model.state_dict()
+    run = train(cfg, corpus, progress=False)
+    after = run.model.state_dict()
+    assert torch.equal(after["blocks.0.engram.table.weight"], init["blocks.0.engram.table.weight"])
+    # what does train: the rest, the per-head gains among it
+    assert not torch.equal(after["blocks.0.engram.head_gain"], init["blocks.0.engram.head_gain"])
+    assert not torch.equal(after["embed.weight"], init["embed.weight"])
+    assert run.optim.tables is None  # no table optimiser: no state held for rows that never move
+
+
+def test_controls_refuse_what_they_do_not_support(tmp_path):
+    from engram.errors import UserError
+    with pytest.raises(UserError, match="memory controls"):
+        _cfg(tmp_path, "c", engram_lookup="constant", table_tier="file")
+    with pytest.raises(UserError, match="memory controls"):
+        _cfg(tmp_path, "c", freeze_tables=True, hot_rows=4)
+    with pytest.raises(UserError, match="demo-v1 only"):
+        _cfg(tmp_path, "c", engram_lookup="unigram", engram_profile="v4.1").engram_config()

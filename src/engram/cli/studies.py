@@ -20,11 +20,16 @@ def _losses(named: Iterable[tuple[str, float]]) -> str:
 
 @dataclass
 class Baselines:
-    # The dense run(s) on the same corpus, for LogitLens and CKA: one per RUN_DIR, same order.
+    # The dense run(s) of the same data and seed, for LogitLens, CKA and where the gain lands: one
+    # per RUN_DIR, same order.
     baseline: tuple[str, ...] = ()
+    # The capacity-1 control run(s) (compare's runs/pathway-s<seed>): where Engram's gain over it
+    # lands; one per RUN_DIR, same order.
+    pathway: tuple[str, ...] = ()
 
 
-@command("compare", "the main job: dense vs Engram vs MoE at matched parameters, seeds, report",
+@command("compare", "the main job: dense vs Engram vs MoE at matched parameters, and Engram's gain "
+         "split at a capacity-1 control (is it the memory?), seeds, report",
          configs=("engram.studies.compare:CompareConfig", STUDY_BASE),
          writes=(Out("out_dir", "compare"),), interrupted=RUNS_KEPT,
          # thorough: twice the tokens per run, where three seeds agree well enough for the 2x rule
@@ -35,8 +40,11 @@ def _compare(cc, base) -> None:
     from ..studies.compare import run_compare
 
     s = run_compare(cc, base)
+    sp = s.get("split")
+    split = "" if sp is None else (f" (pathway {sp['pathway']['mean']:+.4f} + memory "
+                                   f"{sp['memory']['mean']:+.4f})")
     print(_losses((k, v["val_loss"]) for k, v in s["runs"].items())
-          + f" | engram gain vs dense {s['engram_gain_vs_dense']:.4f} nats; "
+          + f" | engram gain vs dense {s['engram_gain_vs_dense']:.4f} nats{split}; "
           f"wrote {cc.out_dir}/results.json, loss.png, report.md, gates.html")
 
 
@@ -121,23 +129,25 @@ def analysis_dir(run_dirs: list[str]) -> str:
     return str(first / "analysis" if len(run_dirs) == 1 else first.parent / "analysis")
 
 
-@command("analyze", "what the memory does: LogitLens, CKA, suppression, probes, gate statistics",
+@command("analyze", "what the memory does: LogitLens, CKA, suppression, probes, gate statistics, "
+         "where the gain lands",
          args=(Arg("run_dir", "an Engram run (`engram train --out_dir`); several runs (seeds of "
                    "one configuration) are each analysed and then combined: mean +- sd per claim "
                    "and in how many seeds it holds", nargs="+"),),
          configs=("engram.studies.analyze:AnalyzeConfig", Baselines),
-         reads=("run_dir", "baseline"),
+         reads=("run_dir", "baseline", "pathway"),
          writes=(Out("out_dir", "analysis", default=lambda get: analysis_dir(get("run_dir"))),))
 def _analyze(run_dirs: list[str], ac, b: Baselines) -> None:
     if len(run_dirs) > 1:
         from ..studies.analysis_seeds import run_seeds
 
-        c = run_seeds(run_dirs, list(b.baseline) or None, ac)
+        c = run_seeds(run_dirs, list(b.baseline) or None, ac, list(b.pathway) or None)
         print(json.dumps({"n_seeds": c["n_seeds"], "verdicts": [v for _, _, v in c["verdicts"]]}))
         return
-    if len(b.baseline) > 1:
-        raise UserError("one RUN_DIR takes at most one --baseline")
+    if len(b.baseline) > 1 or len(b.pathway) > 1:
+        raise UserError("one RUN_DIR takes at most one --baseline and one --pathway")
     from ..studies.analyze import run_analyze
 
-    res = run_analyze(run_dirs[0], b.baseline[0] if b.baseline else None, ac)
+    res = run_analyze(run_dirs[0], b.baseline[0] if b.baseline else None, ac,
+                      pathway=b.pathway[0] if b.pathway else None)
     print(json.dumps({"lens": res["lens"], "retention": res["retention"]}))

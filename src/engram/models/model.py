@@ -22,6 +22,7 @@ Shape legend:
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ __all__ = ["DecodeCache", "EngramLM", "ModelConfig", "ModelOutput", "build_block
 
 @dataclass
 class ModelOutput:
-    """What :meth:`EngramLM.forward` returns: the final hidden states, the MoE auxiliary loss,
+    """What ``EngramLM.forward`` returns: the final hidden states, the MoE auxiliary loss,
     the gates when asked for, and the head that turns hidden states into logits."""
 
     hidden: torch.Tensor  # [b, t, d] after the final norm
@@ -113,7 +114,8 @@ def build_block(config: ModelConfig, layer: int,
         engram = build_engram(config.engram, layer, config.d_model, config.hc_mult,
                               gate=config.engram_gate, conv=config.engram_conv, table=table,
                               sparse=config.sparse_tables, init_std=config.table_init_std,
-                              norm_eps=config.engram_norm_eps)
+                              norm_eps=config.engram_norm_eps,
+                              head_gain=config.engram_head_gain)
     return Block(config.d_model, config.n_head, build_ffn(config, layer), norm_eps=config.norm_eps,
                  engram=engram, hc_mult=config.hc_mult, index=layer)
 
@@ -123,6 +125,10 @@ class EngramLM(nn.Module):
 
     def __init__(self, config: ModelConfig, tables: dict[int, TableStore | None] | None = None):
         super().__init__()
+        # One draw from the global generator (what the caller seeded), before any module is built:
+        # every parameter's init is then drawn from (this, its name) alone (init_weights), so two
+        # models that differ in one part share every other initial parameter bit for bit.
+        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))  # (also under meta)
         tables = dict(tables or {})
         extra = sorted(set(tables) - set(config.engram_layers))
         if extra:
@@ -152,48 +158,64 @@ class EngramLM(nn.Module):
         self.init_weights()
 
     # -- initialisation (all of it) ----------------------------------------------------------------
+    def generator(self, name: str) -> torch.Generator:
+        """The generator parameter ``name`` is initialised from: seeded by (init_seed, name), so
+        an arm that changes one part (a table's size, an FFN's width) redraws that part alone."""
+        digest = hashlib.blake2b(f"{self.init_seed}:{name}".encode(), digest_size=8).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
     @torch.no_grad()
     def init_weights(self) -> None:
         c = self.config
         std, out_std = c.init_std, c.init_std / math.sqrt(2 * c.n_layer)  # GPT-2 residual scaling
-        nn.init.normal_(self.embed.weight, std=std)
+        names = {id(p): n for n, p in self.named_parameters()}
+
+        def normal_(w: torch.Tensor, std: float) -> None:
+            if not w.is_meta:  # built on meta (parameter counts): nothing to draw
+                w.normal_(0.0, std, generator=self.generator(names[id(w)]))
+
+        normal_(self.embed.weight, std)
         if not c.tie_embeddings:
             for module in self.head.modules():
                 if isinstance(module, nn.Linear):
-                    nn.init.normal_(module.weight, std=std)
+                    normal_(module.weight, std)
         for module in self.modules():
             if isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
         for i, block in enumerate(self.blocks):
-            nn.init.normal_(block.attn.qkv.weight, std=std)
-            nn.init.normal_(block.attn.proj.weight, std=out_std)
+            normal_(block.attn.qkv.weight, std)
+            normal_(block.attn.proj.weight, out_std)
             ffn = block.ffn
             swiglu = ffn if isinstance(ffn, SwiGLU) else ffn.shared  # MoE: its shared experts
             if swiglu is not None:
-                nn.init.normal_(swiglu.w1.weight, std=std)
-                nn.init.normal_(swiglu.w3.weight, std=std)
-                nn.init.normal_(swiglu.w2.weight, std=out_std)
+                normal_(swiglu.w1.weight, std)
+                normal_(swiglu.w3.weight, std)
+                normal_(swiglu.w2.weight, out_std)
             if isinstance(ffn, MoE):
-                nn.init.normal_(ffn.router.weight, std=std)
-                nn.init.normal_(ffn.w1, std=std)
-                nn.init.normal_(ffn.w3, std=std)
-                nn.init.normal_(ffn.w2, std=out_std)
+                normal_(ffn.router.weight, std)
+                normal_(ffn.w1, std)
+                normal_(ffn.w3, std)
+                normal_(ffn.w2, out_std)
             for hc in (block.attn_hc, block.ffn_hc):
                 if hc is not None:  # identity at the start: every branch is the plain residual
                     hc.mix.copy_(F.one_hot(torch.tensor(hc.index % hc.hc_mult), hc.hc_mult))
                     hc.res.copy_(torch.eye(hc.hc_mult))
                     hc.out.fill_(1.0)
             if block.engram is not None:
-                self._init_engram(block.engram, own_table=i in self._own_tables)
+                self._init_engram(block.engram, f"blocks.{i}.engram", normal_,
+                                  own_table=i in self._own_tables)
 
-    def _init_engram(self, engram: Engram, own_table: bool) -> None:
+    def _init_engram(self, engram: Engram, name: str, normal_: Callable, own_table: bool) -> None:
         for module in engram.modules():
             if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=self.config.init_std)
+                normal_(module.weight, self.config.init_std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+        if engram.head_gain is not None:
+            nn.init.ones_(engram.head_gain)
         if own_table:  # a table passed in by the caller brings its own (trained) rows
-            engram.table.reset_parameters()  # N(0, table_init_std); deferred_rows
+            # N(0, table_init_std); deferred_rows records the generator's state instead
+            engram.table.reset_parameters(self.generator(f"{name}.table.weight"))
         # Zero conv (paper 2.3): Y = alpha * v at the start, a pure gated lookup.
         engram.init_weights()
 
@@ -372,9 +394,12 @@ class EngramLM(nn.Module):
           routed_inactive, so the paper's allocation ratio is rho = routed_inactive / sparse.
         """
         c = self.config
-        dense = sum(p.numel() for p in self.dense_parameters())
+        # A control's head gains rescale rows (no product): counted with the tables they scale.
+        gains = sum(e.head_gain.numel() for e in self.engrams().values()
+                    if e.head_gain is not None)
+        dense = sum(p.numel() for p in self.dense_parameters()) - gains
         table = sum(e.table.num_rows * e.table.dim for e in self.engrams().values()
-                    if e.table is not None)
+                    if e.table is not None) + gains
         total = dense + table
         embedding = self.embed.weight.numel()
         head = 0 if c.tie_embeddings else sum(p.numel() for p in self.head.parameters())

@@ -18,7 +18,7 @@ HEADS = ("full", "adaptive")
 @dataclass
 class ModelConfig:
     """The reference LM's shape: vocabulary, blocks, width, attention heads, FFN or MoE, LM head,
-    hyper-connections and, in ``engram``, an :class:`~engram.EngramConfig` (None: no Engram)."""
+    hyper-connections and, in ``engram``, an ``EngramConfig`` (None: no Engram)."""
 
     # The model's own vocabulary (possibly a restricted one); hash ids come from raw ids separately.
     vocab_size: int = 32768
@@ -75,6 +75,8 @@ class ModelConfig:
     engram_fixed_gate: bool = False
     # Ablation: with hc_mult > 1, one key projection and key norm shared by all branches.
     engram_shared_key: bool = False
+    # Control: a learned gain per hash head on the rows read (Engram's head_gain; "frozen-scaled").
+    engram_head_gain: bool = False
     # Tables produce sparse row gradients (pair with a row-wise optimiser, engram.training.row_optim.RowAdam).
     sparse_tables: bool = True
     # Std of the tables' normal init (1.0 = nn.Embedding and the official demo).

@@ -5,7 +5,7 @@ Shape legend:
     d backbone hidden size, H hash heads per layer, e head dim, c = H * e = (N-1) * d_ngram (d_mem).
 
 The module returns the residual Y; the caller adds it (H <- H + Y) before attention and FFN.
-Row ids come in from outside (computed from token ids by :class:`engram.NgramHasher`), or the caller
+Row ids come in from outside (computed from token ids by ``engram.NgramHasher``), or the caller
 passes the gathered memory vectors directly, so the table itself can live anywhere.
 """
 
@@ -34,30 +34,34 @@ LEGACY_V41_GATE, LEGACY_V41_NORM_EPS = "paper", float(torch.finfo(torch.float32)
 
 
 class Engram(nn.Module):
-    """One Engram layer: memory e[t] -> k, v -> gate alpha per branch -> alpha*v + conv(alpha*v).
+    """One Engram layer: memory e[t] -> k, v -> gate alpha per branch -> ``alpha*v`` + ``conv(alpha*v)``.
 
-    Args:
-        table: where the rows live (a :class:`TableStore`); None if callers always pass ``memory``.
-        head_sizes: per-head table sizes when row ids arrive local per head (demo-v1); None when they
-            arrive global (v4.1).
-        d_mem: width c of the concatenated memory vector.
-        hidden_size: backbone width d.
-        hc_mult: residual branches m; each has its own key projection and norms (spec section 2).
-        gate: "paper" (sigmoid) or "demo" (signed square root, then sigmoid).
-        norm_eps: eps of the gate's key and hidden RMSNorms (None: the dtype's, as nn.RMSNorm).
-        kernel_size: short conv kernel; 0 drops the conv (v4.1).
-        dilation: conv dilation (the paper uses N, the max n-gram order).
-        fused: one bias-free projection for value and keys (v4.1) instead of biased nn.Linear's.
-        conv_init: "zero" so a new module starts as a pure gated lookup, or "default" (demo).
-        kernels: on CPU in float32, run the gate and conv as compiled kernels (module/fused.py;
-            equal to the torch path to ~1e-6, not to the bit) as the process's fused.plan() says,
-            or as a given fused.Plan says; False: always the torch path.
+    Its arguments:
+
+    - ``table``: where the rows live (a ``TableStore``); None if callers always pass ``memory``.
+    - ``head_sizes``: per-head table sizes when row ids arrive local per head (demo-v1); None when they
+      arrive global (v4.1).
+    - ``d_mem``: width c of the concatenated memory vector.
+    - ``hidden_size``: backbone width d.
+    - ``hc_mult``: residual branches m; each has its own key projection and norms (spec section 2).
+    - ``gate``: "paper" (sigmoid) or "demo" (signed square root, then sigmoid).
+    - ``norm_eps``: eps of the gate's key and hidden RMSNorms (None: the dtype's, as nn.RMSNorm).
+    - ``kernel_size``: short conv kernel; 0 drops the conv (v4.1).
+    - ``dilation``: conv dilation (the paper uses N, the max n-gram order).
+    - ``fused``: one bias-free projection for value and keys (v4.1) instead of biased nn.Linear's.
+    - ``conv_init``: "zero" so a new module starts as a pure gated lookup, or "default" (demo).
+    - ``kernels``: on CPU in float32, run the gate and conv as compiled kernels (module/fused.py;
+      equal to the torch path to ~1e-6, not to the bit) as the process's fused.plan() says,
+      or as a given fused.Plan says; False: always the torch path.
+    - ``head_gain``: a learned gain per hash head on the rows read (starts at 1); a control for
+      frozen tables (studies/compare.py "frozen-scaled"), so that fixed random rows are not
+      handicapped by their init scale. Needs per-head table sizes.
     """
 
     def __init__(self, table: TableStore | None, head_sizes: list[int] | None, d_mem: int,
                  hidden_size: int, hc_mult: int = 1, gate: str = "paper", kernel_size: int = 4,
                  dilation: int = 3, fused: bool = False, conv_init: str = "zero",
-                 kernels: bool = True, norm_eps: float | None = None):
+                 kernels: bool = True, norm_eps: float | None = None, head_gain: bool = False):
         super().__init__()
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
@@ -85,6 +89,10 @@ class Engram(nn.Module):
                                     for _ in range(hc_mult)])  # hidden
         self.short_conv = (ShortConv(hidden_size, hc_mult, kernel_size, dilation)
                            if kernel_size > 0 else None)
+        if head_gain and self.head_sizes is None:
+            raise ValueError("head_gain needs per-head table sizes (head_sizes)")
+        # [H]: counted with the tables (EngramLM.param_counts): it rescales rows, no product
+        self.head_gain = nn.Parameter(torch.ones(len(self.head_sizes))) if head_gain else None
         self._kv_cache: tuple | None = None  # (weights' identity, concatenated W and bias)
         # alpha fixed at this value when set (models/surgery.py: the "w/o gating" ablation and the
         # suppression analyses); the keys and the gate are then skipped.
@@ -138,7 +146,7 @@ class Engram(nn.Module):
         return self.value_proj.weight, self.value_proj.bias
 
     def kv_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """W_V and every branch's W_K as one matrix [(m+1)*d, c] (and bias), value rows first.
+        """W_V and every branch's W_K as one matrix [``(m+1)*d``, c] (and bias), value rows first.
 
         The paper fuses them into one GEMM; the demo profile keeps its official separate
         nn.Linear's (so its checkpoints load as they are) and is concatenated here, per call.
@@ -178,6 +186,9 @@ class Engram(nn.Module):
         if e.shape != (*h.shape[:2], self.d_mem):
             raise ValueError(f"memory must be {(*h.shape[:2], self.d_mem)}, got {tuple(e.shape)}")
         e = e.to(h.device, h.dtype)  # rows from a tier on another device, or stored in bf16
+        if self.head_gain is not None:
+            g = self.head_gain.to(e.dtype)
+            e = (e.unflatten(-1, (g.numel(), -1)) * g[:, None]).flatten(-2)  # [b, t, H, e] -> c
         if alive is not None and alive.shape != h.shape[:2]:
             raise ValueError(f"alive must be {tuple(h.shape[:2])}, got {tuple(alive.shape)}")
         # [b, t, (m+1)*d]: value and all keys, one GEMM (a fixed gate: the value alone, [b, t, d])
@@ -195,7 +206,7 @@ class Engram(nn.Module):
 
     def _after_gemm(self, kv: torch.Tensor, h: torch.Tensor, state: EngramState | None,
                     alive: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv [b, t, (m+1)*d] (the value alone, [b, t, d], with a fixed gate), h [b, t, m, d]
+        """kv [b, t, ``(m+1)*d``] (the value alone, [b, t, d], with a fixed gate), h [b, t, m, d]
         -> Y [b, t, m, d] (gate, V~ = alpha v, V~ + conv), alpha [b, t, m]."""
         if self.gate_value is not None:
             alpha = kv.new_full(h.shape[:3], self.gate_value)  # [b, t, m]
@@ -267,7 +278,8 @@ def compile_ready() -> None:
 def build_engram(config: EngramConfig, layer_id: int, hidden_size: int, hc_mult: int = 1, *,
                  gate: str | None = None, conv: bool | None = None, conv_init: str = "zero",
                  table: TableStore | None | str = "memory", sparse: bool = False,
-                 init_std: float = 1.0, norm_eps: float | None = None) -> Engram:
+                 init_std: float = 1.0, norm_eps: float | None = None,
+                 head_gain: bool = False) -> Engram:
     """Map a config to the module for one layer, with the profile's defaults (``gate`` and
     ``norm_eps`` None: PROFILE_GATE, PROFILE_NORM_EPS).
 
@@ -292,4 +304,5 @@ def build_engram(config: EngramConfig, layer_id: int, hidden_size: int, hc_mult:
         gate=gate or PROFILE_GATE[config.profile],
         kernel_size=config.kernel_size if use_conv else 0, dilation=config.max_ngram_size,
         fused=v41, conv_init=conv_init,
-        norm_eps=PROFILE_NORM_EPS[config.profile] if norm_eps is None else norm_eps)
+        norm_eps=PROFILE_NORM_EPS[config.profile] if norm_eps is None else norm_eps,
+        head_gain=head_gain)

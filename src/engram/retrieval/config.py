@@ -17,6 +17,12 @@ from typing import Any
 from ..errors import UserError
 
 PROFILES = ("demo-v1", "v4.1")
+# What a head's row is keyed on. "ngram": the paper's suffix n-grams (the only one the official code
+# and V4.1 know). The others are controls for "is it the memory?" (studies/compare.py), each taking
+# one thing away from the same module: "unigram" keys every head on the current token alone (a
+# second embedding of the token, no n-gram context); "constant" gives each head a single row read
+# at every position (capacity 1: no token or n-gram identity reaches the module at all).
+LOOKUPS = ("ngram", "unigram", "constant")
 
 # Multiplier seed stride between layers (official code's PRIME_1).
 LAYER_SEED_STRIDE = 10007
@@ -50,6 +56,12 @@ class EngramConfig:
     compressed_vocab_size: int | None = None
     # Accepted so that an official demo config ports unchanged; engram never downloads it.
     tokenizer_name_or_path: str | None = None
+    # What rows are keyed on (LOOKUPS); anything but "ngram" is a control, demo-v1 only.
+    lookup: str = "ngram"
+    # Each head's table size: the smallest unused prime above its order's size (the paper's), or
+    # exactly its order's size (False: the community's hashed-bigram tables, whose size is set to
+    # match a parameter budget to the row).
+    prime_sizes: bool = True
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -60,6 +72,11 @@ class EngramConfig:
         _check_int("kernel_size", self.kernel_size, minimum=1)
         _check_int("pad_id", self.pad_id, minimum=0)
         _check_int("seed", self.seed)
+        if self.lookup not in LOOKUPS:
+            raise UserError(f"lookup must be one of {LOOKUPS}, got {self.lookup!r}")
+        if self.profile == "v4.1" and (self.lookup != "ngram" or not self.prime_sizes):
+            raise UserError("the v4.1 profile hashes suffix n-grams into prime tables; the "
+                            "lookup controls (lookup, prime_sizes) are demo-v1 only")
         if self.compressed_vocab_size is not None:
             _check_int("compressed_vocab_size", self.compressed_vocab_size, minimum=1)
         if self.n_embed_per_ngram % self.n_head_per_ngram:

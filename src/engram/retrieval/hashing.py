@@ -5,7 +5,7 @@ in a serving engine, or ahead of the forward pass to prefetch rows from a slow t
 
 Shape legend:
     b batch, t positions, s new positions of one decode step, L Engram layers,
-    N max n-gram order, H = (N-1)*K hash heads per layer (orders 2..N, heads 1..K in that order).
+    N max n-gram order, H = ``(N-1)*K`` hash heads per layer (orders 2..N, heads 1..K in that order).
 
 Dead positions (attention mask 0, left padding, non-text tokens, or the id ``DEAD`` = -1) act like a
 sequence start: they and everything before them read as the pad token in later n-grams, so padding
@@ -31,7 +31,7 @@ PARTS = ("cold", "hot")
 
 
 class Hasher(Protocol):
-    """What every caller needs of a hasher, plain (:class:`NgramHasher`) or Engram-Nine
+    """What every caller needs of a hasher, plain (``NgramHasher``) or Engram-Nine
     (``engram.retrieval.hot.NineHasher``), so no caller asks which one it holds.
 
     A *table set* is the tables one layer reads; ``owner`` names the layer whose set another layer
@@ -52,7 +52,7 @@ class Hasher(Protocol):
 
     @property
     def parts(self) -> tuple[str, ...]:
-        """The table files of each set, a subset of :data:`PARTS` ("cold" first)."""
+        """The table files of each set, a subset of ``PARTS`` ("cold" first)."""
         ...
 
     def owner(self, layer_id: int) -> int:
@@ -89,7 +89,7 @@ class Hasher(Protocol):
         ...
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        """Take back what :meth:`checkpoint_state` saved, from a checkpoint's state."""
+        """Take back what ``checkpoint_state`` saved, from a checkpoint's state."""
         ...
 
 
@@ -110,7 +110,7 @@ def layer_multipliers(config: EngramConfig, compressed_vocab: int) -> dict[int, 
 class NgramHasher:
     """Token ids -> per-layer hash row ids, exactly as the official code computes them.
 
-    ``compression`` is an integer array (P, index = raw id) or a :class:`Compression`.
+    ``compression`` is an integer array (P, index = raw id) or a ``Compression``.
     """
 
     def __init__(self, config: EngramConfig, compression: Compression | Any):
@@ -184,6 +184,8 @@ class NgramHasher:
             "pad": self.pad,
             "multipliers": [int(m) for m in self.multipliers[layer_id]],
             "table_sizes": self.table_sizes(layer_id),
+            # a control's rows are keyed on something else: stamped, so no file mixes them up
+            **({"lookup": self.config.lookup} if self.config.lookup != "ngram" else {}),
         }
 
     def profile_mismatch(self, theirs: dict[str, Any] | None, layer_id: int,
@@ -198,7 +200,7 @@ class NgramHasher:
     def count_reads(self, tokens: Any, window: int = 1 << 15
                     ) -> dict[int, dict[str, torch.Tensor]]:
         """Each global row's reads over a raw token stream [n], hashed in windows through
-        :meth:`stream` so n-grams across window edges count exactly as in one pass."""
+        ``stream`` so n-grams across window edges count exactly as in one pass."""
         toks = torch.as_tensor(np.asarray(tokens), dtype=torch.long).reshape(-1)
         counts = {lid: torch.zeros(self.num_rows(lid), dtype=torch.long) for lid in self.layer_ids}
         offsets = {lid: torch.tensor(self.offsets(lid)) for lid in self.layer_ids}
@@ -248,14 +250,22 @@ class NgramHasher:
         mult, primes = c["mult"][sel], c["primes"][sel]  # [L, N], [L, N-1, K]
         offsets = c["offsets"][sel].view(len(sel), n_max - 1, -1)  # [L, N-1, K]
 
-        shifts = self._suffix_tokens(xc)  # [N, b, t]: token at t-j, or pad'
         k = self.config.n_head_per_ngram
+        lookup = self.config.lookup
+        if lookup == "constant":  # capacity 1: row 0 of every head, pad and start included
+            rows = offsets.new_zeros(len(sel), b, t, n_max - 1, k)  # [L, b, t, N-1, K]
+            if self.config.global_row_ids:
+                rows += offsets[:, None, None]
+            return {lid: rows[i].flatten(-2) for i, lid in enumerate(layers)}
+        shifts = self._suffix_tokens(xc)  # [N, b, t]: token at t-j, or pad'
         rows = torch.empty(len(sel), b, t, n_max - 1, k, dtype=torch.long, device=xc.device)
         for i in range(len(sel)):
             # mix_n = XOR_{j<n} x'[t-j] * mult[j]; orders share prefixes, so accumulate once.
+            # "unigram" keeps x'[t] * mult[0] alone for every order (each head still its prime).
             mix = shifts[0] * mult[i, 0]  # [b, t]
             for j in range(1, n_max):
-                mix = torch.bitwise_xor(mix, shifts[j] * mult[i, j])
+                if lookup == "ngram":
+                    mix = torch.bitwise_xor(mix, shifts[j] * mult[i, j])
                 # One 2-D broadcast per order writes straight into the output layout; a single
                 # 5-D broadcast is several times slower on CPU.
                 out = rows[i, :, :, j - 1]  # [b, t, K]

@@ -46,7 +46,14 @@ def next_prime(start: int, used: set[int]) -> int:
 
 
 def prime_table_sizes(config: EngramConfig) -> dict[int, list[list[int]]]:
-    """``{layer_id: [[p for head k] for order n]}``: every head's table size, in layer_ids order."""
+    """``{layer_id: [[p for head k] for order n]}``: every head's table size, in layer_ids order.
+    The controls (EngramConfig.lookup, prime_sizes) size their heads as they say: one row each
+    for ``lookup="constant"``, exactly the order's size without ``prime_sizes``."""
+    k = config.n_head_per_ngram
+    if config.lookup == "constant":
+        return {lid: [[1] * k for _ in config.order_sizes] for lid in config.layer_ids}
+    if not config.prime_sizes:
+        return {lid: [[int(s)] * k for s in config.order_sizes] for lid in config.layer_ids}
     used: set[int] = set()
     out: dict[int, list[list[int]]] = {}
     for layer_id in config.layer_ids:

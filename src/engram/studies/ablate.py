@@ -9,7 +9,10 @@ tables at layer 1) and changes one thing:
   conv (paper: the conv costs little);
 - hyper-connections (2 branches) with per-branch keys, and the same with one shared key (paper:
   branch-specific fusion matters);
-- orders {2,3,4} at equal table rows (paper: 4-grams slightly worse at a fixed budget).
+- orders {2,3,4} at equal table rows (paper: 4-grams slightly worse at a fixed budget);
+- the controls of "is it the memory?" (studies/compare.py ``ARMS``): capacity 1 (``pathway``),
+  keyed on the current token alone, frozen tables (with and without a learned gain per head), and
+  the community's hashed bigram table at the input.
 
 Each variant runs for every seed; same seed = same batch order, so differences are paired by seed.
 """
@@ -28,7 +31,7 @@ from ..files import publish_text
 from ..training.corpus import build_corpus
 from ..training.train import TrainConfig
 from .common import job, largest_spread, run_jobs, seed_spread, train_run
-from .compare import CompareConfig, budget, counts, variant_configs
+from .compare import ARMS, StudyBudget, budget, counts, variant_configs
 
 # name -> (what it changes, the paper's expectation relative to the reference)
 VARIANTS: dict[str, tuple[str, str]] = {
@@ -47,11 +50,18 @@ VARIANTS: dict[str, tuple[str, str]] = {
                        "matter (vs hc2)"),
     "orders234": ("{2,3,4}-grams, table rows per order cut to 2/3 (equal total rows)",
                   "4-grams slightly worse at a fixed budget"),
+    # the controls: what the memory's rows are worth beside the pathway that comes with them
+    "pathway": (ARMS["pathway"], "no identity: worse, if the memory carries the gain"),
+    "unigram": (ARMS["unigram"], "no n-gram context: worse, if n-grams matter"),
+    "frozen": (ARMS["frozen"], "untrained rows: worse (arXiv 2605.13179: barely, in vision)"),
+    "frozen-scaled": (ARMS["frozen-scaled"], "fixed random features at a learned scale"),
+    "bigram-hash": (ARMS["bigram-hash"], "parameter-golf #1369: a hashed bigram beat Engram"),
 }
+CONTROLS = ("pathway", "unigram", "frozen", "frozen-scaled", "bigram-hash")
 
 
 @dataclass
-class AblateConfig(CompareConfig):
+class AblateConfig(StudyBudget):
     out_dir: str = "out/ablate"  # ablate.json, ablate.png, report.md
     # which variants to train (reference always runs)
     variants: tuple[str, ...] = field(default=tuple(VARIANTS),
@@ -60,7 +70,8 @@ class AblateConfig(CompareConfig):
 
 def ablation_configs(base: TrainConfig, vocab: int) -> dict[str, TrainConfig]:
     """One config per variant name (see VARIANTS); only the named thing differs."""
-    ref = variant_configs(base, vocab)["engram"]
+    arms = variant_configs(base, vocab, ("engram", *CONTROLS))
+    ref = arms["engram"]
 
     def r(**changes: Any) -> TrainConfig:
         return dataclasses.replace(ref, **changes)
@@ -76,6 +87,7 @@ def ablation_configs(base: TrainConfig, vocab: int) -> dict[str, TrainConfig]:
         "hc2": r(hc_mult=2),
         "hc2-shared-key": r(hc_mult=2, engram_shared_key=True),
         "orders234": r(max_ngram_size=4, table_size=max(2, round(ref.table_size * 2 / 3))),
+        **{name: arms[name] for name in CONTROLS},
     }
 
 
@@ -128,7 +140,8 @@ def summarise(results: list[dict], configs: dict[str, TrainConfig], vocab: int, 
             "config": {k: v for k, v in configs[n].to_dict().items()
                        if k in ("engram_layers", "table_size", "max_ngram_size", "compress",
                                 "engram_fixed_gate", "engram_conv", "hc_mult",
-                                "engram_shared_key", "d_ff")}}
+                                "engram_shared_key", "d_ff", "engram_lookup", "freeze_tables",
+                                "engram_head_gain", "n_head_per_ngram", "table_lr_mult")}}
     return {"variants": variants, "max_seed_spread": largest_spread(spreads.values()),
             "seeds": list(ac.seeds), "steps": ac.steps,
             "tokens_per_run": ac.steps * ac.batch_size * ac.seq_len, "wall_s": wall}

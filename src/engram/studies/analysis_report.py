@@ -1,5 +1,6 @@
 """`engram analyze`'s outputs: LogitLens and CKA plots, the retention chart, the gate figure with
-suppression, and report.md with a plain verdict on each of the paper's claims."""
+suppression, and report.md with a plain verdict on each of the paper's claims and where the gain
+lands (``buckets``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..files import publish_text
+from . import buckets
 from .common import RULE, save, subplots
 
 
@@ -186,7 +188,9 @@ def verdicts(res: dict[str, Any]) -> list[tuple[str, str, str]]:
 def report(res: dict[str, Any]) -> str:
     lines = ["# engram analyze", "",
              f"Run `{res['run']}` ({res['checkpoint']}, Engram at layers {res['engram_layers']}); "
-             f"baseline `{res['baseline']}`. One seed per model: {RULE}", "",
+             f"baseline `{res['baseline']}`"
+             + (f", capacity-1 control `{res['pathway']}`" if res.get("pathway") else "")
+             + f". One seed per model: {RULE}", "",
              "## The paper's claims here", "",
              "| claim | measured | verdict |", "|---|---|---|"]
     lines += [f"| {c} | {m} | {v} |" for c, m, v in verdicts(res)]
@@ -215,6 +219,8 @@ def report(res: dict[str, Any]) -> str:
                                                for x in g["bottom_bigrams"][:5])
                      + "; highest tokens " + ", ".join(f"`{x['text']!r}` {x['mean_gate']:.2f}"
                                                       for x in g["top_tokens"][:8]))
+    if "buckets" in res:
+        lines += [""] + buckets.report(buckets.combine([res["buckets"]]))
     lines += ["", "![LogitLens](lens.png)", "", "![CKA](cka.png)", "",
               "![retention](retention.png)", "", "![gates](gates_examples.png)", ""]
     return "\n".join(lines)

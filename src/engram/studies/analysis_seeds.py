@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..files import publish_text
+from . import buckets
 from .analysis_report import verdicts
 from .common import RULE, largest_spread, resolved, save, seed_spread, subplots
 
@@ -74,6 +75,7 @@ def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
     n_states = len(nums[0]["states_after"])
     out: dict[str, Any] = {"runs": [r["run"] for r in results],
                            "baselines": [r["baseline"] for r in results],
+                           "pathways": [r.get("pathway") for r in results],
                            "n_seeds": len(results), "states_after": nums[0]["states_after"],
                            "per_seed": nums}
     if all("lens_gap" in n for n in nums):
@@ -91,6 +93,8 @@ def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
     out["knowledge_gap"] = _stat([n["retention_zeroed"]["held-out function (all)"]
                                   - n["retention_zeroed"]["held-out phrase (all)"] for n in nums])
     out["verdicts"] = seed_verdicts(out)
+    if all("buckets" in r for r in results):  # analyses written before the buckets have none
+        out["buckets"] = buckets.combine([r["buckets"] for r in results])
     return out
 
 
@@ -181,7 +185,9 @@ def plot_seeds(c: dict[str, Any], path: Path) -> None:
 def seeds_report(c: dict[str, Any]) -> str:
     lines = ["# engram analyze: several seeds", "",
              f"{c['n_seeds']} Engram runs, each against the dense baseline of its seed:", ""]
-    lines += [f"- `{r}` vs `{b}`" for r, b in zip(c["runs"], c["baselines"])]
+    pathways = c.get("pathways") or [None] * len(c["runs"])
+    lines += [f"- `{r}` vs `{b}`" + (f" and `{p}`" if p else "")
+              for r, b, p in zip(c["runs"], c["baselines"], pathways)]
     lines += ["", "A claim holds when it goes the paper's way in every seed. " + RULE + " Here each "
               "per-seed number a claim rests on (a state's KL gap, a language's gate margin) is one "
               "result. Each seed's full analysis is in its own folder.",
@@ -194,6 +200,8 @@ def seeds_report(c: dict[str, Any]) -> str:
               "| set | zeroed | gate forced 1 |", "|---|---|---|"]
     for row, s in c["retention_zeroed"].items():
         lines.append(f"| {row} | {_ms(s, '.0%')} | {_ms(c['retention_gate1'][row], '.0%')} |")
+    if "buckets" in c:
+        lines += [""] + buckets.report(c["buckets"])
     lines += ["", "![seeds](seeds.png)", ""]
     return "\n".join(lines)
 
@@ -208,22 +216,31 @@ def write_seeds(results: list[dict[str, Any]], out: Path) -> dict[str, Any]:
     return c
 
 
-def run_seeds(run_dirs: list[str], baselines: list[str] | None, ac: Any) -> dict[str, Any]:
-    """Analyse each run (against the baseline at the same position) into ``out_dir/<run name>``,
-    then combine them into ``out_dir`` (default: ``analysis`` beside the first run)."""
+def run_seeds(run_dirs: list[str], baselines: list[str] | None, ac: Any,
+              pathways: list[str] | None = None) -> dict[str, Any]:
+    """Analyse each run (against the baseline and the pathway run at the same position) into
+    ``out_dir/<run name>``, then combine them into ``out_dir`` (default: ``analysis`` beside the
+    first run)."""
     import dataclasses
 
     from .analyze import run_analyze
 
-    baselines = list(baselines or [])
-    if baselines and len(baselines) != len(run_dirs):
-        raise UserError(f"{len(run_dirs)} runs but {len(baselines)} baselines: pass one dense "
-                         "baseline per Engram run (same seed), in the same order")
+    baselines, pathways = list(baselines or []), list(pathways or [])
+    for flag, given, what in (("baselines", baselines, "dense baseline"),
+                              ("pathway runs", pathways, "pathway run (capacity 1)")):
+        if given and len(given) != len(run_dirs):
+            raise UserError(f"{len(run_dirs)} runs but {len(given)} {flag}: pass one {what} per "
+                            "Engram run (same seed), in the same order")
     names = [Path(r).name for r in run_dirs]
     if len(set(names)) != len(names):
         raise UserError(f"runs with the same folder name {names}: their analyses would collide")
+    for k, r in enumerate(run_dirs):  # every pair before the first analysis: one clear line
+        for flag, given in (("--baseline", baselines), ("--pathway", pathways)):
+            if given:
+                buckets.check_pair(r, buckets.read_config(r, "RUN_DIR"), given[k], flag)
     out = Path(ac.out_dir) if ac.out_dir else Path(run_dirs[0]).parent / "analysis"
     results = [run_analyze(r, baselines[k] if baselines else None,
-                           dataclasses.replace(ac, out_dir=str(out / names[k])))
+                           dataclasses.replace(ac, out_dir=str(out / names[k])),
+                           pathway=pathways[k] if pathways else None)
                for k, r in enumerate(run_dirs)]
     return write_seeds(results, out)

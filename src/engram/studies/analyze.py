@@ -1,4 +1,5 @@
-"""`engram analyze RUN_DIR [--baseline RUN_DIR]`: what the memory does (paper section 6).
+"""`engram analyze RUN_DIR [--baseline RUN_DIR] [--pathway RUN_DIR]`: what the memory does (paper
+section 6).
 
 - Effective depth: LogitLens KL per layer for both models, linear CKA of Engram's layers against
   the baseline's (``lens``).
@@ -8,6 +9,8 @@
   token (and top-1 accuracy on the probes).
 - Gates: mean gate per token kind, per language; the tokens and bigrams with the highest and
   lowest mean gate; an example figure (``analysis_report``).
+- Where the gain lands: the per-token loss difference to the dense baseline and to the capacity-1
+  control (``--pathway``), bucketed by how often each token's n-gram was trained on (``buckets``).
 
 Shape legend:
     b batch, t positions, n tokens, m residual branches, V model vocabulary.
@@ -29,6 +32,7 @@ from ..files import publish_text
 from ..ranges import AT_LEAST_1, NON_NEGATIVE, check_ranges
 from ..models.surgery import engram_zeroed, forced_gate
 from ..training.batches import val_batches
+from .buckets import check_pair, run_buckets
 from .lens import cka_matrix, read_layers
 from .probes import KINDS, NgramCounts, copy_probes, memorised_probes, token_kinds
 
@@ -165,7 +169,9 @@ def gate_table(gates: np.ndarray, inputs: np.ndarray, prev: np.ndarray, lang: np
 
 
 def run_analyze(run_dir: str, baseline: str | None, ac: AnalyzeConfig,
-                progress: bool = True) -> dict[str, Any]:
+                progress: bool = True, pathway: str | None = None) -> dict[str, Any]:
+    """Analyse the Engram run ``run_dir``; ``baseline``: the dense run of its seed; ``pathway``:
+    its capacity-1 control (compare's pathway arm), for where the gain lands."""
     from tqdm.auto import tqdm
 
     from ..serving.loader import open_model
@@ -184,20 +190,24 @@ def run_analyze(run_dir: str, baseline: str | None, ac: AnalyzeConfig,
         raise UserError(f"the probes need {ac.context + 4} (--context={ac.context} + a 4-gram) "
                         f"and {2 * ac.copy_span} (2 x --copy_span={ac.copy_span}) positions; the "
                         f"model has max_seq_len={n}")
+    saved = json.loads((Path(run_dir) / "config.json").read_text())
+    for flag, other in (("--baseline", baseline), ("--pathway", pathway)):
+        if other:  # compared token by token: the same data, seed and training windows
+            check_pair(run_dir, saved, other, flag)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = TrainConfig(**json.loads((Path(run_dir) / "config.json").read_text()))
+    cfg = TrainConfig(**saved)
     corpus = build_corpus(cfg.data_config(), tok)
     base = open_model(baseline) if baseline else None
     if base is not None and not np.array_equal(base.vocab, vocab):
         raise UserError(f"{baseline} was trained on another vocabulary than {run_dir}")
-    steps = tqdm(total=7, desc="analyze", disable=not progress)
+    steps = tqdm(total=8, desc="analyze", disable=not progress)
     batches = list(val_batches(corpus.val, cfg.batch_size, cfg.seq_len, corpus, hasher,
                                max_batches=ac.batches))
     # -- effective depth
     # Evenly spaced batches: the stream is English, then Chinese; both should be read.
     lens_b = batches[::max(1, len(batches) // max(1, ac.lens_batches))][:ac.lens_batches]
     lens = read_layers(model, lens_b, ac.cka_tokens)
-    res: dict[str, Any] = {"run": str(run_dir), "baseline": baseline,
+    res: dict[str, Any] = {"run": str(run_dir), "baseline": baseline, "pathway": pathway,
                            "checkpoint": served.checkpoint,
                            "engram_layers": model.config.engram_layers,
                            "lens": {"engram": lens["kl"]}}
@@ -228,6 +238,13 @@ def run_analyze(run_dir: str, baseline: str | None, ac: AnalyzeConfig,
     if base is not None:
         bho = held_out(base.model, hasher, batches, ("full",))
         res["kinds_baseline"] = summarise_kinds(bho, kind, lang, ("full",))
+    steps.update()
+    # -- where the gain lands
+    nll = {"engram": ho["full"], **({"dense": bho["full"]} if base is not None else {})}
+    if pathway:
+        pw = open_model(pathway)
+        nll["pathway"] = held_out(pw.model, pw.hasher, batches, ("full",))["full"]
+    res["buckets"] = run_buckets(cfg, corpus, hasher, run_dir, batches, nll)
     steps.update()
     # -- probe sets
     val_local = corpus.to_local(corpus.val)

@@ -11,6 +11,21 @@ sparse baseline. Here:
 - ``moe``: the backbone with an MoE FFN (1 shared + top-1 routed, expert width d_ff/2, so activated
   FFN equals dense), with as many routed experts as it takes to match the Engram model's total.
 
+Is it the memory? Engram brings two things: the tables' rows (n-gram identity) and a gated pathway
+(projections, gate, conv, the trimmed FFN) that comes with them. Controls at the ``engram`` arm's
+backbone, trimmed FFN, seeds and data order take one thing away each (``ARMS``):
+
+- ``pathway`` (run by default): capacity 1, every position reads one row per head, so no token or
+  n-gram identity reaches the module: a gated constant plus the trimmed FFN. The gain then splits
+  as (dense - pathway) + (pathway - engram): what the pathway gives, and what the memory adds.
+- ``unigram``: the module keyed on the current token alone (a second token embedding, no n-grams).
+- ``frozen``: the tables never train; ``frozen-scaled``: the same with a learned gain per head, so a
+  loss is not a scale handicap (n-gram identity as fixed random features).
+- ``bigram-hash``: what the community uses instead (parameter-golf's BigramHash): one hashed bigram
+  table of raw ids at the input (layer 0, before the first attention: added to the token
+  embedding through its projection), no gate, no conv; table parameters within one row of
+  Engram's; the same row optimiser, at its own learning-rate multiplier (``BIGRAM_LR_MULT``).
+
 Each variant runs for every seed; seeds give the run-to-run noise. Runs go to worker processes
 (studies/common.py: one thread each, resumable). Before they start, the workers time a few steps
 of each variant side by side and the study prints its wall-time estimate (studies/estimate.py);
@@ -21,9 +36,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +53,31 @@ from ..ranges import AT_LEAST_1, NON_NEGATIVE, Range, check_ranges
 from ..training.corpus import build_corpus
 from ..training.train import TrainConfig, build_run, try_resume
 from .common import RULE, Workers, finished, job, largest_spread, resolved, seed_spread, train_run
-from .evidence import mean_curve, paired_interval, seeds_needed, tokens_to_target
+from .evidence import mean_curve, paired_interval, seeds_needed, t975, tokens_to_target
 from .estimate import Estimate, estimate
 
-VARIANTS = ("dense", "engram", "moe")
+VARIANTS = ("dense", "engram", "moe")  # the main comparison: its verdicts use these arms' spreads
+# Every arm compare can run: what it is (the module docstring says why each exists).
+ARMS = {
+    "dense": "the backbone",
+    "engram": "Engram at layer 1, FFN trimmed to dense's activated parameters",
+    "moe": "an MoE FFN (1 shared + top-1 routed) of the Engram model's total parameters",
+    "pathway": "Engram's module at capacity 1: one row per head at every position (no identity)",
+    "unigram": "Engram's module keyed on the current token alone (no n-gram context)",
+    "frozen": "Engram with tables that never train (their initial rows)",
+    "frozen-scaled": "frozen tables with a learned gain per head",
+    "bigram-hash": "one hashed bigram table of raw ids added at the input, no gate, no conv",
+}
+ARMS_DEFAULT = ("dense", "engram", "moe", "pathway")
+# bigram-hash's table learning-rate multiplier, chosen on seeds no verdict uses (as the warmup was
+# for dense): benchmarks/bigram_lr.py, benchmarks/results/compare/bigram_lr/.
+BIGRAM_LR_MULT = 5.0
 
 
 @dataclass
-class CompareConfig:
+class StudyBudget:
+    """What every study of runs at compare's scale shares: seeds, workers, the token budget."""
+
     out_dir: str = "out"  # results.json, loss.png, report.md, gates.html land here
     seeds: tuple[int, ...] = (0, 1, 2)  # the noise estimate; rounding alone moves a run ~0.05 nats
     workers: int = 2  # parallel training processes (one torch thread each)
@@ -71,7 +104,22 @@ class CompareConfig:
                      eval_batches=AT_LEAST_1, ckpt_every=AT_LEAST_1)
 
 
-def budget(base: TrainConfig, cc: CompareConfig) -> TrainConfig:
+@dataclass
+class CompareConfig(StudyBudget):
+    # The arms to train (dense and engram always): the three of the main comparison and the
+    # capacity-1 control that splits Engram's gain; the other controls on demand (ARMS).
+    arms: tuple[str, ...] = field(default=ARMS_DEFAULT,
+                                  metadata={"choices": "engram.studies.compare:ARMS"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.arms = tuple(dict.fromkeys(("dense", "engram", *self.arms)))  # in order, once each
+        unknown = [a for a in self.arms if a not in ARMS]
+        if unknown:
+            raise UserError(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
+
+
+def budget(base: TrainConfig, cc: StudyBudget) -> TrainConfig:
     """The shared token budget and bookkeeping of every run of a study (study-nine's config has no
     ``ckpt_every``: its runs keep no checkpoints)."""
     return dataclasses.replace(base, steps=cc.steps, batch_size=cc.batch_size, seq_len=cc.seq_len,
@@ -99,21 +147,45 @@ def solve_linear(f, x0: int, x1: int, target: float) -> int:
     return best
 
 
-def variant_configs(base: TrainConfig, vocab: int) -> dict[str, TrainConfig]:
-    """The three matched configs (see the module docstring)."""
+def variant_configs(base: TrainConfig, vocab: int,
+                    arms: tuple[str, ...] = VARIANTS) -> dict[str, TrainConfig]:
+    """The matched configs of ``arms`` (the main comparison's three by default), in ARMS' order
+    (see the module docstring)."""
     dense = dataclasses.replace(base, engram=False, moe=False)
     d_ff0 = dense.model_config(vocab).d_ff
     target_active = counts(dense, vocab)["active"]
-    eng0 = dataclasses.replace(base, engram=True, moe=False)
-    d_ff = solve_linear(lambda x: counts(dataclasses.replace(eng0, d_ff=x), vocab)["active"],
-                         d_ff0, d_ff0 - 32, target_active)
-    engram = dataclasses.replace(eng0, d_ff=d_ff)
-    target_total = counts(engram, vocab)["total"]
+
+    def trimmed(cfg: TrainConfig) -> TrainConfig:  # FFN width for dense's activated parameters
+        return dataclasses.replace(cfg, d_ff=solve_linear(
+            lambda x: counts(dataclasses.replace(cfg, d_ff=x), vocab)["active"],
+            d_ff0, d_ff0 - 32, target_active))
+
+    engram = trimmed(dataclasses.replace(base, engram=True, moe=False))
+    eng_counts = counts(engram, vocab)
     moe0 = dataclasses.replace(base, engram=False, moe=True, n_shared_experts=1, top_k=1,
                                d_expert=d_ff0 // 2)
     n = solve_linear(lambda x: counts(dataclasses.replace(moe0, n_routed_experts=x), vocab)["total"],
-                      4, 8, target_total)
-    return {"dense": dense, "engram": engram, "moe": dataclasses.replace(moe0, n_routed_experts=n)}
+                      4, 8, eng_counts["total"])
+
+    def control(**changes: Any) -> TrainConfig:  # engram's backbone and FFN, one thing changed
+        return dataclasses.replace(engram, **changes)
+
+    # bigram-hash: one head of width d at layer 0; its exact row count puts its table parameters
+    # within one row of Engram's (rows x d, not primes).
+    d = base.d_model
+    bigram = trimmed(dataclasses.replace(
+        base, engram=True, moe=False, engram_layers=(0,), max_ngram_size=2, n_head_per_ngram=1,
+        n_embed_per_ngram=d, table_size=max(2, round(eng_counts["table"] / d)),
+        engram_prime_sizes=False, engram_fixed_gate=True, engram_conv=False, compress=False,
+        table_lr_mult=BIGRAM_LR_MULT))
+    every = {"dense": dense, "engram": engram,
+             "moe": dataclasses.replace(moe0, n_routed_experts=n),
+             "pathway": control(engram_lookup="constant"),
+             "unigram": control(engram_lookup="unigram"),
+             "frozen": control(freeze_tables=True),
+             "frozen-scaled": control(freeze_tables=True, engram_head_gain=True),
+             "bigram-hash": bigram}
+    return {a: every[a] for a in ARMS if a in arms}
 
 
 def run_compare(cc: CompareConfig, base: TrainConfig | None = None) -> dict[str, Any]:
@@ -122,10 +194,12 @@ def run_compare(cc: CompareConfig, base: TrainConfig | None = None) -> dict[str,
     base = budget(base or TrainConfig(), cc)
     t0, load0 = time.perf_counter(), os.getloadavg()
     corpus = build_corpus(base.data_config())  # built once here; workers hit the disk cache
-    configs = variant_configs(base, corpus.vocab_size)
+    configs = variant_configs(base, corpus.vocab_size, cc.arms)
     # Slowest first (MoE routes, Engram looks up); the estimate may pick a better hand-out order.
+    slow_first = ("moe", "engram", *(a for a in ARMS if a not in ("moe", "engram", "dense")),
+                  "dense")
     jobs = [job(name, configs[name], s, out / "runs")
-            for name in ("moe", "engram", "dense") for s in cc.seeds]
+            for name in slow_first if name in configs for s in cc.seeds]
     est = None
     if any(finished(j) is None for j in jobs):
         with Workers(min(cc.workers, sum(finished(j) is None for j in jobs))) as pool:
@@ -196,7 +270,7 @@ def _load(cfg: TrainConfig, corpus):
 
 def summarise(results: list[dict], configs: dict[str, TrainConfig], corpus, wall: float) -> dict:
     runs, noise = {}, {}
-    for name in VARIANTS:
+    for name in configs:
         rs = sorted((r for r in results if r["name"] == name), key=lambda r: r["seed"])
         losses = [r["val_loss"] for r in rs]
         runs[name] = {"val_loss": sum(losses) / len(losses), "val_loss_per_seed": losses,
@@ -205,37 +279,105 @@ def summarise(results: list[dict], configs: dict[str, TrainConfig], corpus, wall
                       "tokens_per_s": sum(r["tokens_per_s"] for r in rs) / len(rs),
                       "config": {k: v for k, v in configs[name].to_dict().items()
                                  if k in ("d_ff", "moe", "n_routed_experts", "engram", "table_size",
-                                          "engram_layers", "d_model", "n_layer")}}
+                                          "engram_layers", "d_model", "n_layer", "engram_lookup",
+                                          "freeze_tables", "engram_head_gain", "table_lr_mult")}}
         noise[name] = seed_spread(losses)
+    # The main comparison's verdicts by its own arms' spreads, as before the controls came.
+    spread = largest_spread(noise[n] for n in VARIANTS if n in noise)
+
+    def per_seed(a: str, b: str) -> list[float]:  # a's loss - b's, paired by seed (same batches)
+        return [x - y for x, y in zip(runs[a]["val_loss_per_seed"], runs[b]["val_loss_per_seed"])]
+
     gap = runs["dense"]["val_loss"] - runs["engram"]["val_loss"]
-    vs_moe = runs["moe"]["val_loss"] - runs["engram"]["val_loss"]
-    spread = largest_spread(noise.values())
-    # Same seed = same batch order for every variant, so per-seed differences are paired.
-    paired = [d - e for d, e in zip(runs["dense"]["val_loss_per_seed"],
-                                    runs["engram"]["val_loss_per_seed"])]
-    paired_moe = [m - e for m, e in zip(runs["moe"]["val_loss_per_seed"],
-                                        runs["engram"]["val_loss_per_seed"])]
-    intervals = {"engram_vs_dense": paired_interval(paired),
-                 "engram_vs_moe": paired_interval(paired_moe)}
+    paired = per_seed("dense", "engram")
+    intervals = {"engram_vs_dense": paired_interval(paired)}
+    vs_moe = paired_moe = None
+    if "moe" in runs:
+        vs_moe = runs["moe"]["val_loss"] - runs["engram"]["val_loss"]
+        paired_moe = per_seed("moe", "engram")
+        intervals["engram_vs_moe"] = paired_interval(paired_moe)
     # tokens to target: where each mean validation curve first reaches dense's final loss
     curves = {name: mean_curve([r["history"] for r in results if r["name"] == name])
-              for name in VARIANTS}
+              for name in runs}
     reach = {name: tokens_to_target(curves[name], runs["dense"]["val_loss"])
-             for name in ("engram", "moe")}
-    return {"runs": runs, "noise_seed_spread": noise, "max_seed_spread": spread,
-            "engram_gain_per_seed": paired, "engram_gain_vs_dense": gap,
-            "engram_gain_vs_moe": vs_moe, "engram_gain_vs_moe_per_seed": paired_moe,
-            "gain_over_max_noise": gap / spread if spread else None,
-            "paired_interval": intervals,
-            "tokens_to_target": {name: None if t is None else t / runs["dense"]["tokens"]
-                                 for name, t in reach.items()},
-            "seeds_needed": seeds_needed(paired, [x for x in noise.values() if x is not None]),
-            "resolved": {"engram_vs_dense": resolved(gap, spread),
-                         "engram_vs_moe": resolved(vs_moe, spread), "rule": RULE,
-                         **{f"{k}_interval": bool(i and i["excludes_zero"])
-                            for k, i in intervals.items()}},
-            "corpus": {"vocab": corpus.vocab_size, "train_tokens": len(corpus.streams["train"]),
-                       "val_tokens": len(corpus.streams["val"]),
-                       "sources": corpus.sources,
-                       "max_chars": configs["dense"].max_chars, "data": configs["dense"].data},
-            "machine": {"cpu": machine.cpu_id(), "gemm": gemm.backend()}, "wall_s": wall}
+             for name in runs if name != "dense"}
+    out = {"runs": runs, "noise_seed_spread": noise, "max_seed_spread": spread,
+           "engram_gain_per_seed": paired, "engram_gain_vs_dense": gap,
+           "engram_gain_vs_moe": vs_moe, "engram_gain_vs_moe_per_seed": paired_moe,
+           "gain_over_max_noise": gap / spread if spread else None,
+           "paired_interval": intervals,
+           "tokens_to_target": {name: None if t is None else t / runs["dense"]["tokens"]
+                                for name, t in reach.items()},
+           "seeds_needed": seeds_needed(paired, [noise[n] for n in VARIANTS
+                                                 if noise.get(n) is not None]),
+           "resolved": {"engram_vs_dense": resolved(gap, spread),
+                        **({"engram_vs_moe": resolved(vs_moe, spread)} if "moe" in runs else {}),
+                        "rule": RULE,
+                        **{f"{k}_interval": bool(i and i["excludes_zero"])
+                           for k, i in intervals.items()}},
+           "corpus": {"vocab": corpus.vocab_size, "train_tokens": len(corpus.streams["train"]),
+                      "val_tokens": len(corpus.streams["val"]),
+                      "sources": corpus.sources,
+                      "max_chars": configs["dense"].max_chars, "data": configs["dense"].data},
+           "machine": {"cpu": machine.cpu_id(), "gemm": gemm.backend()}, "wall_s": wall}
+    if "pathway" in runs:
+        out["split"] = split_gain(runs, noise)
+    controls = [a for a in runs if a not in (*VARIANTS, "pathway")]
+    if controls:
+        out["controls"] = {a: difference(runs, noise, a, "engram") for a in controls}
+    return out
+
+
+def difference(runs: dict, noise: dict, a: str, b: str) -> dict[str, Any]:
+    """a's loss - b's over the seeds: the mean, per seed, the paired interval and the rule judged
+    by these two arms' own spreads."""
+    per = [x - y for x, y in zip(runs[a]["val_loss_per_seed"], runs[b]["val_loss_per_seed"])]
+    spread = largest_spread((noise[a], noise[b]))
+    mean = sum(per) / len(per)
+    return {"what": f"{a} - {b}", "mean": mean, "per_seed": per, "spread": spread,
+            "over_spread": mean / spread if spread else None, "resolved": resolved(mean, spread),
+            "interval": paired_interval(per)}
+
+
+# What "the memory carries the gain" means, fixed before the recorded runs (docs/guides/
+# reproduce.md says the same): the memory's part (pathway - engram) is resolved by the rule and its
+# paired interval excludes zero, and it is at least half of Engram's gain over dense.
+MEMORY_CARRIES = ("pathway - engram resolved by the rule, its paired 95% interval excluding zero, "
+                  "and a share of the gain (pathway - engram) / (dense - engram) of at least 0.5")
+
+
+def split_gain(runs: dict, noise: dict) -> dict[str, Any]:
+    """Engram's gain over dense as (dense - pathway) + (pathway - engram): what the gated pathway
+    gives without any identity, and what the memory's rows add; the memory's share with Fieller's
+    95% interval (undefined where the gain itself is not bounded away from zero)."""
+    pathway, memory = difference(runs, noise, "dense", "pathway"), \
+        difference(runs, noise, "pathway", "engram")
+    gain = [p + m for p, m in zip(pathway["per_seed"], memory["per_seed"])]
+    share = fieller_ratio(memory["per_seed"], gain)
+    carries = (memory["resolved"] and bool(memory["interval"] and memory["interval"]["excludes_zero"])
+               and share["estimate"] is not None and share["estimate"] >= 0.5)
+    return {"pathway": pathway, "memory": memory, "gain_per_seed": gain, "memory_share": share,
+            "memory_carries_gain": carries, "criterion": MEMORY_CARRIES}
+
+
+def fieller_ratio(num: list[float], den: list[float]) -> dict[str, Any]:
+    """mean(num) / mean(den) for paired per-seed values, with Fieller's 95% interval: the ratios
+    R with (a - R b)^2 <= t^2 var(a - R b) / n. Bounded only where den's mean is itself resolved
+    from zero (g = t^2 var(b) / (n b^2) < 1); otherwise the interval is "undefined" (None)."""
+    n = len(num)
+    if n < 2:
+        return {"estimate": None, "low": None, "high": None, "why": "one seed"}
+    a, b = sum(num) / n, sum(den) / n
+    saa = sum((x - a) ** 2 for x in num) / (n - 1) / n
+    sbb = sum((y - b) ** 2 for y in den) / (n - 1) / n
+    sab = sum((x - a) * (y - b) for x, y in zip(num, den)) / (n - 1) / n
+    t2 = t975(n - 1) ** 2
+    est = a / b if b else None
+    qa, qb, qc = b * b - t2 * sbb, -2 * (a * b - t2 * sab), a * a - t2 * saa
+    disc = qb * qb - 4 * qa * qc
+    if qa <= 0 or disc < 0:
+        return {"estimate": est, "low": None, "high": None,
+                "why": "the gain is not bounded away from zero at 95%: the share is undefined"}
+    root = math.sqrt(disc)
+    return {"estimate": est, "low": (-qb - root) / (2 * qa), "high": (-qb + root) / (2 * qa),
+            "why": None}

@@ -3,7 +3,11 @@
 Allocation: fix total and activated parameters; the sparse budget (total - active) is split between
 inactive routed experts (a share rho) and Engram table rows (1 - rho). The paper finds a U-curve in
 validation loss with the best rho near 0.75-0.8. Slots: fix the backbone and grow the tables; loss
-against table slots on a log axis (the paper's scaling of memory alone).
+against table slots on a log axis (the paper's scaling of memory alone). Its first point is
+capacity 1 (``table_sizes`` 1: compare's ``pathway`` control, one row per head at every position),
+so the figure runs from no memory to the largest table; every point keeps compare's Engram
+backbone with its FFN trimmed to dense's activated parameters, so the points differ in the
+tables alone.
 """
 
 from __future__ import annotations
@@ -15,26 +19,27 @@ from pathlib import Path
 from typing import Any
 
 from ..files import publish_text
-from ..ranges import AT_LEAST_1, UNIT, Range, check_ranges
+from ..ranges import AT_LEAST_1, UNIT, check_ranges
 from ..training.corpus import build_corpus
 from ..training.train import TrainConfig
 from .common import (RULE, job, largest_spread, resolved, run_jobs, save, seed_spread, spread_note,
                      subplots, train_run)
-from .compare import CompareConfig, budget, counts, solve_linear
+from .compare import StudyBudget, budget, counts, solve_linear, variant_configs
 from .evidence import interval_text, paired_interval
 
 
 @dataclass
-class SweepConfig(CompareConfig):
+class SweepConfig(StudyBudget):
     out_dir: str = "out/sweep"  # allocation.json / slots.json, .png, .md and runs/ land here
     seeds: tuple[int, ...] = (0,)
     rhos: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)  # allocation: share of budget to MoE
-    table_sizes: tuple[int, ...] = (1_000, 4_000, 16_000, 64_000, 256_000, 1_000_000)  # rows/head
+    # rows per head; 1: capacity 1 (no memory: compare's pathway control)
+    table_sizes: tuple[int, ...] = (1, 1_000, 4_000, 16_000, 64_000, 256_000, 1_000_000)
     n_routed_max: int = 24  # allocation: routed experts at rho = 1 (sets the sparse budget)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_ranges(self, rhos=UNIT, table_sizes=Range(2), n_routed_max=AT_LEAST_1)
+        check_ranges(self, rhos=UNIT, table_sizes=AT_LEAST_1, n_routed_max=AT_LEAST_1)
 
 
 def allocation_configs(base: TrainConfig, vocab: int, sc: SweepConfig) -> dict[str, TrainConfig]:
@@ -66,9 +71,12 @@ def allocation_configs(base: TrainConfig, vocab: int, sc: SweepConfig) -> dict[s
     return out
 
 
-def slots_configs(base: TrainConfig, sc: SweepConfig) -> dict[str, TrainConfig]:
-    return {f"slots={s}": dataclasses.replace(base, engram=True, moe=False, table_size=s)
-            for s in sc.table_sizes}
+def slots_configs(base: TrainConfig, vocab: int, sc: SweepConfig) -> dict[str, TrainConfig]:
+    """One config per table size, at compare's Engram backbone (trimmed FFN); size 1 is the
+    capacity-1 control (its table_size field then matters to nothing)."""
+    eng = variant_configs(base, vocab, ("engram",))["engram"]
+    return {f"slots={s}": dataclasses.replace(eng, table_size=s) if s > 1 else
+            dataclasses.replace(eng, engram_lookup="constant") for s in sc.table_sizes}
 
 
 def run_sweep(kind: str, sc: SweepConfig, base: TrainConfig | None = None) -> dict[str, Any]:
@@ -79,7 +87,7 @@ def run_sweep(kind: str, sc: SweepConfig, base: TrainConfig | None = None) -> di
     base = budget(base or TrainConfig(), sc)
     corpus = build_corpus(base.data_config())
     configs = (allocation_configs(base, corpus.vocab_size, sc) if kind == "allocation"
-               else slots_configs(base, sc))
+               else slots_configs(base, corpus.vocab_size, sc))
     jobs = [job(name, cfg, s, out / "runs") for s in sc.seeds for name, cfg in configs.items()]
     results = run_jobs(jobs, train_run, sc.workers, f"sweep-{kind}")
     points = []

@@ -3,8 +3,8 @@
 Row ids are known before the forward pass (they depend on token ids only), so a store can be told
 which rows are coming (``prefetch``) long before they are read (``lookup``). Every other tier (a
 memory-mapped file, pinned host memory, a shared pool, a cache in front of any of them) implements
-the same two calls and is tested against :class:`MemoryTable`. A store that holds some rows itself
-and reads the rest from another (a cache) may also split its lookup in two (:class:`SplitLookup`),
+the same two calls and is tested against ``MemoryTable``. A store that holds some rows itself
+and reads the rest from another (a cache) may also split its lookup in two (``SplitLookup``),
 so a prefetcher reads only the missing rows, in the background.
 
 Shape legend: r rows in the table, e row width (the head dim), ... any leading shape of row ids,
@@ -26,7 +26,7 @@ from torch import nn
 @runtime_checkable
 class TableStore(Protocol):
     """Where a layer's rows live: ``lookup(rows)`` returns embeddings for global row ids and
-    ``prefetch(rows)`` hints at rows needed soon. :class:`MemoryTable` is the in-memory oracle;
+    ``prefetch(rows)`` hints at rows needed soon. ``MemoryTable`` is the in-memory oracle;
     every tier of ``tables/registry.py`` implements the same protocol."""
 
     num_rows: int
@@ -51,7 +51,7 @@ class Reserved(Protocol):
 class SplitLookup(TableStore, Protocol):
     """``lookup`` in two halves around a read of the missing rows, which may run anywhere (a
     prefetch worker): ``complete(r, source.lookup(r.miss_rows))`` with ``r = reserve(uniq)`` is
-    ``lookup(uniq)``. :class:`engram.tables.cache.CachedTable` is one; PrefetchTable uses it."""
+    ``lookup(uniq)``. ``engram.tables.cache.CachedTable`` is one; PrefetchTable uses it."""
 
     source: TableStore  # where the missing rows are read from
     device: torch.device  # where the store keeps rows (fetched rows are moved there)
@@ -75,7 +75,7 @@ NORMAL_BLOCK = 16  # torch's CPU normal_ draws and transforms float32 values 16 
 def deferred_rows():
     """MemoryTables built inside hold no rows (a [0, e] weight): each init records the generator
     state it starts from and advances the generator past the same draws, so the rest of the model
-    initialises exactly as beside whole tables; :func:`normal_chunks` then makes the rows anywhere
+    initialises exactly as beside whole tables; ``normal_chunks`` then makes the rows anywhere
     (training from a file tier writes them to its files, never holding a table)."""
     global _DEFERRED
     before, _DEFERRED = _DEFERRED, True
@@ -121,10 +121,15 @@ class MemoryTable(nn.Module):
                                                dtype=dtype, device=device))
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        # N(0, 1) like nn.Embedding, which the official demo uses.
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """N(0, init_std) rows (std 1 like nn.Embedding, which the official demo uses), drawn from
+        ``generator`` (EngramLM's per-parameter one) or the global generator."""
         if not self.deferred:
-            nn.init.normal_(self.weight, std=self.init_std)
+            if not self.weight.is_meta:
+                self.weight.data.normal_(0.0, self.init_std, generator=generator)
+            return
+        if generator is not None:  # its rows are drawn from this state (tier_attach.initial_rows)
+            self.init_state = generator.get_state()
             return
         self.init_state = torch.get_rng_state()
         g = torch.Generator()

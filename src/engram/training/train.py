@@ -94,6 +94,14 @@ class TrainConfig:
     engram_fixed_gate: bool = False  # ablation: gate alpha fixed at 1 (no keys)
     engram_shared_key: bool = False  # ablation: with hc_mult > 1, one key for all branches
     compress: bool = True  # tokenizer compression before hashing; False hashes raw ids (ablation)
+    # -- controls for "is it the memory?" (studies/compare.py's arms; demo-v1 only) --
+    # What rows are keyed on: "ngram" (the paper's), "unigram" (the current token alone) or
+    # "constant" (one row per head, read at every position: capacity 1).
+    engram_lookup: str = field(default="ngram",
+                               metadata={"choices": "engram.retrieval.config:LOOKUPS"})
+    engram_prime_sizes: bool = True  # False: each head's table exactly table_size rows
+    freeze_tables: bool = False  # the tables keep their initial rows (never trained)
+    engram_head_gain: bool = False  # a learned gain per hash head on the rows read (frozen-scaled)
     # Small table init: with N(0, 1) rows (the demo's nn.Embedding) the Engram residual starts ~16x
     # the token embeddings and costs the first steps; at 0.02 it starts near identity (a quick
     # A/B at step 40 of 160: val 6.248 at 0.02, 6.264 at 0.1, 6.421 at 1.0, dense 6.295).
@@ -172,6 +180,12 @@ class TrainConfig:
             threads=AT_LEAST_1)
         if self.nine and not self.engram:
             raise UserError("hot_rows / shared_tables need engram=true")
+        controls = (self.engram_lookup != "ngram" or not self.engram_prime_sizes
+                    or self.freeze_tables or self.engram_head_gain)
+        if controls and (self.nine or self.table_tier != "memory"):
+            raise UserError("the memory controls (engram_lookup, engram_prime_sizes, "
+                            "freeze_tables, engram_head_gain) train plain in-memory tables: "
+                            "not with hot_rows, shared_tables or table_tier=file")
         check_names(self.device, self.precision)  # whether this machine has them: build_run
         check_table_optimizer(self.table_optimizer)
         if self.table_budget_mb is not None and not self.table_budget_mb > 0:
@@ -193,7 +207,8 @@ class TrainConfig:
             max_ngram_size=self.max_ngram_size, n_embed_per_ngram=self.n_embed_per_ngram,
             n_head_per_ngram=self.n_head_per_ngram, layer_ids=list(self.engram_layers),
             pad_id=1, seed=self.seed,  # pad = DeepSeek's EOS, which also separates documents
-            profile=self.engram_profile)
+            profile=self.engram_profile, lookup=self.engram_lookup,
+            prime_sizes=self.engram_prime_sizes)
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         # A small corpus (tests, --max_chars) may have fewer ids than the default cutoffs.
@@ -208,7 +223,8 @@ class TrainConfig:
             engram=self.engram_config(), engram_gate=self.engram_gate, sparse_tables=True,
             table_init_std=self.table_init_std, engram_conv=self.engram_conv,
             engram_norm_eps=self.engram_norm_eps,
-            engram_fixed_gate=self.engram_fixed_gate, engram_shared_key=self.engram_shared_key)
+            engram_fixed_gate=self.engram_fixed_gate, engram_shared_key=self.engram_shared_key,
+            engram_head_gain=self.engram_head_gain)
 
     def hasher(self, tokenizer: Any = None, compression: Compression | None = None
                ) -> NgramHasher | None:
@@ -286,6 +302,9 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None,
     torch.manual_seed(cfg.seed)
     with deferred_rows() if cfg.table_tier == "file" else nullcontext():  # rows: in the tier's files
         model = place(build_model(cfg, corpus), cfg, device)
+    if cfg.freeze_tables:  # no gradient, so no optimiser state: the rows stay as drawn
+        for p in model.table_parameters():
+            p.requires_grad_(False)
     if device.type == "cpu" and cfg.precision == "fp32":  # the only products gemm.py routes
         run_settings.reuse(cfg.out_dir)  # the routes this run took before, whatever the cache says
         gemm.prepare(model, [cfg.batch_size * cfg.seq_len])  # routes measured now, not in a step
@@ -368,7 +387,7 @@ def check_same_config(cfg: TrainConfig, saved: dict[str, Any], where: Any) -> No
 
 
 class FileCheckpoints:
-    """:class:`loop.Checkpoints` of one process: a safetensors file per save in out_dir/checkpoints
+    """``loop.Checkpoints`` of one process: a safetensors file per save in out_dir/checkpoints
     (checkpoint.py), the newest ``keep`` kept."""
 
     def __init__(self, out_dir: str | Path, keep: int = 2):
