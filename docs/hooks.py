@@ -1,10 +1,19 @@
-"""MkDocs hook: the pages generated from the code at build time, so they change when it does.
+"""MkDocs hook: the pages generated from the code and the records at build time, so they change
+when those do.
 
 - ``reference/cli.md``: every command of the registry (``engram.cli.COMMANDS``): its help, usage,
   arguments, options with their types, choices and defaults, what it reads and writes, exit status.
-- ``reference/api.md``: the public API, ``engram.__all__``, one mkdocstrings block per name.
-- ``results/*.md`` and the PNGs: ``benchmarks/results`` as recorded (reports, figures, JSON as
-  tables), one page per folder.
+- ``reference/api.md``: the public API, ``engram.__all__``, grouped by what a user does, one
+  mkdocstrings block per name (signature, docstring) and, for a dataclass, its fields with the
+  comments beside them in the source; then the policy that makes those names stable.
+- ``results/*.md``: ``benchmarks/results`` as recorded, one page per folder, each titled with what
+  was measured and on which machine (read from the records), led by its notes and reports with their
+  figures; the JSON and other files are copied beside the page and linked, not shown (static files:
+  search does not index them). The nav's "Recorded results" section lists these pages by itself
+  (``on_config``), so a new results folder needs no edit here or in mkdocs.yml.
+- ``{{ readme: HEADING }}`` in a page: that ``## HEADING`` section of the top README (up to the next
+  ``## ``), so a page and the README cannot disagree (docs/index.md takes the headline from it).
+- ``{{ tiers }}`` in a page: the tier registry as a table (tables/registry.py).
 
 The source tree's ``src/`` goes first on ``sys.path``: the pages describe this checkout, installed
 or not. Reading the registry imports no torch (configs are read from their source).
@@ -13,6 +22,8 @@ or not. Reading the registry imports no torch (configs are read from their sourc
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
 import html
 import json
 import re
@@ -24,26 +35,50 @@ from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "README.md"
 sys.path.insert(0, str(ROOT / "src"))
 
-MAX_ROWS = 80  # values shown per JSON file; the file itself has the rest
-MAX_CELL = 140  # characters of one value
+MAX_CELL = 140  # characters of one table cell
+RESULTS_NAV = "Recorded results"  # the nav section the results pages go into
+# Search: a guide's sections weigh twice a reference page's, a results page's half (the theme's
+# ``search.boost``; tests/test_docs.py checks "finetune", "tier" and "export-hf" find a guide)
+GUIDE_SEARCH_BOOST = 2
+RESULTS_SEARCH_BOOST = 0.5
+
+
+def on_config(config: Any) -> Any:
+    """The results pages into the nav, in the section named ``RESULTS_NAV`` (made if missing)."""
+    entries = ["results/index.md"] + [{results_title(k)[0]: f"results/{k}.md"}
+                                      for k in sorted(results_groups())]
+    nav = config.nav if config.nav is not None else []
+    for item in nav:
+        if isinstance(item, dict) and RESULTS_NAV in item:
+            item[RESULTS_NAV] = entries
+            break
+    else:
+        nav.append({RESULTS_NAV: entries})
+    config.nav = nav
+    return config
 
 
 def on_files(files: Files, config: Any) -> Files:
     for uri, text in generated_pages().items():
         files.append(File.generated(config, uri, content=text))
-    for png in sorted(RESULTS.rglob("*.png")):
-        uri = f"results/{png.relative_to(RESULTS).as_posix()}"
-        files.append(File.generated(config, uri, abs_src_path=str(png)))
+    for f in sorted(RESULTS.rglob("*")):  # every recorded file but the Markdown (shown in pages)
+        if f.is_file() and f.suffix != ".md":
+            uri = f"results/{f.relative_to(RESULTS).as_posix()}"
+            files.append(File.generated(config, uri, abs_src_path=str(f)))
     return files
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
-    """``{{ tiers }}`` in a page: the tier registry as a table (tables/registry.py)."""
+    if page.file.src_uri.startswith("guides/"):  # a newcomer's search lands on a guide first
+        page.meta.setdefault("search", {}).setdefault("boost", GUIDE_SEARCH_BOOST)
     if "{{ tiers }}" in markdown:
         markdown = markdown.replace("{{ tiers }}", tiers_table())
-    return markdown
+    page_dir = str(Path(page.file.src_uri).parent.as_posix()).strip(".")
+    return re.sub(r"\{\{ readme: ([^}]+?) \}\}",
+                  lambda m: readme_section(m.group(1), page_dir), markdown)
 
 
 def tiers_table() -> str:
@@ -58,6 +93,33 @@ def generated_pages() -> dict[str, str]:
     pages = {"reference/cli.md": cli_page(), "reference/api.md": api_page()}
     pages.update(results_pages())
     return pages
+
+
+# -- the top README's sections -----------------------------------------------------------------
+
+def readme_section(heading: str, page_dir: str = "") -> str:
+    """The README's ``## heading`` section without its heading line, its links rewritten for a page
+    in ``page_dir`` (under docs/): a link into docs/ or to a recorded figure points at the site's
+    copy; a link to anything else (source, scripts) becomes its path as code."""
+    text = README.read_text()
+    m = re.search(rf"^## {re.escape(heading)}[ \t]*\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    if m is None:
+        raise ValueError(f"README.md has no '## {heading}' section")
+    up = "../" * len([p for p in page_dir.split("/") if p])
+
+    def link(m: re.Match) -> str:
+        bang, label, target = m.group(1), m.group(2), m.group(3)
+        if re.match(r"[a-z]+://", target) or target.startswith("#"):
+            return m.group(0)
+        path, _, anchor = target.partition("#")
+        if path.startswith("docs/"):
+            return f"{bang}[{label}]({up}{path[len('docs/'):]}{'#' + anchor if anchor else ''})"
+        if path.startswith("benchmarks/results/") and (ROOT / path).is_file() \
+                and not path.endswith(".md"):
+            return f"{bang}[{label}]({up}results/{path[len('benchmarks/results/'):]})"
+        return f"{label} (`{path}`)" if not bang else f"`{path}`"
+
+    return re.sub(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)", link, m.group(1).strip("\n")) + "\n"
 
 
 # -- the command line --------------------------------------------------------------------------
@@ -156,26 +218,80 @@ def _label(cmd: Any, name: str) -> str:
 
 # -- the Python API ----------------------------------------------------------------------------
 
+# What a user does -> the public names for it, in reading order. A name of engram.__all__ missing
+# here lands in "Other" (tests/test_docs.py checks every name has a section either way).
+API_GROUPS = [
+    ("Open, generate, score", ["open", "open_model", "Runtime", "Generator", "GenerationConfig"]),
+    ("Hugging Face models", ["load_adapter", "EngramLMForCausalLM", "EngramLMConfig",
+                             "export_hf"]),
+    ("Tables and tiers", ["write_tables", "open_tier", "TableStore", "MemoryTable"]),
+    ("Trigger tables (Tiny-Engram)", ["inject_triggers", "save_triggers", "load_triggers",
+                                      "eject_triggers"]),
+    ("The reference model and its training", ["EngramLM", "ModelConfig", "ModelOutput",
+                                              "DecodeCache", "build_optimizers", "RowAdam"]),
+    ("The Engram module", ["Engram", "build_engram", "EngramState", "ShortConv"]),
+    ("Retrieval: tokenizer compression and hashing", [
+        "EngramConfig", "NgramHasher", "HashStream", "Compression", "build_compression",
+        "default_tokenizer", "DEAD", "prime_table_sizes", "rows_per_layer"]),
+]
+
+API_POLICY = """## What "public and stable" means
+
+- **Public**: the names in `engram.__all__`, imported from `engram` itself (`from engram import
+  Generator`, `engram.open(...)`). Their documented behaviour, the parameters and fields shown
+  here (names, order of the positional ones, defaults' meaning) and their return values are the
+  package's API. The modules under `engram.*` are internal: they may move or change in any release,
+  even where a guide or this site describes them; the guides import only public names
+  (`tests/test_docs.py` checks it).
+- **Additions** come in any release: a new name, a new keyword parameter with a default, a new
+  dataclass field with a default, a new tier or command.
+- **Removals and incompatible changes** are deprecated first: the old name or parameter keeps
+  working for at least one minor release (`0.x` to `0.x+1`), warns with a `DeprecationWarning`
+  that names its replacement, and is listed on this page as deprecated until it goes. A name is
+  added to `__all__` (in `src/engram/__init__.py`, which loads each on first use) only with a
+  docstring; this page is generated from that list.
+- **Command-line commands and options** follow the same rule ([command line](cli.md)); the
+  folders they write (runs, exports, adapters, table files) are read by the names here.
+"""
+
+
 def api_page() -> str:
     import engram
 
-    names = sorted(engram.__all__)
-    out = ["# Python API", "",
-           "**Public and stable:** the names in `engram.__all__`, listed here; generated at build "
-           "time from that list and the docstrings (`tests/test_docs.py` fails when one of them "
-           "loses its docstring or its section). Import them from `engram` "
-           "(`from engram import Generator`); they load on first use, so `import engram` imports "
-           "no torch. Everything else (the modules under `engram.*`) is internal: it may change "
-           "between versions without notice, even where this site describes it.", "",
-           "| name | defined in |", "|---|---|"]
+    names = set(engram.__all__)
+    groups = [(title, [n for n in members if n in names]) for title, members in API_GROUPS]
+    grouped = {n for _, members in groups for n in members}
+    if names - grouped:
+        groups.append(("Other", sorted(names - grouped)))
     where = {n: _home(engram, n) for n in names}
-    out += [f"| [`{n}`](#{where[n]}) | `{where[n]}` |" for n in names]
-    out += [""]
-    for n in names:
-        alias = f" (`engram.{n}`)" if n in engram._ALIASES else ""
-        out += [f"## {n}{alias}", "", f"::: {where[n]}", "    options:",
-                "      show_root_heading: false", "      heading_level: 3", ""]
+    out = ["# Python API", "",
+           "**Public and stable:** the names in `engram.__all__`, listed here by what they are "
+           "for ([what that promises](#what-public-and-stable-means)); generated at build time "
+           "from that list and the docstrings (`tests/test_docs.py` fails when one of them loses "
+           "its docstring or its section). Import them from `engram` (`from engram import "
+           "Generator`); they load on first use, so `import engram` imports no torch. Everything "
+           "else (the modules under `engram.*`) is internal.", ""]
+    for title, members in groups:
+        out += [f"**{title}:** " + ", ".join(f"[`{n}`](#{_slug(n, engram)})" for n in members)
+                + ".", ""]
+    out += [API_POLICY, ""]
+    for title, members in groups:
+        out += [f"## {title}", ""]
+        for n in members:
+            alias = f" (`engram.{n}`)" if n in engram._ALIASES else ""
+            use = f"`engram.{n}`" if n in engram._ALIASES else f"`from engram import {n}`"
+            out += [f"### {n}{alias}", "", f"{use} (defined as `{where[n]}`)", "",
+                    *_signature(where[n], f"engram.{n}" if alias else n),
+                    f"::: {where[n]}", "    options:",
+                    "      show_root_heading: false", "      heading_level: 4", ""]
+            out += _fields_table(where[n])
     return "\n".join(out)
+
+
+def _slug(name: str, engram: Any) -> str:
+    """The anchor of a name's section (its heading's slug, as the toc extension makes it)."""
+    text = f"{name} engram.{name}" if name in engram._ALIASES else name
+    return re.sub(r"[^\w\s-]", "", text).strip().lower().replace(" ", "-")
 
 
 def _home(engram: Any, name: str) -> str:
@@ -193,117 +309,294 @@ def _home(engram: Any, name: str) -> str:
     return f"engram.{module}.{attr}"
 
 
+@functools.lru_cache(maxsize=1)
+def _package() -> Any:
+    import griffe
+
+    return griffe.GriffeLoader(search_paths=[str(ROOT / "src")]).load("engram")
+
+
+def _signature(dotted: str, shown: str) -> list[str]:
+    """How to call it, as a code block: a function's or a class's constructor's parameters (a
+    dataclass's fields), annotations and defaults, read statically (griffe); a constant's value.
+    (mkdocstrings shows a signature only in the heading this page does not use.)"""
+    obj = _package()[dotted[len("engram."):]]
+    if obj.is_alias:
+        obj = obj.final_target
+    if obj.is_attribute:
+        return ["```python", f"{shown} = {obj.value}", "```", ""]
+    function = obj.all_members.get("__init__") if obj.is_class else obj
+    params = list(function.parameters) if function is not None else []
+    if obj.is_class and params and params[0].name == "self":
+        params = params[1:]
+    parts, star = [], False
+    for i, prm in enumerate(params):
+        kind = prm.kind.value
+        if kind == "keyword-only" and not star:
+            parts.append("*")
+            star = True
+        text = {"variadic positional": "*", "variadic keyword": "**"}.get(kind, "") + prm.name
+        star = star or kind == "variadic positional"
+        if prm.annotation is not None:
+            text += f": {prm.annotation}"
+        if prm.default is not None and not kind.startswith("variadic"):
+            text += f" = {prm.default}" if prm.annotation is not None else f"={prm.default}"
+        parts.append(text)
+        if kind == "positional-only" and (i + 1 == len(params)
+                                          or params[i + 1].kind.value != "positional-only"):
+            parts.append("/")
+    returns = f" -> {function.returns}" if not obj.is_class and function.returns else ""
+    one_line = f"{shown}({', '.join(parts)}){returns}"
+    if len(one_line) <= 96:
+        return ["```python", one_line, "```", ""]
+    return ["```python", f"{shown}(", *[f"    {p}," for p in parts], f"){returns}", "```", ""]
+
+
+def _fields_table(dotted: str) -> list[str]:
+    """A dataclass's fields as a table (name, type, default, the comment beside it in the source);
+    nothing for anything else. Read from the source, as the command line reads its configs."""
+    from engram.schema import fields_of
+
+    module, _, name = dotted.rpartition(".")
+    source = ROOT / "src" / Path(*module.split("."))
+    source = source / "__init__.py" if source.is_dir() else source.with_suffix(".py")
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            names = {ast.unparse(d.func if isinstance(d, ast.Call) else d)
+                     for d in node.decorator_list}
+            if not names & {"dataclass", "dataclasses.dataclass"}:
+                return []
+            break
+    else:
+        return []
+    rows = []
+    for f in fields_of(f"{module}:{name}"):
+        default = "required" if f.required else f"`{f.default!r}`"
+        kind = f"`{f.type}`"
+        rows.append(f"| `{f.name}` | {kind} | {default} | {_cell(f.comment, None, True)} |")
+    if not rows:
+        return []
+    return ["**Fields** (the constructor's keyword arguments, in order):", "",
+            "| field | type | default | meaning |", "|---|---|---|---|", *rows, ""]
+
+
 # -- benchmarks/results ------------------------------------------------------------------------
 
-def results_pages() -> dict[str, str]:
+# A folder of benchmarks/results -> (nav title, what it measured). A folder missing here still gets
+# its page: its first report's heading, else its name, is the title.
+RESULTS_TITLES = {
+    "top": ("Single-file benchmarks",
+            "Single-file benchmarks: hashing, module, training, tiers, serving and start-up speed"),
+    "compare": ("Dense vs Engram vs MoE", "Dense vs Engram vs MoE at equal active parameters "
+                "(engram compare)"),
+    "sweeps": ("Allocation sweep", "How to split a parameter budget between experts and memory "
+               "(engram sweep-allocation)"),
+    "ablate": ("Ablations", "Ablations of the Engram module (engram ablate)"),
+    "analysis": ("LogitLens, CKA, gates", "What the memory does: LogitLens, CKA, suppression "
+                 "and gates (engram analyze)"),
+    "nine": ("Engram-Nine training", "Engram-Nine, a collision-free hot tier, trained "
+             "(engram study-nine)"),
+    "nine_serving": ("Engram-Nine serving", "Engram-Nine's hot tier, served: lookup speed"),
+    "data": ("Prepare, and compare on all sources", "Preparing text (engram prepare) and "
+             "compare on all four built-in sources"),
+    "eval": ("Held-out text (engram eval)", "Next-token loss on unseen text (engram eval)"),
+    "lm_eval": ("lm-evaluation-harness", "lm-evaluation-harness against engram eval on "
+                "held-out documents"),
+    "pool": ("Pool budget", "Pool budget: do the rows arrive within the prefetch window?"),
+    "vision": ("Vision: trigger tables", "Trigger tables vs LoRA vs textual inversion in a "
+               "diffusion model"),
+    "vllm": ("vLLM serving", "Serving through vLLM on each table tier"),
+    "gpu": ("GPU checks", "The CUDA checks and GPU tests"),
+    "train_grad_weight": ("Weight-gradient products", "The weight gradient's matrix product in "
+                          "training, old and new operand order"),
+}
+# CPU model numbers in the records -> the name readers know
+CPU_NAMES = {("23", "49"): "AMD EPYC Zen 2", ("25", "17"): "AMD EPYC Zen 4",
+             ("26", "2"): "AMD EPYC Zen 5"}
+MACHINE_KEYS = ("cpu", "cpu_model", "device")
+
+
+def results_groups() -> dict[str, list[Path]]:
+    """A results page's key -> its files: one page per top folder, "top" for the loose files."""
     groups: dict[str, list[Path]] = {}
     for f in sorted(RESULTS.rglob("*")):
-        if f.is_file():
+        if f.is_file() and f != RESULTS / "README.md":
             rel = f.relative_to(RESULTS)
             key = rel.parts[0] if len(rel.parts) > 1 else "top"
             groups.setdefault(key, []).append(f)
+    return groups
+
+
+def results_title(key: str, members: list[Path] | None = None) -> tuple[str, str]:
+    """(nav title, page title): what was measured and, when ``members`` are given, where."""
+    if key in RESULTS_TITLES:
+        short, what = RESULTS_TITLES[key]
+    else:
+        heads = [re.search(r"^# (.+)$", f.read_text(), re.M) for f in (members or [])
+                 if f.suffix == ".md"]
+        heads = [h.group(1).strip() for h in heads if h]
+        short = what = heads[0] if heads else key.replace("_", " ").capitalize()
+    if members is None:
+        return short, what
+    where = machines(key, members)
+    return short, f"{what}, on {where}"
+
+
+def machines(key: str, members: list[Path]) -> str:
+    """The machines the records of a page name (CPU models, GPUs), as readers know them."""
+    found: list[str] = []
+    texts = [_notes(key)]
+    for f in members:
+        if f.suffix == ".json":
+            try:
+                texts += [str(v) for v in _values(json.loads(f.read_text()), MACHINE_KEYS)]
+            except ValueError:
+                pass
+        elif f.suffix == ".md":
+            texts.append(f.read_text())
+    for text in texts:
+        for fam, model in re.findall(r"family (\d+),? model (\d+)", text):
+            name = CPU_NAMES.get((fam, model), f"CPU family {fam} model {model}")
+            if "Intel" in text and (fam, model) not in CPU_NAMES:
+                name = f"Intel Xeon (family {fam} model {model})"
+            found.append(name)
+        found += [f"AMD EPYC Zen {z}" for z in re.findall(r"\bZen (\d)\b", text)]
+        found += re.findall(r"NVIDIA [A-Z]\d+", text)
+    unique = sorted(set(found))
+    if not unique:
+        return "the 2-core AMD EPYC development machine"
+    zens = [u for u in unique if u.startswith("AMD EPYC Zen")]
+    if len(zens) > 1:  # "AMD EPYC Zen 2, Zen 4 and Zen 5"
+        rest = [z[len("AMD EPYC "):] for z in zens]
+        joined = "AMD EPYC " + ", ".join(rest[:-1]) + " and " + rest[-1]
+        unique = [joined] + [u for u in unique if u not in zens]
+    return ", ".join(unique)
+
+
+def _values(data: Any, keys: tuple[str, ...]) -> list[Any]:
+    if isinstance(data, dict):
+        out = []
+        for k, v in data.items():
+            out += [v] if k in keys and isinstance(v, str) else _values(v, keys)
+        return out
+    if isinstance(data, list):
+        return [x for v in data for x in _values(v, keys)]
+    return []
+
+
+def _notes(key: str) -> str:
+    """benchmarks/results/README.md's bullets about a page's files: those whose first backticked
+    name is in the page's folder (a loose file for "top"), verbatim."""
+    out: list[str] = []
+    bullet = None
+    for line in (RESULTS / "README.md").read_text().splitlines() + [""]:
+        if bullet is not None and line.startswith("  ") and line.strip():
+            bullet.append(line)
+            continue
+        if bullet is not None:
+            out.append("\n".join(bullet))
+            bullet = None
+        m = re.match(r"- `([^`]+)`", line)
+        if m and ("/" not in m.group(1) if key == "top" else m.group(1).startswith(f"{key}/")):
+            bullet = [line]
+    return "\n".join(out)
+
+
+def results_pages() -> dict[str, str]:
+    groups = results_groups()
     pages: dict[str, str] = {}
+    readme = (RESULTS / "README.md").read_text()
+    intro = readme.split("\n- ", 1)[0].split("\n", 1)[1].strip()  # before the first bullet
     index = ["# Recorded results", "",
-             "Generated at build time from `benchmarks/results/`: every report, figure and JSON "
-             "file recorded there, one page per folder. What each finding means, with its command "
-             "and verdict: [Reproducing the paper's findings](../guides/reproduce.md). "
-             "The notes below are `benchmarks/results/README.md`.", "", "## Pages", ""]
+             "Generated at build time from `benchmarks/results/`: one page per folder, each led "
+             "by its notes (`benchmarks/results/README.md`), then its reports with their figures "
+             "and links to the recorded files. What each finding means, with its command and "
+             "verdict: [Reproducing the paper's findings](../guides/reproduce.md).", "",
+             intro, "", "| page | measured on |", "|---|---|"]
     for key in sorted(groups):
-        title = "Single-file benchmarks" if key == "top" else f"{key}/"
-        index.append(f"- [{title}]({key}.md)")
-    index += ["", _include(RESULTS / "README.md", page_dir="", demote=1)]
-    pages["results/index.md"] = "\n".join(index)
+        short, what = results_title(key)
+        index.append(f"| [{what}]({key}.md) | {machines(key, groups[key])} |")
+    pages["results/index.md"] = "\n".join(index) + "\n"
     for key, members in groups.items():
         pages[f"results/{key}.md"] = _results_page(key, members)
     return pages
 
 
 def _results_page(key: str, members: list[Path]) -> str:
-    title = "Single-file benchmarks" if key == "top" else f"benchmarks/results/{key}/"
-    out = [f"# {title}", "", "Recorded files, as committed (generated at build time).", ""]
+    """Notes, then each folder's reports and figures, then links to its files (folder by folder,
+    the page's own folder first)."""
+    _, title = results_title(key, members)
+    out = ["---", "search:", f"  boost: {RESULTS_SEARCH_BOOST}", "---", "", f"# {title}", ""]
+    notes = _notes(key)
+    if notes:
+        out += ["## Notes", "", _include_text(notes, RESULTS, demote=0), ""]
+    folders: dict[Path, list[Path]] = {}
     for f in members:
-        if f.name == "report.md":
-            rel = f.relative_to(RESULTS).as_posix()
-            out += [f"## {rel}", "", _include(f, page_dir=key, demote=2), ""]
-    pngs = [f for f in members if f.suffix == ".png"]
-    if pngs:
-        out += ["## Figures", ""]
-        for f in pngs:
-            rel = f.relative_to(RESULTS).as_posix()
-            out += [f"**{rel}**", "", f"![{rel}]({rel})", ""]
-    for f in members:
-        if f.suffix == ".json":
-            out += _json_table(f)
-    others = [f.relative_to(RESULTS).as_posix() for f in members
-              if f.suffix not in (".json", ".png") and f.name not in ("report.md", "README.md")]
-    if others:
-        out += ["## Other files", "", *[f"- `benchmarks/results/{o}`" for o in others], ""]
+        folders.setdefault(f.parent, []).append(f)
+    for folder in sorted(folders, key=lambda d: (d != RESULTS / key, str(d))):
+        files = folders[folder]
+        rel = folder.relative_to(RESULTS).as_posix()
+        heading = "The files" if key == "top" else f"{rel}/"
+        out += [f"## {heading}", ""]
+        shown: set[Path] = set()
+        for f in files:
+            if f.suffix == ".md":
+                text = _include(f, demote=1)
+                shown |= {folder / m for m in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)",
+                                                        f.read_text())}
+                if len([g for g in files if g.suffix == ".md"]) > 1:
+                    out += [f"**{f.name}**", ""]
+                out += [text, ""]
+        for f in files:
+            if f.suffix == ".png" and f not in shown:
+                out += [f"![{f.name}]({_link(f)})", ""]
+        linked = [f for f in files if f.suffix != ".md"]
+        if linked:
+            out += ["Recorded files: " + ", ".join(
+                f"[`{f.name}`]({_link(f)}) ({_size(f)})" for f in linked) + ".", ""]
     return "\n".join(out)
 
 
-def _include(report: Path, page_dir: str, demote: int) -> str:
-    """A recorded Markdown file inside a page: headings demoted, its relative links rewritten to
-    the page's place (figures are copied under results/), links to anything else kept as text."""
-    base = report.parent.relative_to(RESULTS)
-    lines = []
-    fence = False
-    for line in report.read_text().splitlines():
+def _link(f: Path) -> str:
+    """A recorded file's link from its results page (files are copied under results/)."""
+    return f.relative_to(RESULTS).as_posix()
+
+
+def _size(f: Path) -> str:
+    n = f.stat().st_size
+    if n < 1024:
+        return f"{n} B"
+    return f"{n / 1024:.0f} KiB" if n < 1 << 20 else f"{n / 2**20:.1f} MiB"
+
+
+def _include(report: Path, demote: int) -> str:
+    """A recorded Markdown file inside a page: its title line dropped (the page's heading says it),
+    other headings demoted, its relative links rewritten to the page's place."""
+    text = report.read_text()
+    text = re.sub(r"\A# [^\n]*\n+", "", text)
+    return _include_text(text, report.parent, demote)
+
+
+def _include_text(text: str, base_dir: Path, demote: int) -> str:
+    """Recorded Markdown (relative to ``base_dir``) as part of a page under results/: headings
+    demoted, links to recorded files pointed at their copies under results/, links to anything
+    else kept as text."""
+    lines, fence = [], False
+    for line in text.splitlines():
         if line.startswith("```"):
             fence = not fence
         if not fence and line.startswith("#"):
             line = "#" * demote + line
         lines.append(line)
-    text = "\n".join(lines)
+    base = base_dir.relative_to(RESULTS)
 
     def link(m: re.Match) -> str:
         bang, label, target = m.group(1), m.group(2), m.group(3)
         if re.match(r"[a-z]+://", target):
             return m.group(0)
         rel = (base / target).as_posix()
-        if (RESULTS / rel).suffix == ".png" and (RESULTS / rel).is_file():
+        if (RESULTS / rel).is_file() and (RESULTS / rel).suffix != ".md":
             return f"{bang}[{label}]({rel})"
         return f"{label} (`{target}`)" if not bang else f"`{target}`"
 
-    return re.sub(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)", link, text)
-
-
-def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    if isinstance(value, dict):
-        rows = []
-        for k, v in value.items():
-            rows += _flatten(v, f"{prefix}.{k}" if prefix else str(k))
-        return rows
-    if isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value) \
-            and len(value) <= 12:
-        return [(prefix, ", ".join(_num(v) for v in value))]
-    if isinstance(value, list):
-        rows = []
-        for i, v in enumerate(value):
-            rows += _flatten(v, f"{prefix}[{i}]")
-        return rows
-    return [(prefix, _num(value))]
-
-
-def _num(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return str(v)
-
-
-def _key(k: str) -> str:
-    return f"`{k}`" if "`" not in k and "|" not in k and len(k) < MAX_CELL else _cell(k)
-
-
-def _json_table(f: Path) -> list[str]:
-    rel = f.relative_to(RESULTS).as_posix()
-    try:
-        data = json.loads(f.read_text())
-    except ValueError:
-        return [f"## {rel}", "", "(not JSON)", ""]
-    rows = _flatten(data)
-    out = [f"## {rel}", "", f"{len(rows)} values" + (f"; the first {MAX_ROWS} shown, the file "
-                                                       "has the rest" if len(rows) > MAX_ROWS
-                                                       else "") + ".", "",
-           "| key | value |", "|---|---|"]
-    out += [f"| {_key(k)} | {_cell(v)} |" for k, v in rows[:MAX_ROWS]]
-    return out + [""]
+    return re.sub(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)", link, "\n".join(lines))

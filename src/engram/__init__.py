@@ -27,9 +27,17 @@ _EXPORTS = {
     "RowAdam": "training.row_optim", "build_optimizers": "training.optim",
     "Runtime": "serving.runtime", "open_model": "serving.loader",
     "GenerationConfig": "serving.generate", "Generator": "serving.generate",
+    "write_tables": "serving.loader", "export_hf": "serving.loader",
+    "EngramLMConfig": "serving.hf_config", "EngramLMForCausalLM": "serving.hf_model",
+    "open_tier": "tables.registry",
+    "inject_triggers": "models.encoder", "eject_triggers": "models.encoder",
+    "save_triggers": "models.encoder", "load_triggers": "models.encoder",
 }
-# ``engram.open(path, tier=..., device=..., precision=...)``: a run or an export as one Runtime
-_ALIASES = {"open": ("serving.loader", "open_model")}
+# Public names that differ from their definition's: ``engram.open(path, tier=..., device=...,
+# precision=...)``, a run or an export as one Runtime; ``engram.load_adapter(folder)``, an
+# ``engram finetune`` adapter as (transformers model with Engram, its tokenizer).
+_ALIASES = {"open": ("serving.loader", "open_model"),
+            "load_adapter": ("models.adapter", "from_pretrained")}
 DISTRIBUTION = "torch-engram"  # the name on the package index; `engram` there is another project
 
 

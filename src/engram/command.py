@@ -1,6 +1,6 @@
-"""One subcommand's declaration (its positional :class:`Arg` list, its
-:class:`Config` list, the function that runs it, the places it reads (:class:`In`) and writes
-(:class:`Out`)); engram's commands are ``engram.cli.COMMANDS``. Calling one applies the rule every
+"""One subcommand's declaration (its positional ``Arg`` list, its
+``Config`` list, the function that runs it, the places it reads (``In``) and writes
+(``Out``)); engram's commands are ``engram.cli.COMMANDS``. Calling one applies the rule every
 command follows (engram/outputs.py) before its work starts: inputs exist (text inputs are text),
 every output is checked, then its folders are created, locked (one writer per folder, held until the
 command ends) and marked; a command that fails removes the folders it created that are still empty,

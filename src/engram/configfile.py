@@ -3,7 +3,7 @@
 A config file is a flat mapping of option name to value, the command line's options as a file
 (``steps: 300``, ``sources: [kjv, peoples-daily]``), so a run's own ``config.json`` (TrainConfig's
 fields, written by `engram train`) is one. ``.json`` files are read as JSON, any other as YAML
-(PyYAML's safe loader; JSON is YAML too). :mod:`engram.options` maps the keys to the command's
+(PyYAML's safe loader; JSON is YAML too). ``engram.options`` maps the keys to the command's
 options and types the values; this module only reads and writes the mapping, and says in one line
 (UserError) what is wrong with a file: missing, a folder, not text, bad syntax (line and column), or
 not a mapping.
@@ -56,7 +56,7 @@ def read(path: str | Path, label: str = "--config") -> dict[str, Any]:
 
 
 def dump(groups: Sequence[tuple[str, dict[str, Any]]], fmt: str, header: str = "") -> str:
-    """``[(title, {option: value})]`` as one flat mapping that :func:`read` takes back: YAML with
+    """``[(title, {option: value})]`` as one flat mapping that ``read`` takes back: YAML with
     each group's title and ``header`` as comments, or JSON (which has no comments)."""
     plain = [(title, {k: _plain(v) for k, v in values.items()}) for title, values in groups]
     if fmt == "json":

@@ -7,10 +7,10 @@ caches, adapters, exports and table side files all publish this way.
 A published file has the permissions any new file gets (0666 less the umask: 0644 under the usual
 022), so a server or another user reads a checkpoint or an export as it would a file written in
 place; ``tempfile.mkstemp`` would leave it owner-only (0600). Every temporary beside a path comes
-from :func:`open_beside`.
+from ``open_beside``.
 
-A disk that refuses a write (full, over quota, read-only, failing: :data:`DISK_ERRNOS`) fails the
-publish with :class:`engram.errors.DiskError`, one line naming the file, the space it needed where
+A disk that refuses a write (full, over quota, read-only, failing: ``DISK_ERRNOS``) fails the
+publish with ``engram.errors.DiskError``, one line naming the file, the space it needed where
 known and what is free there; the old file stays and the temporary goes. Writers that raise their
 own exception for it (safetensors' ``SafetensorError: ... (os error 28)``) are told by the text.
 The foundation layer: it imports nothing of engram but errors, so every layer may use it.
@@ -51,7 +51,7 @@ def open_beside(path: str | os.PathLike) -> tuple[int, str]:
 
 
 def is_temporary(name: str) -> bool:
-    """Whether file ``name`` is one of :func:`open_beside`'s temporaries, or one safetensors makes
+    """Whether file ``name`` is one of ``open_beside``'s temporaries, or one safetensors makes
     beside the file it writes (Rust's tempfile: ``.tmp`` and 6 letters or digits)."""
     if name.startswith(".tmp") and len(name) == 10 and name[4:].isascii() and name[4:].isalnum():
         return True
@@ -61,7 +61,7 @@ def is_temporary(name: str) -> bool:
 
 
 def sweep_temporaries(folder: str | os.PathLike, others: str | None = None) -> int:
-    """Remove the temporaries (:func:`open_beside`'s ``.NAME.<8 hex>.tmp``) a killed writer left
+    """Remove the temporaries (``open_beside``'s ``.NAME.<8 hex>.tmp``) a killed writer left
     in ``folder``; only for the folder's one writer (outputs.writer), who knows no other process
     is filling them. A subfolder holding a file named ``others`` (a marker) is another output,
     with writers of its own (RUN/tables): not entered. Returns how many went."""
@@ -140,7 +140,7 @@ def disk_error(e: BaseException, path: str | os.PathLike | None,
 
 @contextmanager
 def disk_errors(path: str | os.PathLike | None, need: int | None = None) -> Iterator[None]:
-    """Within the block, a disk's refusal (:func:`disk_error`) becomes a DiskError naming
+    """Within the block, a disk's refusal (``disk_error``) becomes a DiskError naming
     ``path``; a DiskError raised deeper (naming its own file) passes as it is."""
     try:
         yield
@@ -187,7 +187,7 @@ def publish_text(path: str | os.PathLike, text: str) -> Path:
 
 def publish_bytes(path: str | os.PathLike, write: Callable[[object], object],
                   need: int | None = None) -> Path:
-    """Like :func:`publish`, for writers that take an open binary file (``np.save(f, a)``)."""
+    """Like ``publish``, for writers that take an open binary file (``np.save(f, a)``)."""
     def fill(tmp: str) -> None:
         with open(tmp, "wb") as f:
             write(f)

@@ -8,10 +8,10 @@ oneDNN ran 1.45-2.5x faster on one thread at every shape this package trains wit
 read off the vendor: ``linear`` sends a float32 CPU product to oneDNN, forward and backward, where
 its shape bucket's route says so, and to ``F.linear`` otherwise.
 
-Backends (``ENGRAM_GEMM`` or :func:`set_backend`): ``auto`` (the default: measured), ``torch``
+Backends (``ENGRAM_GEMM`` or ``set_backend``): ``auto`` (the default: measured), ``torch``
 (always ``F.linear``), ``onednn`` (oneDNN for every product of at least ``MIN_MACS``
 multiply-adds). Under ``auto`` a shape bucket's route is decided on its first product (or ahead,
-:func:`prepare`) by a short timing (:func:`measure`, ~0.1 s) of its forward and both backward
+``prepare``) by a short timing (``measure``, ~0.1 s) of its forward and both backward
 products on both backends, interleaved, each product's fastest sample; oneDNN only where it is at
 least ``MARGIN`` faster, else torch's own default. The decision is then fixed for the process and
 kept in a JSON file in the user's cache (``gemm_decisions.cache_path``; keyed by CPU, torch
@@ -23,9 +23,9 @@ is used, and marked: the first process that finds the machine quiet measures it 
 writable cache (nor temp dir) the decisions live in the process.
 
 So the cache's decisions change with the machine's history, and with them a product's summation
-order. A training run therefore keeps the routes its products took (:func:`record`: the buckets this
+order. A training run therefore keeps the routes its products took (``record``: the buckets this
 process routed, bucket -> route) and puts them back on resume before any product runs
-(:func:`install`, or :func:`pinned` for a block; training/settings.py): those buckets then take the
+(``install``, or ``pinned`` for a block; training/settings.py): those buckets then take the
 recorded route whatever the cache now says. ``ENGRAM_GEMM`` = torch / onednn still overrides them.
 
 Results agree with MKL's to float32 rounding (summation order differs), not to the bit; oneDNN's
@@ -86,7 +86,7 @@ def _check(name: str) -> str:
 
 def backend() -> str:
     """The backend in force: 'auto' (measured per shape), 'torch' or 'onednn' (recorded with
-    runs and benchmarks; :func:`routes` says what 'auto' decided)."""
+    runs and benchmarks; ``routes`` says what 'auto' decided)."""
     global _chosen
     if _chosen is None:
         _chosen = _check(os.environ.get("ENGRAM_GEMM", "auto"))
@@ -268,13 +268,13 @@ def routes() -> dict[str, str]:
 
 
 def used() -> dict[str, str]:
-    """The routes this process's products took under 'auto' (bucket -> route, :func:`prepare`'s
-    included) and those :func:`install` fixed: what a run records to take them again."""
+    """The routes this process's products took under 'auto' (bucket -> route, ``prepare``'s
+    included) and those ``install`` fixed: what a run records to take them again."""
     return {k: _table[k] for k in sorted(_mine) if k in _table}
 
 
 def record() -> dict:
-    """A run's record of its products' routes: the backend in force, this machine, :func:`used`."""
+    """A run's record of its products' routes: the backend in force, this machine, ``used``."""
     return {"backend": backend(), "machine": _machine(), "routes": used()}
 
 
@@ -293,7 +293,7 @@ def install(routes: dict[str, str]) -> None:
 
 
 def reuse(rec: dict | None) -> bool:
-    """:func:`install` a run's :func:`record` when it was made on this machine (CPU and torch
+    """``install`` a run's ``record`` when it was made on this machine (CPU and torch
     version: elsewhere its timings say nothing, and the bits differ anyway); returns whether."""
     if not rec or rec.get("machine") != _machine() or not isinstance(rec.get("routes"), dict):
         return False
@@ -303,7 +303,7 @@ def reuse(rec: dict | None) -> bool:
 
 @contextlib.contextmanager
 def pinned(routes: dict[str, str]):
-    """:func:`install` ``routes`` inside the block; the process's decisions as they were after."""
+    """``install`` ``routes`` inside the block; the process's decisions as they were after."""
     _load()
     table, mine = dict(_table), set(_mine)
     install(routes)
@@ -318,7 +318,7 @@ def pinned(routes: dict[str, str]):
 
 
 def prepare(module: nn.Module, rows: Iterable[int]) -> dict[str, str]:
-    """At model build: decide the route of every :class:`Linear` in ``module`` at each row count in
+    """At model build: decide the route of every ``Linear`` in ``module`` at each row count in
     ``rows`` (tokens per forward: batch x sequence) on the current thread count, so no forward
     measures; products sized by the data (MoE experts, adaptive-softmax tails) are decided on
     first use. A parent calls this before spawning workers with the workers' thread count set;
@@ -392,7 +392,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same state dict) whose product goes through :func:`linear`."""
+    """nn.Linear (same parameters, same state dict) whose product goes through ``linear``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -400,7 +400,7 @@ class Linear(nn.Linear):
 
 def adopt(module: nn.Module) -> nn.Module:
     """Every plain nn.Linear inside ``module`` (torch's own modules included, e.g. the adaptive
-    softmax's) becomes a :class:`Linear` in place: only the forward changes, not the parameters."""
+    softmax's) becomes a ``Linear`` in place: only the forward changes, not the parameters."""
     for m in module.modules():
         if type(m) is nn.Linear:
             m.__class__ = Linear

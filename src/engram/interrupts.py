@@ -1,12 +1,12 @@
 """SIGINT and SIGTERM as a request to stop at the next safe point, not an exception mid-step.
 
 A KeyboardInterrupt raised between two lines of an optimiser step would leave half-updated weights;
-a checkpoint saved then would be torn. Inside :func:`stop_requests` a signal only sets a flag, which
+a checkpoint saved then would be torn. Inside ``stop_requests`` a signal only sets a flag, which
 the training loop reads at the head of each step (``training.loop.fit``: all ranks agree through one
 sum, then the checkpoint hook saves the step reached, then ``errors.Interrupted``). A second Ctrl-C
 stops at once (KeyboardInterrupt), for a user who will not wait for the save.
 
-Handlers can only be set in the main thread; elsewhere :func:`stop_requests` changes nothing and a
+Handlers can only be set in the main thread; elsewhere ``stop_requests`` changes nothing and a
 signal keeps its usual effect. The foundation layer: imports nothing else of engram.
 """
 
@@ -48,7 +48,7 @@ def _handler(say: str | None, escalate: bool, also: Callable[[int], None] | None
 def install(say: str | None = None, escalate: bool = False,
             also: Callable[[int], None] | None = None,
             signals: tuple[int, ...] = SIGNALS) -> Callable[[], None] | None:
-    """Make ``signals`` set the flag (see :func:`stop_requests`) until the returned function
+    """Make ``signals`` set the flag (see ``stop_requests``) until the returned function
     restores the previous handlers; None (nothing changed) outside the main thread or where SIGINT
     sets the flag already (a study's worker keeps its own: SIGINT only, since the pool ends its
     workers with SIGTERM and a worker that ignored it would never be joined)."""
@@ -69,7 +69,7 @@ def install(say: str | None = None, escalate: bool = False,
 @contextmanager
 def stop_requests(say: str | None = None, escalate: bool = True,
                   also: Callable[[int], None] | None = None) -> Iterator[None]:
-    """Within the block SIGINT and SIGTERM set the flag :func:`requested` reads (printing ``say``
+    """Within the block SIGINT and SIGTERM set the flag ``requested`` reads (printing ``say``
     on the first); with ``escalate`` a second SIGINT raises KeyboardInterrupt; ``also(signum)``
     runs on each (a study forwards the signal to its workers)."""
     restore = install(say, escalate, also)

@@ -8,20 +8,20 @@ One rule for every command (``engram.command.Command`` applies it to what each d
   under a file, a folder of another kind (``export-hf RUN RUN``: a run is not an export) or one
   holding files engram did not write there. A folder that holds only marked folders (``out`` with
   ``out/sweep`` in it) is taken as the user's own parent of outputs, as is a folder an older engram
-  wrote before markers existed (:data:`SIGNATURES`). A folder tied to a source (an export of one
+  wrote before markers existed (``SIGNATURES``). A folder tied to a source (an export of one
   run, a table folder of one run) records it, and refuses another.
 - A file output (``--json FILE``) is a new file or one the same command wrote before (its JSON names
   the command under ``"written_by"``); never a folder, never a path under a file.
 - A command that fails (bad input found late, a bug, an interrupt) removes a folder it created
   that still holds nothing but its marker, so bad input leaves the file tree as it was.
 - One writer per folder: while a command writes a folder it holds an advisory lock on
-  ``FOLDER/.engram.lock`` (:func:`writer`: ``flock``, so the kernel lets go when the process dies,
+  ``FOLDER/.engram.lock`` (``writer``: ``flock``, so the kernel lets go when the process dies,
   however it dies); a second writer is refused in one line naming the holder's pid and command.
   The file is removed when the writer ends; a stale one (a killed writer's) locks nothing and is
   taken over, and the new writer removes the temporaries a killed one left (``.NAME.*.tmp``).
   Readers never look at it: opening a run writes nothing and waits for nobody.
 
-Inputs: :func:`check_input` (the path exists) and :func:`read_text` (UTF-8 text, no NUL bytes: a
+Inputs: ``check_input`` (the path exists) and ``read_text`` (UTF-8 text, no NUL bytes: a
 binary file named as text is refused, naming the file).
 
 The foundation layer: imports nothing else of engram but errors and files.
@@ -177,9 +177,9 @@ def check_new_folder(path: str | Path, label: str) -> None:
 
 def claim_folder(path: str | Path, kind: str, command: str, label: str,
                  of: str | None = None, hold: ExitStack | None = None) -> Path | None:
-    """:func:`check_folder`, then create the folder (and missing parents), take its writer lock
-    into ``hold`` (:func:`writer`; held until ``hold`` closes) when given, and mark it. Returns the
-    top folder this call created (for :func:`release`), None when the folder was there."""
+    """``check_folder``, then create the folder (and missing parents), take its writer lock
+    into ``hold`` (``writer``; held until ``hold`` closes) when given, and mark it. Returns the
+    top folder this call created (for ``release``), None when the folder was there."""
     path = Path(path)
     check_folder(path, kind, label, of)
     created = make_folders(path)

@@ -3,9 +3,9 @@
     def __post_init__(self) -> None:
         check_ranges(self, steps=AT_LEAST_1, lr=POSITIVE, val_fraction=Range(0, 1, True, True))
 
-:func:`check_ranges` refuses (``UserError``, one line at the command line) every float field that
+``check_ranges`` refuses (``UserError``, one line at the command line) every float field that
 is not finite (``--lr inf``, ``--grad_clip nan``: a NaN compares false with every bound, so a plain
-``x < 0`` test lets it through) and every named field outside its :class:`Range`; a tuple is
+``x < 0`` test lets it through) and every named field outside its ``Range``; a tuple is
 checked element by element, and None passes (it means "the default" wherever a field allows it).
 
 The foundation layer: imports nothing else of engram but errors, so every layer may use it.

@@ -7,7 +7,7 @@ above it (the --help text), and its valid values from ``field(metadata={"choices
 default is a literal expression, evaluated here; a name in it is followed to the module-level
 constant it names, across ``from .x import NAME`` (``tiers: tuple[str, ...] = TIERS``). What cannot
 be evaluated (a call into torch) is shown as its source text. The module is imported only when the
-command runs (:func:`resolve`), and the dataclass then applies its own defaults; tests/test_cli.py
+command runs (``resolve``), and the dataclass then applies its own defaults; tests/test_cli.py
 checks, for every command's configs, that what the source says equals the imported class.
 
 Choices are a tuple, a dict (its keys), or a ``"module:NAME"`` string naming such a constant (for a

@@ -5,10 +5,10 @@
 
 A command is a function decorated with ``@command(name, help, args=..., configs=..., reads=...,
 writes=...)``. The declaration says everything the command line needs: the one-line help, the
-positional arguments (:class:`Arg`), the config dataclasses whose fields are its options, in order
-(an earlier config owns an option name a later one also has; :class:`Config` adds a group title,
+positional arguments (``Arg``), the config dataclasses whose fields are its options, in order
+(an earlier config owns an option name a later one also has; ``Config`` adds a group title,
 fields to skip, a prefix), and which arguments and options are places it reads (``reads``: a name,
-or :class:`In` for a text file) and writes (``writes``: :class:`Out`, a file or a folder of a
+or ``In`` for a text file) and writes (``writes``: ``Out``, a file or a folder of a
 kind). The function receives the positional values, then one instance per config, and prints its
 result. Every command with configs also takes ``--config FILE`` and ``--print_config`` (options.py). Adding a command:
 
@@ -29,14 +29,14 @@ a second command writing the same folder is refused in one line naming the first
 fails leaves no folder it created behind.
 
 A config whose module imports torch is named ``"module:Class"``; every config is read from its
-source (:mod:`engram.schema`), so ``engram --help`` and ``engram CMD --help`` import no torch, and a
+source (``engram.schema``), so ``engram --help`` and ``engram CMD --help`` import no torch, and a
 command's modules are imported only when it runs (import them inside the function). Options that
 exist only on the command line (the prompts, resume, where tables live) are dataclasses next to the
 commands that take them.
 
-Errors: :class:`engram.errors.UserError` (bad input) and argparse errors print one line,
+Errors: ``engram.errors.UserError`` (bad input) and argparse errors print one line,
 ``engram CMD: error: MESSAGE``, and exit 2; a disk that refuses a write (ENOSPC, EDQUOT, EROFS, EIO:
-:class:`engram.errors.DiskError`, engram/files.py) prints one line naming the file and what was
+``engram.errors.DiskError``, engram/files.py) prints one line naming the file and what was
 kept, and exits 1; SIGINT / SIGTERM print one line saying what was kept (training saves a
 checkpoint first) and exit 130; any other exception is a bug and keeps its traceback (exit 1).
 """
@@ -129,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> int:
-    """The process's entry (the ``engram`` script, ``python -m engram``): :func:`main`, then the
+    """The process's entry (the ``engram`` script, ``python -m engram``): ``main``, then the
     process ends without a last garbage collection walking every object still held: a study's
     parent spent ~1.2 s of a 2.5 s Ctrl-C there on 2 cores, for memory the OS takes back anyway
-    (atexit handlers still run first). Not in :func:`main`, which a caller's process outlives."""
+    (atexit handlers still run first). Not in ``main``, which a caller's process outlives."""
     import gc
 
     code = main()

@@ -7,7 +7,7 @@ and two fingerprints, and the same JSON as ``engram_config.json`` for people to 
 - the base model: its class, its architecture fields and a hash of a fixed sample of every base
   weight (64 evenly spaced values per tensor, cast to float32), cheap on any model size and
   different for any other checkpoint, dtype or quantisation;
-- the tokenizer: :func:`engram.retrieval.compress.tokenizer_fingerprint` (the hash of its full serialisation),
+- the tokenizer: ``engram.retrieval.compress.tokenizer_fingerprint`` (the hash of its full serialisation),
   because the tables are indexed by n-grams of *that* tokenizer's compressed ids.
 
 ``load_engram`` refuses an adapter made on another base model, tokenizer or config, naming what
@@ -15,7 +15,7 @@ differs: the rows would load without error and mean nothing.
 
 A self-contained adapter (``engram finetune``'s output) also names its base model (``base_model``:
 a packaged name or a folder, models/pretrained.py) and holds the tokenizer (``tokenizer.json``),
-its compression map (``compression.npy``) and the end-of-text id, so :func:`from_pretrained`
+its compression map (``compression.npy``) and the end-of-text id, so ``from_pretrained``
 loads base + Engram from the folder alone, and ``engram.open`` serves it
 (models/injected.py, serving/loader.py open_adapter).
 """
@@ -92,7 +92,7 @@ def save_engram(model: nn.Module, directory: str | os.PathLike, *, base_model: s
     """Write the adapter into ``directory`` (created if needed); returns the weights path.
 
     ``base_model`` (a packaged name or folder), ``tokenizer`` (a tokenizers.Tokenizer, the one
-    the compression was built from) and ``eos_id`` make it self-contained (:func:`from_pretrained`);
+    the compression was built from) and ``eos_id`` make it self-contained (``from_pretrained``);
     ``base``: the base fingerprint when the caller has it already (it reads every weight)."""
     rt = engram_runtime(model)
     meta = {"format": FORMAT, "config": rt.config.to_dict(),
@@ -177,7 +177,7 @@ def engram_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_engram_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Put :func:`engram_state_dict`'s tensors back (AdapterMismatch if they do not fit)."""
+    """Put ``engram_state_dict``'s tensors back (AdapterMismatch if they do not fit)."""
     _copy_in(engram_runtime(model).engrams, tensors)
 
 
@@ -200,9 +200,14 @@ def adapter_tokenizer(directory: str | os.PathLike) -> tuple[Any, Compression]:
 
 def from_pretrained(directory: str | os.PathLike, base: str | None = None,
                     device: str | None = None) -> tuple[nn.Module, Any]:
-    """(the base transformers model with the adapter's Engram injected and loaded, its tokenizer as
-    a transformers ``PreTrainedTokenizerFast``) from a self-contained adapter folder. ``base``
-    (default: the one the adapter names) must be the model it was trained on."""
+    """Open an ``engram finetune`` adapter folder (public as ``engram.load_adapter``): returns
+    (the base transformers model with the adapter's Engram injected and loaded, its tokenizer as
+    a transformers ``PreTrainedTokenizerFast``). The model is the base model's own class, with its
+    usual ``generate``; greedy tokens equal ``engram generate``'s on the folder.
+
+    ``base``: the base model's folder or packaged name (default: the one the adapter names); it
+    must be the model the adapter was trained on (else ``AdapterMismatch``, one line).
+    ``device``: where to move the model (default: where it loads, the CPU)."""
     from transformers import PreTrainedTokenizerFast
 
     from .pretrained import load_pretrained

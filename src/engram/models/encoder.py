@@ -1,7 +1,7 @@
 """Trigger tables inside a frozen Hugging Face text encoder (CLIP text, T5 encoder, BERT-style).
 
 ``inject_triggers(encoder, tokenizer, ["Zorblax"])`` adds hooks, so the encoder keeps its class,
-its forward and its state dict (as :mod:`engram.models.hf` does for LMs):
+its forward and its state dict (as ``engram.models.hf`` does for LMs):
 
 - a pre-hook on the encoder reads ``input_ids`` and ``attention_mask`` and matches the trigger keys
   (token ids only, outside the encoder's tensor path);
@@ -14,7 +14,7 @@ Where nothing matches, the hook returns the encoder's own tensor object, so prom
 trigger give bit-identical outputs. The tables are not registered under the encoder: its
 ``named_parameters`` and fingerprint stay the base model's. ``save_triggers``/``load_triggers``
 write and read a small safetensors adapter carrying the encoder's and tokenizer's fingerprints
-(the helpers of :mod:`engram.models.adapter`); a mismatch is refused naming what differs.
+(the helpers of ``engram.models.adapter``); a mismatch is refused naming what differs.
 
 Shape legend: b batch, t positions, K keys, d hidden size.
 """

@@ -1,6 +1,6 @@
 """Engram inside a pretrained Hugging Face causal LM (Llama/Qwen/Mistral family, GPT-2).
 
-``inject(model, config, tokenizer=tok)`` adds one :class:`Engram` per chosen decoder layer and two
+``inject(model, config, tokenizer=tok)`` adds one ``Engram`` per chosen decoder layer and two
 kinds of forward hooks, so the model keeps its class, its ``forward``/``generate`` API and its
 state-dict keys:
 
@@ -22,9 +22,10 @@ without history. Beam search reorders it through ``_reorder_cache``. Dead positi
 0, e.g. left padding) hash like a sequence start and feed zeros to the short conv, so a left-padded
 row gets the same Engram output as the unpadded row.
 
-Identity at start: the value projection starts at zero (LoRA's B = 0), so Y = alpha * 0 + conv(0) =
-0 and the logits equal the base model's; its gradient (which sees e and alpha) is not zero, so the
-first step moves it and the tables, keys and conv follow from the second step on.
+Identity at start: the value projection starts at zero (LoRA's B = 0), so
+``Y = alpha * 0 + conv(0) = 0`` and the logits equal the base model's; its gradient (which sees e
+and alpha) is not zero, so the first step moves it and the tables, keys and conv follow from the
+second step on.
 
 Shape legend: b batch, t new positions of this call, d hidden size, H hash heads per layer.
 """
@@ -294,11 +295,10 @@ def inject(model: nn.Module, config: EngramConfig, layer_ids: list[int] | None =
            options: InjectOptions | None = None, **option_fields: Any) -> nn.Module:
     """Add Engram to ``model`` in place and return it.
 
-    Args:
-        config: the retrieval config; ``layer_ids`` (if given) replaces ``config.layer_ids``.
-        tokenizer: the model's own tokenizer; its compression P feeds the hasher.
-        compression: a prebuilt :class:`Compression` instead of ``tokenizer``.
-        options / option_fields: :class:`InjectOptions` (gate, conv, init_std, sparse).
+    ``config``: the retrieval config; ``layer_ids`` (if given) replaces ``config.layer_ids``.
+    ``tokenizer``: the model's own tokenizer; its compression P feeds the hasher.
+    ``compression``: a prebuilt ``Compression`` instead of ``tokenizer``.
+    ``options`` or ``option_fields``: ``InjectOptions`` (gate, conv, init_std, sparse).
     """
     if engram_runtime(model, required=False) is not None:
         raise ValueError("this model already has Engram injected; eject(model) first")
@@ -337,7 +337,7 @@ def inject(model: nn.Module, config: EngramConfig, layer_ids: list[int] | None =
 
 
 def eject(model: nn.Module) -> nn.Module:
-    """Undo :func:`inject`: remove the modules and hooks; the base model is as it was."""
+    """Undo ``inject``: remove the modules and hooks; the base model is as it was."""
     runtime = engram_runtime(model)
     runtime.detach()
     model._keys_to_ignore_on_save = set(model._keys_to_ignore_on_save) - runtime.ignored_keys

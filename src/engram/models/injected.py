@@ -7,7 +7,7 @@ it exactly as they run a trained run.
 Hashing stays the runtime's (paper 2.2: row ids from token ids alone, on the CPU): its hash ids and
 the conv states of the runtime's cache reach the injected layers through
 ``EngramRuntime.given``, so the hooks' own per-KV-cache bookkeeping (for ``model.generate``) is
-not used here. The KV cache is transformers' ``DynamicCache``; :class:`InjectedCache` adds the
+not used here. The KV cache is transformers' ``DynamicCache``; ``InjectedCache`` adds the
 position and the Engram conv states, and reorders and joins both (the Generator's batch compaction
 and its merge of prompt-length groups). Model ids are the tokenizer's ids (an HF model embeds every
 id of its tokenizer), so the runtime's vocabulary map is the identity.
@@ -32,7 +32,7 @@ from .model import ModelOutput
 
 @dataclass
 class InjectedCache:
-    """The decode state of rows of an :class:`InjectedLM`: transformers' KV cache, our position and
+    """The decode state of rows of an ``InjectedLM``: transformers' KV cache, our position and
     each Engram layer's conv context."""
     kv: Any  # transformers.DynamicCache
     engram: dict[int, EngramState] = field(default_factory=dict)

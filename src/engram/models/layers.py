@@ -7,7 +7,7 @@ in as arguments, so a full forward, a cached decode and a paged serving engine s
 Shape legend:
     b batch, t new positions (all of them in a full forward, the new ones in a cached decode),
     s cached positions so far + t, d model width, h attention heads, e head dim (d / h),
-    m residual branches (hyper-connections), n = b*t tokens, E routed experts, k experts per token,
+    m residual branches (hyper-connections), n = ``b*t`` tokens, E routed experts, k experts per token,
     f expert / FFN hidden width.
 
 Modules take plain arguments and leave initialisation to ``EngramLM.init_weights`` (one place);
@@ -44,8 +44,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attend(Protocol):
     """The attention proper, bound to one layer and one step by whoever keeps the keys and values:
-    q, k, v [b, t, h, e] (projected, RoPE applied) -> [b, t, h, e]. :func:`causal_attention` for a
-    full forward, :class:`CacheAttention` for a contiguous decode cache, a paged engine's own
+    q, k, v [b, t, h, e] (projected, RoPE applied) -> [b, t, h, e]. ``causal_attention`` for a
+    full forward, ``CacheAttention`` for a contiguous decode cache, a paged engine's own
     (serving/paged.py); the block around it (norms, projections, RoPE, residuals) is shared."""
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
@@ -215,7 +215,7 @@ class HyperConnection(nn.Module):
 class Memory(Protocol):
     """How a block's Engram layer reads, bound to one layer and one step: (engram, h [b, t, (m,) d])
     -> (Y like h, alpha [b, t, m] or None). The reference model reads a batch from hash ids and its
-    decode state (:func:`engram_memory`); a paged engine per request, from its slots."""
+    decode state (``engram_memory``); a paged engine per request, from its slots."""
 
     def __call__(self, engram: Engram, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         ...
@@ -235,7 +235,7 @@ class Block(nn.Module):
     """[Engram ->] attention -> FFN/MoE, each added to the residual stream (or its m branches).
 
     The one forward of a block: the full forward, a cached decode and a paged serving engine all run
-    it, each passing the attention proper (:class:`Attend`) and the Engram read (:class:`Memory`)
+    it, each passing the attention proper (``Attend``) and the Engram read (``Memory``)
     that fit how it keeps its history."""
 
     def __init__(self, dim: int, n_head: int, ffn: nn.Module, *, norm_eps: float = 1e-5,

@@ -2,8 +2,8 @@
 
 arXiv 2601.16531 (section 4): one table set read by several layers (2, 4 and 6 of 12 there), each
 layer with its own gate, projections and conv. The Engram modules are the ordinary ones, swapped in
-with a :class:`HotColdStore` and global ids (the ids carry the hot slots after the cold rows, see
-``engram.retrieval.hot.NineHasher``); the backbone is :class:`EngramLM` unchanged.
+with a ``HotColdStore`` and global ids (the ids carry the hot slots after the cold rows, see
+``engram.retrieval.hot.NineHasher``); the backbone is ``EngramLM`` unchanged.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def build_lm(config: ModelConfig, hasher: Hasher | None = None,
              shared: bool = False) -> EngramLM:
     """The one model builder (training, the runtime and exports call it): an Engram-Nine LM for
     a NineHasher (its hot slots and sharing) or when ``hot_slots`` / ``shared`` ask for one, else
-    :class:`EngramLM`; ``tables``: outside stores (``engram.tables.registry``)."""
+    ``EngramLM``; ``tables``: outside stores (``engram.tables.registry``)."""
     if isinstance(hasher, NineHasher):
         hot_slots, shared = hasher.index.num_slots, hasher.shared
     if hot_slots or shared:
@@ -36,7 +36,7 @@ def build_lm(config: ModelConfig, hasher: Hasher | None = None,
 
 def build_nine_lm(config: ModelConfig, hot_slots: int, shared: bool = True,
                   tables: dict[int, HotColdStore] | None = None) -> EngramLM:
-    """EngramLM whose Engram layers read a :class:`HotColdStore` (one per layer, or one shared).
+    """EngramLM whose Engram layers read a ``HotColdStore`` (one per layer, or one shared).
 
     ``hot_slots`` = G * N_hot rows of width K * d_head; 0 gives the plain hashed tables.
     ``tables``: ``{layer: HotColdStore}`` over outside stores (a served run's table files; one

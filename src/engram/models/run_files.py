@@ -79,7 +79,7 @@ def identity(config: ModelConfig, compression: Compression, nine_shared: bool | 
 
 
 def read_identity(run_dir: str | Path) -> dict[str, Any] | None:
-    """:func:`identity` of the files ``run_dir`` holds (None: none, or unreadable)."""
+    """``identity`` of the files ``run_dir`` holds (None: none, or unreadable)."""
     folder = Path(run_dir) / FOLDER
     try:
         meta = json.loads((folder / "model.json").read_text())

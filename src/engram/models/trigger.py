@@ -11,7 +11,7 @@ Two tables:
 - ``plain``: the paper's recipe, one learned vector per key, averaged over the keys whose span covers
   the position (overlapping matches are normalised by their count), times a learned per-dimension
   scale, optionally tanh-gated;
-- ``engram``: the Engram fusion of :mod:`engram.module` (paper section 2.3) over the same keys: each
+- ``engram``: the Engram fusion of ``engram.module`` (paper section 2.3) over the same keys: each
   key holds a small memory vector, the encoder's hidden state gates it (context-aware, eq. 4) and a
   short causal conv runs over the matched span only.
 

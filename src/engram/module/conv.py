@@ -17,7 +17,7 @@ from torch import nn
 
 @dataclass
 class EngramState:
-    """Per-sequence decode state: the conv's last (kernel-1)*dilation normalised inputs."""
+    """Per-sequence decode state: the conv's last ``(kernel-1)*dilation`` normalised inputs."""
 
     conv: torch.Tensor | None = None  # [b, (kernel-1)*dilation, m*d]
     # A serving engine that pages its own history (serving/slots.py) asks for the normalised
@@ -59,14 +59,14 @@ class ShortConv(nn.Module):
         return torch.stack([n.weight for n in self.norms])  # [m, d]: per-branch norm weights
 
     def past(self, x: torch.Tensor, state: EngramState | None) -> torch.Tensor:
-        """The normalised inputs before x [b, t, m, d]: [b, ctx, m*d], zeros at a sequence start
+        """The normalised inputs before x [b, t, m, d]: [b, ctx, ``m*d``], zeros at a sequence start
         (== causal padding)."""
         if state is None or state.conv is None:
             return x.new_zeros(x.shape[0], self.context, x.shape[2] * x.shape[3])
         return state.conv.to(x.dtype)
 
     def remember(self, full: torch.Tensor, state: EngramState | None) -> None:
-        """Keep the tail of the conv's input buffer full [b, ctx + t, m*d] as the decode state."""
+        """Keep the tail of the conv's input buffer full [b, ctx + t, ``m*d``] as the decode state."""
         if state is not None and state.keep_inputs:
             state.inputs = full[:, self.context:]  # [b, t, m*d]
         if state is not None:
@@ -78,14 +78,14 @@ class ConvFn(torch.autograd.Function):
 
     The same numbers as nn.RMSNorm per branch + F.conv1d(groups=C) on the left-padded input, but:
     one norm over all branches at once; the conv as a depthwise conv2d over the channels-last
-    [b, t, m*d] buffer seen as [b, m*d, 1, t] (no transpose copy; one fused pass, 5x faster than
+    [b, t, ``m*d``] buffer seen as [b, ``m*d``, 1, t] (no transpose copy; one fused pass, 5x faster than
     kernel-size shifted multiply-adds on CPU, same bits); the normalised input written straight
     behind the saved context (no cat); a backward whose input gradient is the same conv with the
     kernel flipped over the right-padded output gradient (the depthwise conv's own backward is slow
     on CPU), and that reuses buffers where autograd would allocate (and on CPU page-fault) a fresh
     full-size tensor per op.
-    Inputs: x [b, t, m, d], past [b, ctx, m*d] (no grad), norm weight [m, d], conv weight
-    [m*d, 1, kernel]. Outputs: y [b, t, m, d] and full [b, ctx + t, m*d] (no grad; the caller keeps
+    Inputs: x [b, t, m, d], past [b, ctx, ``m*d``] (no grad), norm weight [m, d], conv weight
+    [``m*d``, 1, kernel]. Outputs: y [b, t, m, d] and full [b, ctx + t, ``m*d``] (no grad; the caller keeps
     its last ctx positions as the decode state).
     """
 
@@ -141,7 +141,7 @@ class ConvFn(torch.autograd.Function):
 
 def conv_plain(x: torch.Tensor, past: torch.Tensor, norm_w: torch.Tensor, conv_w: torch.Tensor,
                eps: float | None, dilation: int, residual: bool = False):
-    """:class:`ConvFn`'s mathematics as plain differentiable ops, for torch.compile: ConvFn's
+    """``ConvFn``'s mathematics as plain differentiable ops, for torch.compile: ConvFn's
     writes into views of its buffers (``out=``) are a graph break there, and the compiler fuses
     these elementwise ops itself. Same inputs and outputs."""
     b, t, m, d = x.shape

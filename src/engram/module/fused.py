@@ -12,8 +12,8 @@ Same mathematics as GateFn + ConvFn; reductions are reassociated (vectorised) an
 polynomial (~2 ulp), so results agree with the torch path to ~1e-6 relative, not to the bit. The
 weight gradients are summed per chunk, then over chunks: the bits do not depend on the thread
 count, nor on whether a call runs the parallel kernels or their serial twins. How they run (numba's
-threads, the size under which a call stays serial) is a :class:`Plan` made once per process
-(:func:`resolve` at a job's start, else at the first call), never changed by a forward. CPU
+threads, the size under which a call stays serial) is a ``Plan`` made once per process
+(``resolve`` at a job's start, else at the first call), never changed by a forward. CPU
 float32 and a conv of at most 4 taps only; other devices, dtypes and kernels take the torch path,
 as does a module whose short conv has hooks (they must see its input).
 
@@ -84,7 +84,7 @@ def _kernels(serial: bool) -> _Kernels:
 
 @dataclass(frozen=True)
 class Plan:
-    """How the kernels run, fixed once (:func:`make_plan`), not looked up per call."""
+    """How the kernels run, fixed once (``make_plan``), not looked up per call."""
 
     threads: int  # numba threads for the parallel kernels; 1: the serial twins only (no pool)
     serial_below: int = SERIAL_BELOW  # values [n, m, d] under which a call runs serially anyway
@@ -136,7 +136,7 @@ def resolve(threads: int | None = None, serial_below: int = SERIAL_BELOW) -> Pla
 
 
 def plan() -> Plan:
-    """The process's plan: :func:`resolve`'s, else made on the first kernel call and kept."""
+    """The process's plan: ``resolve``'s, else made on the first kernel call and kept."""
     return _PLAN if _PLAN is not None else resolve()
 
 
@@ -180,7 +180,7 @@ def gate_conv(kv: torch.Tensor, h: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
 
 
 class FusedFn(torch.autograd.Function):
-    """:func:`gate_conv`'s autograd node: the tensors positional (autograd tracks only those),
+    """``gate_conv``'s autograd node: the tensors positional (autograd tracks only those),
     nw, cw, past None without the conv."""
 
     @staticmethod

@@ -34,7 +34,7 @@ def _rms_scale(x: torch.Tensor, eps: float | None) -> torch.Tensor:
 
 def gate_plain(kv: torch.Tensor, h: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                eps1: float | None, eps2: float | None, kind: str):
-    """:class:`GateFn`'s mathematics as plain differentiable ops, for torch.compile (GateFn's
+    """``GateFn``'s mathematics as plain differentiable ops, for torch.compile (GateFn's
     writes into views, ``out=``, are a graph break there; the compiler fuses these itself)."""
     b, t, m, d = h.shape
     v, k = kv[..., :d], kv[..., d:].unflatten(-1, (m, d))  # [b, t, d], [b, t, m, d]
@@ -45,18 +45,18 @@ def gate_plain(kv: torch.Tensor, h: torch.Tensor, w1: torch.Tensor, w2: torch.Te
 
 
 def _rms(x: torch.Tensor, eps: float | None) -> torch.Tensor:
-    """:func:`_rms_scale` without in-place ops (autograd differentiates it)."""
+    """``_rms_scale`` without in-place ops (autograd differentiates it)."""
     eps = torch.finfo(x.dtype).eps if eps is None else eps
     return x.square().mean(-1, keepdim=True).add(eps).rsqrt()
 
 
 class GateFn(torch.autograd.Function):
-    """kv [b, t, (m+1)*d] (value, then each branch's key), h [b, t, m, d], norm weights w1 (keys)
+    """kv [b, t, ``(m+1)*d``] (value, then each branch's key), h [b, t, m, d], norm weights w1 (keys)
     and w2 (hidden) [m, d] -> alpha * v [b, t, m, d] and alpha [b, t, m] (spec 2.7).
 
     s = <RMSNorm(k) w1, RMSNorm(h) w2> / sqrt(d) = r_k r_h <k, h w1 w2> / sqrt(d): the norms enter
     as per-row scales, so no normalised copy of k or h is made, and the backward writes the value
-    and key gradients straight into one [b, t, (m+1)*d] tensor (autograd would fill and add a
+    and key gradients straight into one [b, t, ``(m+1)*d``] tensor (autograd would fill and add a
     zero tensor per slice).
     """
 

@@ -209,7 +209,7 @@ class NineHasher:
     """Token ids -> ``{layer: [b, t, H + G]}``: H global cold row ids, then G hot slots (-1 = cold).
 
     ``shared=True`` gives every Engram layer the first layer's ids: one table set read by several
-    layers, the Nine paper's setup. A drop-in for :class:`NgramHasher` in the data pipeline.
+    layers, the Nine paper's setup. A drop-in for ``NgramHasher`` in the data pipeline.
     """
 
     def __init__(self, hasher: NgramHasher, index: HotIndex, shared: bool = True):
@@ -345,7 +345,7 @@ STATE_KEY = "hot_index"  # where a checkpoint's state keeps a Nine run's hot ind
 
 def checkpoint_hasher(hasher: Any, state: dict[str, Any], shared: bool) -> Any:
     """The hasher a checkpoint was trained with, from the plain one its config builds: a
-    :class:`NineHasher` over the saved hot index when ``state`` carries one, else ``hasher``. A
+    ``NineHasher`` over the saved hot index when ``state`` carries one, else ``hasher``. A
     NineHasher given must hold the checkpoint's index and sharing."""
     index = HotIndex.from_state_dict(state[STATE_KEY]) if STATE_KEY in state else None
     if isinstance(hasher, NineHasher):

@@ -6,12 +6,12 @@ it (arXiv 2601.16531, section 3: MPHF + fingerprint).
 
 Two engines, same contract (``lookup`` -> slot in [0, n) for members, arbitrary or -1 otherwise):
 
-- ``"torch"`` (:class:`TorchMPHF`): BBHash (Limasset et al., SEA 2017) written in torch: level l is a
+- ``"torch"`` (``TorchMPHF``): BBHash (Limasset et al., SEA 2017) written in torch: level l is a
   bit array of ~gamma * (keys left) bits; a key whose level-l hash lands alone in its bit sets it and
   takes slot = rank of that bit; the rest go to level l+1; the few left after ``max_levels`` are kept
   sorted. Build and lookup are whole-batch tensor ops (a Python loop over ~10-20 levels only), on any
   device, and the structure is plain tensors, so checkpoints and table files carry it as is.
-- ``"bbhash"`` (:class:`BBHashMPHF`): the ``bbhash`` wheel (C++ BooPHF; optional extra ``nine``).
+- ``"bbhash"`` (``BBHashMPHF``): the ``bbhash`` wheel (C++ BooPHF; optional extra ``nine``).
   ``lookup_many`` runs in C++ over a NumPy array (CPU only); the structure is its own file format,
   stored as bytes.
 

@@ -40,7 +40,7 @@ from .runtime import DecodeGroup, Runtime, row_spans
 
 @dataclass
 class GenerationConfig:
-    """How :class:`Generator` decodes: new tokens, temperature, top-k, stop ids, seed
+    """How ``Generator`` decodes: new tokens, temperature, top-k, stop ids, seed
     (the options of ``engram generate``)."""
 
     # New tokens per row (a row stops earlier at a stop id).
@@ -92,7 +92,7 @@ class GenerationOutput:
 
 
 class Generator:
-    """Decode a batch of prompts on a :class:`~engram.serving.runtime.Runtime`; prompts and outputs
+    """Decode a batch of prompts on a ``Runtime``; prompts and outputs
     are raw tokenizer ids. ``Generator(model, hasher, vocab, config)`` builds the runtime from
     parts (``vocab`` [V] maps the model's ids to raw ids; None: the model reads raw ids)."""
 

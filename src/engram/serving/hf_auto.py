@@ -2,7 +2,7 @@
 engram`` importing transformers.
 
 Importing transformers' model machinery costs seconds (~6 s here on top of torch), and most uses
-of engram never touch it, so ``engram/__init__.py`` only calls :func:`register_when_imported`:
+of engram never touch it, so ``engram/__init__.py`` only calls ``register_when_imported``:
 when transformers' own Auto modules are already loaded it registers at once; otherwise it leaves
 a finder on ``sys.meta_path`` that registers right after Python finishes loading them:
 

@@ -158,7 +158,7 @@ class TierUnavailable(UserError, RuntimeError):
 
 
 def open_export(out_dir: str | Path, serving: dict[str, Any] | None = None, **options: Any):
-    """The export as a :class:`~engram.serving.runtime.Runtime`: tables on the tier config.json's
+    """The export as a ``Runtime``: tables on the tier config.json's
     ``engram_serving`` names (``serving`` overrides its keys), dense weights from
     model.safetensors, the tokenizer and compression map it was written with."""
     from safetensors.torch import load_file
@@ -221,7 +221,7 @@ def open_export(out_dir: str | Path, serving: dict[str, Any] | None = None, **op
 
 def read_row_counts(table_dir: Path, hasher: Hasher) -> dict[int, dict[str, torch.Tensor]]:
     """An export's row_counts.safetensors as ``hasher.count_reads`` gives them: {owner layer: {part:
-    counts}} (written once per table set and part by :func:`export_model`: "3", "3.hot")."""
+    counts}} (written once per table set and part by ``export_model``: "3", "3.hot")."""
     from safetensors.torch import load_file
 
     raw = load_file(str(Path(table_dir) / "row_counts.safetensors"))

@@ -1,4 +1,4 @@
-"""Loading and saving :class:`~engram.serving.hf_model.EngramLMForCausalLM` as an export.
+"""Loading and saving ``EngramLMForCausalLM`` as an export.
 
 transformers' own loader would read model.safetensors into a model it builds itself; an export
 keeps its tables apart, as table files read on a tier (serving/hf_export.py), so both directions

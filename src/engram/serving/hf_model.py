@@ -12,7 +12,7 @@ never run as one [b, t] tensor. Rows are grouped by their unpadded span; each gr
 ``engram generate`` runs it, from position 0 with its own KV cache (``DecodeCache``), n-gram
 history (``HashStream``) and conv state (``EngramState``), and its outputs are put back in the
 padded layout. A padded row therefore gets exactly the tokens it gets alone (tested). Decode steps
-run each group once; the groups of one batch are :class:`EngramCache`, the ``cache`` generate()
+run each group once; the groups of one batch are ``EngramCache``, the ``cache`` generate()
 hands back to every step (a ``DynamicCache`` cannot hold n-gram history or conv state).
 
 Tables: on the tier config.json's ``engram_serving`` names, overridden with the vLLM plugin's keys:

@@ -1,7 +1,7 @@
 """Opening a trained model: a run folder, an ``engram export-hf`` folder, or a run with a V4.1 layer
-set, as one :class:`~engram.serving.runtime.Runtime` (see there). Opening reads only the folder and
-writes nothing; the table files a run's file tiers read are written by :func:`write_tables`
-(``engram export-tables``), and an export by :func:`export_hf`.
+set, as one ``Runtime`` (see there). Opening reads only the folder and
+writes nothing; the table files a run's file tiers read are written by ``write_tables``
+(``engram export-tables``), and an export by ``export_hf``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def open_model(path: str | Path, *, tier: str = "memory", table_dir: str | Path 
     """A run folder (its newest checkpoint), an ``engram export-hf`` folder, or a run with a V4.1
     layer set (``engram_layers``), ready to serve, with tables on ``tier`` (``TIERS``); any other
     option of the tier in ``options`` (e.g. ``pool_path``). Opening reads only the folder and
-    writes nothing: a run's table files for a file tier come from :func:`write_tables`."""
+    writes nothing: a run's table files for a file tier come from ``write_tables``."""
     from .hf_export import check_serving, open_export
 
     check_names(device or "cpu", precision)
@@ -61,7 +61,7 @@ def open_model(path: str | Path, *, tier: str = "memory", table_dir: str | Path 
 
 
 def open_adapter(path: Path, tier: str = "memory") -> Runtime:
-    """``engram finetune``'s adapter folder: a :class:`Runtime` over the base transformers model it
+    """``engram finetune``'s adapter folder: a ``Runtime`` over the base transformers model it
     names (models/pretrained.py) with its Engram loaded (models/adapter.py refuses another base
     model), as models/injected.py's InjectedLM. Tables stay in memory: an adapter has no table
     files."""

@@ -168,7 +168,7 @@ class Runtime:
         return self.ids.scatter(self.model.logits(hidden).float())
 
     def new_group(self, rows: Any, max_len: int | None = None) -> DecodeGroup:
-        """A :class:`DecodeGroup` for ``rows`` (a list or tensor of the caller's row indices)."""
+        """A ``DecodeGroup`` for ``rows`` (a list or tensor of the caller's row indices)."""
         n = len(rows)
         return DecodeGroup(rows, self.model.new_cache(n, max_len),
                            None if self.hasher is None else self.hasher.stream(n))
@@ -232,7 +232,7 @@ class Runtime:
                         batch_size: int = 16) -> list[dict[str, Any]]:
         """Each document (raw ids, no EOS) scored alone as ``[start_id] + doc`` in rolling windows
         (lm-evaluation-harness's loglikelihood_rolling): per document the log-likelihood in nats of
-        its scored tokens, unseen ids context only, as in :meth:`score`."""
+        its scored tokens, unseen ids context only, as in ``score``."""
         streams = [np.asarray([start_id, *d], dtype=np.int64) for d in docs]
         plan = sorted(((i, *w) for i, s in enumerate(streams)
                        for w in rolling_windows(len(s), seq_len)), key=lambda w: w[2])
@@ -284,7 +284,7 @@ class Runtime:
         return total, scored
 
     def token_nll(self, out: ModelOutput, targets: torch.Tensor) -> torch.Tensor:
-        """NLL [b, t] of model-id targets (IGNORE: 0) under an output of :meth:`forward`."""
+        """NLL [b, t] of model-id targets (IGNORE: 0) under an output of ``forward``."""
         with autocast(self.precision, self.device):
             return self.model.token_nll(out, targets.to(self.device), ignore_index=IGNORE)
 

@@ -2,10 +2,10 @@
 
 A serving engine (vLLM) flattens all requests of a step into one token batch and feeds a decode step
 only its newest token, yet position p of a request needs the request's token ids at p-1..p-N+1 (its
-suffix n-grams, paper 2.2) and the short conv's normalised inputs at p-(k-1)*dilation..p-1 (2.3).
-Both are kept per KV *slot*, not per request: every position of every request is written once to the
-physical slot the engine's block table assigns it (``slot_mapping``), and a lookback reads the slot
-of (request, p-j) through the same block table. This is the design of vLLM's own DeepSeek-V4.1
+suffix n-grams, paper 2.2) and the short conv's normalised inputs at ``p-(k-1)*dilation .. p-1``
+(2.3). Both are kept per KV *slot*, not per request: every position of every request is written
+once to the physical slot the engine's block table assigns it (``slot_mapping``), and a lookback
+reads the slot of (request, p-j) through the same block table. This is the design of vLLM's own DeepSeek-V4.1
 Engram (its ``hash_cache``), extended here to the conv context that V4.1 lacks:
 
 - chunked prefill: a chunk's lookbacks read the slots the previous chunk wrote;

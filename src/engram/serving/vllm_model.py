@@ -1,7 +1,7 @@
 """The reference LM with Engram as a vLLM model (imported by vLLM only, through the plugin).
 
 vLLM owns scheduling, the paged KV cache, sampling and the OpenAI server; this class owns the
-model: :class:`engram.serving.paged.PagedLM` on vLLM's flat token batch, with vLLM's paged
+model: ``engram.serving.paged.PagedLM`` on vLLM's flat token batch, with vLLM's paged
 ``Attention`` as its attention and the per-request n-gram and conv history in slots addressed by
 vLLM's own block table and slot mapping (design note: serving/slots.py). Weights, tables and the
 tier they are read from come from an ``engram export-hf`` directory (serving/hf_export.py); the

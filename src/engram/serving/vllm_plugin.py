@@ -1,6 +1,6 @@
 """vLLM general plugin (entry point ``vllm.general_plugins``): registers the reference LM with
 Engram as an out-of-tree architecture. Import-safe without vLLM: nothing of vLLM or transformers
-is imported until vLLM itself calls :func:`register` (in every vLLM process)."""
+is imported until vLLM itself calls ``register`` (in every vLLM process)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,19 @@
 """What every study shares: how its runs are trained, when a difference counts as resolved, and
 figures drawn without touching the caller's matplotlib.
 
-Runs. A study lists its runs as :class:`Job` s (name, seed, config; the seed is carried, never read
-back from a folder name) and hands them with a work function to :func:`run_jobs`. Every study's
+Runs. A study lists its runs as ``Job`` s (name, seed, config; the seed is carried, never read
+back from a folder name) and hands them with a work function to ``run_jobs``. Every study's
 runs get the same worker processes (spawned; one torch thread and one numba thread each, on 2 cores
 that beats one process with 2 threads for these small matmuls; glibc keeping freed memory, see
 ``training.settings.allocator_env``) and the same resumption: a run whose ``result.json`` matches
 its job is read back instead of trained again, and one interrupted mid-way resumes from its
 checkpoint (``train()`` does that, for the studies that train through it).
 
-Resolved. One rule, :data:`RULE`, for every report: a difference between configurations is resolved
+Resolved. One rule, ``RULE``, for every report: a difference between configurations is resolved
 when it exceeds 2x the largest seed spread. Rounding alone moves a compare run by ~0.02 nats
 (benchmarks/ulp_noise.py) and two or three seeds underestimate the spread, hence the factor 2.
 
-Figures. :func:`subplots` gives a ``matplotlib.figure.Figure`` on its own Agg canvas: no pyplot, so
+Figures. ``subplots`` gives a ``matplotlib.figure.Figure`` on its own Agg canvas: no pyplot, so
 the caller's backend and open figures stay as they were.
 """
 
@@ -87,7 +87,7 @@ def train_run(j: Job) -> dict[str, Any]:
 
 
 def trained_line(r: dict[str, Any]) -> str:
-    """The progress line of a :func:`train_run` result."""
+    """The progress line of a ``train_run`` result."""
     return f"{r['name']} seed {r['seed']}: val loss {r['val_loss']:.4f} ({r['wall_s']:.0f}s)"
 
 
@@ -163,7 +163,7 @@ def _start_worker(barrier) -> None:
 
 
 def sync_workers(timeout: float = 600.0) -> None:
-    """Inside :meth:`Workers.each`: wait until every worker of the pool reaches this point."""
+    """Inside ``Workers.each``: wait until every worker of the pool reaches this point."""
     _barrier.wait(timeout)
 
 
@@ -209,7 +209,7 @@ def _each(task: tuple[Callable[[Any], Any], Any]) -> Any:
 class Workers:
     """The worker processes of a study (see the module docstring): ``n`` spawned processes, one
     torch thread and one numba thread each, glibc keeping freed memory; started once, used for
-    a measurement on every worker (:meth:`each`) and then the jobs (:meth:`run`).
+    a measurement on every worker (``each``) and then the jobs (``run``).
 
         with Workers(2) as pool:
             probes = pool.each(probe, [args_0, args_1])  # side by side, one on each worker
@@ -237,7 +237,7 @@ class Workers:
 
     def each(self, fn: Callable[[Any], Any], args: list[Any]) -> list[Any]:
         """``fn(args[k])`` on worker k, all at the same time (``fn`` a module-level function that
-        may call :func:`sync_workers`); one argument per worker."""
+        may call ``sync_workers``); one argument per worker."""
         if len(args) != self.n:
             raise ValueError(f"{self.n} workers need {self.n} arguments, got {len(args)}")
         return self.pool.map(_each, [(fn, a) for a in args], chunksize=1)
@@ -245,7 +245,7 @@ class Workers:
     def run(self, jobs: list[Job], work: Callable[[Job], dict[str, Any]], desc: str,
             line: Callable[[dict[str, Any]], str] = trained_line,
             order: list[int] | None = None) -> list[dict[str, Any]]:
-        """As :func:`run_jobs`, on these workers; ``order`` (indices into ``jobs``) is the order the
+        """As ``run_jobs``, on these workers; ``order`` (indices into ``jobs``) is the order the
         jobs are handed out in, each to the first free worker (results stay in job order)."""
         return _run(jobs, work, desc, line, order, lambda: self.pool)
 
@@ -256,7 +256,7 @@ def run_jobs(jobs: list[Job], work: Callable[[Job], dict[str, Any]], workers: in
     """``work(job)`` for every job, in ``workers`` spawned processes (``work`` a module-level
     function); results in job order, each with its job's name and seed, as saved to and read
     back from the run's result.json (so a fresh and a reused run look the same). ``order``: as
-    :meth:`Workers.run`. No process starts when every job has finished."""
+    ``Workers.run``. No process starts when every job has finished."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     with contextlib.ExitStack() as stack:
@@ -320,12 +320,12 @@ def largest_spread(spreads: Iterable[float | None]) -> float | None:
 
 
 def spread_note(spread: float | None) -> str:
-    """What a report adds to :data:`RULE`: the spread its verdicts were judged by."""
+    """What a report adds to ``RULE``: the spread its verdicts were judged by."""
     return "" if spread is None else f" The largest seed spread here: {spread:.4f} nats."
 
 
 def resolved(difference: float | None, spread: float | None) -> bool:
-    """Whether ``difference`` is resolved against the largest seed spread ``spread`` (:data:`RULE`).
+    """Whether ``difference`` is resolved against the largest seed spread ``spread`` (``RULE``).
     No spread (one seed) or a zero one (identical runs) gives nothing to judge by: not resolved."""
     return (difference is not None and spread is not None and spread > 0
             and abs(difference) > RESOLVE * spread)
@@ -343,7 +343,7 @@ def figure(**kw: Any):
 
 
 def subplots(nrows: int = 1, ncols: int = 1, *, figsize: tuple[float, float], **kw: Any):
-    """(figure, axes) as pyplot.subplots gives them, on a :func:`figure`."""
+    """(figure, axes) as pyplot.subplots gives them, on a ``figure``."""
     fig = figure(figsize=figsize)
     return fig, fig.subplots(nrows, ncols, **kw)
 

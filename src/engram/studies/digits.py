@@ -163,7 +163,7 @@ def train_base(unet: nn.Module, encode: Encode, data: Digits, steps: int, batch:
                lr: float = 2e-3, null_prob: float = 0.1, seed: int = 0, bold: int = 2,
                progress: bool = True) -> list[float]:
     """Train the UNet on captioned digits (text encoder frozen, embeddings cached per caption)
-    through :func:`loop.fit`: AdamW, warmup then cosine to 10% of ``lr``, gradients clipped at 1."""
+    through ``loop.fit``: AdamW, warmup then cosine to 10% of ``lr``, gradients clipped at 1."""
     sched, _ = schedulers()
     captions = [""] + [tpl.format(w) for tpl in STYLES.values() for w in WORDS]
     with torch.no_grad():

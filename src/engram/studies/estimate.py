@@ -13,7 +13,7 @@ times a few validation batches and a checkpoint save. A run then costs
     start-up + steps x step + (evaluations' batches + the full sweep's) x batch + saves x save
 
 and the study's runs are handed out as the runner does it, the next to the first free worker;
-:func:`best_order` picks the hand-out order whose last worker finishes first (9 runs of 3 kinds
+``best_order`` picks the hand-out order whose last worker finishes first (9 runs of 3 kinds
 on 2 workers: 1,680 orders, simulated in a few milliseconds). The estimate is that finish time
 plus what came before (corpus, workers' start, the probe itself) and a closing allowance.
 
@@ -43,7 +43,7 @@ from .common import Job, Workers, finished, sync_workers
 
 @dataclass
 class Costs:
-    """What one kind of run costs here, in wall seconds, measured side by side (:func:`probe`)."""
+    """What one kind of run costs here, in wall seconds, measured side by side (``probe``)."""
     startup_s: float  # build_run: corpus from the disk cache, model, GEMM routes, optimisers
     step_s: float  # one training step (batch + hash ids, forward, backward, clip, optimisers)
     eval_batch_s: float  # one validation batch (forward only)
@@ -166,7 +166,7 @@ class Estimate:
 def estimate(pool: Workers, jobs: list[Job], kinds: list[str], started: float,
              after: Callable[[dict[str, Costs]], float] = lambda costs: 0.0,
              steps: int = 8, warmup: int = 2, eval_batches: int = 4) -> Estimate:
-    """Measure on every worker of ``pool`` at once (:func:`probe`) and predict the wall time of
+    """Measure on every worker of ``pool`` at once (``probe``) and predict the wall time of
     ``jobs`` run on ``pool`` in the returned order, counted from ``started`` (a perf_counter
     time); ``kinds[i]`` names job i's kind (runs of a kind differ only in seed). Finished jobs
     cost nothing, interrupted ones their remaining steps. ``after(costs)``: the caller's seconds

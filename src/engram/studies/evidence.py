@@ -47,7 +47,7 @@ def paired_interval(gains: Sequence[float]) -> dict[str, Any] | None:
 
 
 def interval_text(iv: dict[str, Any] | None, unit: str = "") -> str:
-    """A :func:`paired_interval` as reports write it: ``[low, high]{unit}: excludes zero`` (or
+    """A ``paired_interval`` as reports write it: ``[low, high]{unit}: excludes zero`` (or
     includes zero); ``n/a (one seed)`` for None."""
     if iv is None:
         return "n/a (one seed)"

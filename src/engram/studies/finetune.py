@@ -238,7 +238,7 @@ def loop_config(cfg: FinetuneStudyConfig, lr: float) -> LoopConfig:
 
 def _loop(model: nn.Module, opt: Optimizers, lr: float, stream: np.ndarray,
           cfg: FinetuneStudyConfig, seed: int, desc: str) -> list[dict[str, float]]:
-    """Train ``opt``'s parameters of ``model`` through :func:`loop.fit`; the per-step curve."""
+    """Train ``opt``'s parameters of ``model`` through ``loop.fit``; the per-step curve."""
     # window_loss puts the forward under the precision's autocast itself, the loss in float32.
     run = loss_run(loop_config(cfg, lr), model, opt,
                    lambda step: train_batch(stream, step, cfg, seed),

@@ -8,8 +8,8 @@ Linear CKA (Kornblith et al. 2019) compares two layers' representations of the s
 invariant to rotation and scale; the paper finds Engram's layer 5 most like the baseline's layer 12.
 
 Shape legend:
-    b batch, t positions, n tokens (b*t), d model width, V model vocabulary, L blocks (L+1 states:
-    the embedding output, then after each block).
+    b batch, t positions, n tokens (``b*t``), d model width, V model vocabulary, L blocks (L+1
+    states: the embedding output, then after each block).
 """
 
 from __future__ import annotations

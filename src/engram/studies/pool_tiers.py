@@ -6,7 +6,7 @@ of the exported table files, plus ``file_cold`` (a table file with its pages evi
 read) and ``<tier>_cache`` (behind the hot cache). ``<tier>_fp8`` exports the tables as
 DeepSeek-V4.1 stores them, FP8 values with E8M0 scales (264 bytes a row of head dim 256, not
 1,024), read and dequantised in one pass (tables/fp8.py StoredRows); its rows are the fp32 ones
-quantised. A read is one step's rows for one Engram layer; :class:`DelayedTable` injects latency
+quantised. A read is one step's rows for one Engram layer; ``DelayedTable`` injects latency
 per round trip of reads to model a farther medium with the same rows.
 
 Shape legend: b batch, t positions of the step, H hash heads, u distinct rows of a step.

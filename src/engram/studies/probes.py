@@ -100,7 +100,8 @@ def memorised_probes(stream: np.ndarray, ng: NgramCounts, context: int, n: int,
 def copy_probes(unigram: np.ndarray, span: int, n: int, pool: int = 2048,
                 seed: int = 0) -> np.ndarray:
     """n prompts [b, 2 * span]: a span of random tokens (from the ``pool`` most frequent) twice.
-    Scored on positions span+1 .. 2*span-1 of the second copy (its first token is not inferable)."""
+    Scored on positions ``span+1 .. 2*span-1`` of the second copy (its first token is not
+    inferable)."""
     top = np.argsort(-unigram)[:pool]
     rng = np.random.default_rng(seed)
     spans = top[rng.integers(0, len(top), size=(n, span))]

@@ -68,11 +68,12 @@ class CachedTable:
 
     A serving structure: rows come back without autograd history (train on MemoryTable).
 
-    Args:
-        inner: the slower store (a FileTable, a PinnedTable, a SharedPool's table, ...).
-        capacity: total cached rows C (static + LRU).
-        hot_rows: rows to pin, most important first (``hot_rows(counts, k)``); at most C are kept.
-        device: where cached rows live (an accelerator's memory for a device-side hot cache).
+    Its arguments:
+
+    - ``inner``: the slower store (a FileTable, a PinnedTable, a SharedPool's table, ...).
+    - ``capacity``: total cached rows C (static + LRU).
+    - ``hot_rows``: rows to pin, most important first (``hot_rows(counts, k)``); at most C are kept.
+    - ``device``: where cached rows live (an accelerator's memory for a device-side hot cache).
     """
 
     @torch.no_grad()

@@ -7,12 +7,12 @@ pipeline (``engram.retrieval.hot.NineHasher``) as ``[..., H + G]``: H global col
 slot per order (-1 = cold). Each table is gathered only where it serves, so a row that was not
 read gets no gradient (RowAdam then leaves it, and its moments, alone).
 
-The store keeps the :class:`TableStore` contract of one head per row: ``lookup`` returns
+The store keeps the ``TableStore`` contract of one head per row: ``lookup`` returns
 ``[..., H, e]``, a hot row split back into K heads, so the Engram module cannot tell the tiers apart.
 
 Served from table files, a table set is its parts (engram.retrieval.hashing.Hasher.parts) on any
-tier: :func:`assemble` and :func:`parts_of` go between the two views for every hasher, and the hot
-index travels beside the tables (:func:`write_index_files`), so callers never ask which hasher
+tier: ``assemble`` and ``parts_of`` go between the two views for every hasher, and the hot
+index travels beside the tables (``write_index_files``), so callers never ask which hasher
 they hold.
 
 Shape legend: u positions (all leading dims), G orders, K heads per order, H = G * K, e head dim,
@@ -41,7 +41,7 @@ class HotColdStore(nn.Module):
     """Cold table [R, e] + hot table [S, K * e] (S = 0: exactly the plain hashed table).
 
     ``cold`` / ``hot``: outside stores to serve from instead (table files on any tier, behind a
-    cache and prefetch: ``engram.serving.loader``); they must be R x e and S x K*e.
+    cache and prefetch: ``engram.serving.loader``); they must be R x e and S x ``K*e``.
     """
 
     def __init__(self, cold_rows: int, head_dim: int, orders: int, heads_per_order: int,
@@ -71,7 +71,7 @@ class HotColdStore(nn.Module):
         return self.cold.weight.numel() + (self.hot.weight.numel() if self.hot is not None else 0)
 
     def _split(self, ids: torch.Tensor):
-        """ids [..., H + G] -> (cold rows [u*G, K], hot slots [u*G], hits [h], misses [m]), or the
+        """ids [..., H + G] -> (cold rows [``u*G``, K], hot slots ``[u*G]``, hits [h], misses [m]), or the
         cold rows alone (None for the rest) when nothing is hot."""
         h, g, k = self.num_heads, self.orders, self.k
         if ids.shape[-1] != h + g:
@@ -123,7 +123,7 @@ class HotColdStore(nn.Module):
 def assemble(parts: dict[tuple[str, int], TableStore], config: EngramConfig,
              hasher: Hasher) -> dict[int, TableStore]:
     """``{layer: store}`` from each table set's parts ``{(part, owner layer): store}``: the cold
-    part itself for a plain hasher; one :class:`HotColdStore` per set over its cold and hot parts
+    part itself for a plain hasher; one ``HotColdStore`` per set over its cold and hot parts
     for a NineHasher (the same object for every layer of a shared set)."""
     sets = {lid: t for (part, lid), t in parts.items() if part == "cold"}
     if isinstance(hasher, NineHasher):
@@ -135,7 +135,7 @@ def assemble(parts: dict[tuple[str, int], TableStore], config: EngramConfig,
 
 
 def parts_of(store: TableStore, hasher: Hasher) -> dict[str, TableStore]:
-    """A table set's stores by part (the inverse of :func:`assemble`): a HotColdStore's cold and
+    """A table set's stores by part (the inverse of ``assemble``): a HotColdStore's cold and
     hot tables, any other store as its set's cold part; refuses a store the hasher cannot read."""
     if isinstance(store, HotColdStore) != isinstance(hasher, NineHasher):
         raise ValueError(f"a {type(store).__name__} cannot be read through a "
@@ -149,7 +149,7 @@ def parts_of(store: TableStore, hasher: Hasher) -> dict[str, TableStore]:
 # -- the hot index beside the table files ---------------------------------------------------------
 
 def index_paths(directory: str | Path, hasher: Hasher) -> list[Path]:
-    """Each table set's hot index file (:func:`hot_path`); none for a plain hasher."""
+    """Each table set's hot index file (``hot_path``); none for a plain hasher."""
     if not isinstance(hasher, NineHasher):
         return []
     return [hot_path(directory, lid) for lid in hasher.owners]
@@ -216,7 +216,7 @@ def hot_path(directory: str | Path, layer_id: int) -> Path:
 
 def write_hot_tier(path: str | Path, index: HotIndex, rows: torch.Tensor | None,
                    config: EngramConfig, tag: str = "") -> Path:
-    """Publish the hot tier (keys, MPHF, fingerprints and hot rows [S, K*e]) atomically.
+    """Publish the hot tier (keys, MPHF, fingerprints and hot rows [S, ``K*e``]) atomically.
 
     One safetensors file; a crc32 per tensor in the metadata names a corrupted one on read.
     """

@@ -6,10 +6,10 @@ layer ~16 scattered rows of a few hundred bytes. This store puts that claim on r
 table is a handful of large, hard-pinned objects (never one object per row: the master keeps
 ~0.5-0.8 KB per key), a lookup de-duplicates its rows and fetches them with one ``get_into_ranges``
 call per batch of ranges into a registered buffer. It is a TableStore, so the hot cache
-(:class:`engram.tables.cache.CachedTable`) and prefetch work in front of it unchanged.
+(``engram.tables.cache.CachedTable``) and prefetch work in front of it unchanged.
 
 Needs the optional extra ``pool`` (PyPI ``mooncake-transfer-engine-non-cuda``) and the system
-library ``libibverbs1``; :class:`MooncakeServices` runs ``mooncake_master`` and
+library ``libibverbs1``; ``MooncakeServices`` runs ``mooncake_master`` and
 ``mooncake_client`` on loopback with the TCP transport. The reading process mounts no segment of
 its own, so every row crosses the transport from the client service, as from a remote pool.
 
@@ -239,15 +239,16 @@ class MooncakeStats:
 
 
 class MooncakeTable:
-    """A table published with :func:`publish_table`, read row by row with ranged reads.
+    """A table published with ``publish_table``, read row by row with ranged reads.
 
-    Args:
-        store: a client from :meth:`MooncakeServices.connect` (or any set-up store).
-        key: the table's key prefix.
-        buffer_rows: rows the registered receive buffer holds; larger lookups go in pieces.
-        max_ranges: ranges per ``get_into_ranges`` call (batches over ~1024 can fail with
-            "TCP lane queue-full" on this transport).
-        session: the :class:`MooncakeSession` ``store`` belongs to, kept alive by this table.
+    Its arguments:
+
+    - ``store``: a client from ``MooncakeServices.connect`` (or any set-up store).
+    - ``key``: the table's key prefix.
+    - ``buffer_rows``: rows the registered receive buffer holds; larger lookups go in pieces.
+    - ``max_ranges``: ranges per ``get_into_ranges`` call (batches over ~1024 can fail with
+      "TCP lane queue-full" on this transport).
+    - ``session``: the ``MooncakeSession`` ``store`` belongs to, kept alive by this table.
     """
 
     def __init__(self, store: Any, key: str, *, buffer_rows: int = 1 << 14,

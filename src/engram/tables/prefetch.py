@@ -8,7 +8,7 @@ buffer. The forward pass runs meanwhile; an Engram layer's ``lookup`` waits only
 layer's gather (one future per layer and batch). The paper's budget: the gather for layer k must
 finish within the compute of layers 1..k-1.
 
-The model needs no change: :class:`PrefetchTable` is a store like any other, so
+The model needs no change: ``PrefetchTable`` is a store like any other, so
 ``EngramLM(config, tables={layer: PrefetchTable(...)})`` is all it takes.
 
 Shape legend: n row ids of a batch (b * t * H), u distinct ids among them, e row width.
@@ -44,7 +44,7 @@ class PrefetchTable:
     """``inner`` with background gathers: ``prefetch(rows)`` starts one, ``lookup(rows)`` joins it.
 
     ``prefetch`` de-duplicates the rows in the caller's thread; when ``inner`` splits its lookup
-    (:class:`engram.tables.store.SplitLookup`: a :class:`engram.tables.cache.CachedTable`) it
+    (``engram.tables.store.SplitLookup``: a ``engram.tables.cache.CachedTable``) it
     reserves them there at once and hands only the misses to a worker, which reads them from the
     inner store's source (the tier behind the cache). A lookup whose rows match no pending
     prefetch reads through ``inner`` directly, so results never depend on whether a prefetch
@@ -52,13 +52,14 @@ class PrefetchTable:
 
     A serving structure: rows come back without autograd history.
 
-    Args:
-        inner: the store behind (a CachedTable over a FileTable, a PinnedTable, ...).
-        executor: worker threads, shared by all layers of a model (``wrap_prefetch``).
-        device: where rows are needed; with a CUDA device the worker stages them in pinned host
-            memory and copies them on a side stream, and the lookup makes the compute stream wait
-            for that copy only. Give a cache in front ``device="cuda"`` too, so hits stay there.
-        max_pending: prefetches kept waiting for their lookup; older ones are dropped.
+    Its arguments:
+
+    - ``inner``: the store behind (a CachedTable over a FileTable, a PinnedTable, ...).
+    - ``executor``: worker threads, shared by all layers of a model (``wrap_prefetch``).
+    - ``device``: where rows are needed; with a CUDA device the worker stages them in pinned host
+      memory and copies them on a side stream, and the lookup makes the compute stream wait
+      for that copy only. Give a cache in front ``device="cuda"`` too, so hits stay there.
+    - ``max_pending``: prefetches kept waiting for their lookup; older ones are dropped.
     """
 
     def __init__(self, inner: TableStore, executor: ThreadPoolExecutor | None = None, *,

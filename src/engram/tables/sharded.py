@@ -63,7 +63,7 @@ def init_rows(seed: int, lo: int, hi: int, dim: int, std: float,
 class ShardedTable(nn.Module):
     """Rows [lo, hi) of an r x e table on this rank; ``lookup`` takes global ids from any rank.
 
-    Implements :class:`engram.tables.store.TableStore`. ``group`` is the process group the rows are spread
+    Implements ``engram.tables.store.TableStore``. ``group`` is the process group the rows are spread
     over (None: the default group, or a single-process table when torch.distributed is not
     initialised). Give it a group of its own when DDP shares the default one: DDP's asynchronous
     all-reduces and the lookups' all-to-alls then never interleave.

@@ -20,7 +20,7 @@ from .optim import Optimizers
 def fit_concept(params: Sequence[nn.Parameter], loss_fn: Callable[[int], torch.Tensor], steps: int,
                 lr: float = 1e-2, desc: str = "concept", progress: bool = True,
                 weight_decay: float = 0.0) -> list[float]:
-    """AdamW on ``params`` at a constant ``lr`` for ``steps`` steps of :func:`loop.fit` (no
+    """AdamW on ``params`` at a constant ``lr`` for ``steps`` steps of ``loop.fit`` (no
     clipping); ``loss_fn(step)`` returns the loss. Returns the curve."""
     params = [p for p in params if p.requires_grad]
     if not params:

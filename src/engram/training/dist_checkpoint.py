@@ -134,7 +134,7 @@ def load_distributed(run: Run, step_dir: Path, info: dict, check_config: bool = 
 
 
 class ShardedCheckpoints:
-    """:class:`loop.Checkpoints` of a torchrun job in out_dir/checkpoints; every rank calls each
+    """``loop.Checkpoints`` of a torchrun job in out_dir/checkpoints; every rank calls each
     method (saving is collective)."""
 
     def __init__(self, d: Dist, out_dir: str | Path, keep: int = 2):

@@ -5,17 +5,17 @@
 The global batch (``batch_size`` rows of ``TokenBatches.batch(step)``) is split by row across ranks,
 so a run at world size w sees the same tokens as a single-process run and reaches the same losses
 (up to float summation order). The dense parameters are replicated and averaged by DDP; each Engram
-table is a :class:`engram.tables.sharded.ShardedTable`, one slice of rows per rank, with its table
+table is a ``engram.tables.sharded.ShardedTable``, one slice of rows per rank, with its table
 optimiser state local to the shard (spec section 4: sharded by row, active rows exchanged by all-to-all).
 The loop, its records and checkpoint schedule are ``loop.fit``'s, as for ``engram train``; this
-file supplies :class:`DataParallel`, this rank's part of a step (``loop.Ranks``).
+file supplies ``DataParallel``, this rank's part of a step (``loop.Ranks``).
 
 Checkpoints (``out_dir/checkpoints``), one directory per save, published by ``latest.json`` only
 once every rank's file is on disk, so a run killed at any moment resumes from a complete one:
     step_XXXXXXXX/dense/        the dense model, AdamW, RNG, config and history (train.py's format)
     step_XXXXXXXX/shard-RRRRR-of-WWWWW.safetensors   rank R's table rows and their optimiser state
 A checkpoint loads at any world size (each rank reads the slices of the shards its range overlaps),
-or into a single-process model (:func:`consolidate`).
+or into a single-process model (``consolidate``).
 
 Tables in files (``--table_tier file``, training/tier_shards.py): each rank's shard of every table
 and its optimiser state live in the rank's own tier folder, ``<table_dir>/rank-RRRRR-of-WWWWW``;
@@ -28,7 +28,7 @@ node sees (each rank writes its own shard there):
         --rdzv-id RUN --max-restarts 3 -m engram train --out_dir=/shared/runs/x ...
 
 Faults: every collective has the process-group timeout, so a rank that dies (connection reset) or
-hangs (timeout) makes the others raise :class:`DistributedError` naming the step, instead of
+hangs (timeout) makes the others raise ``DistributedError`` naming the step, instead of
 waiting forever; torchrun then stops the rest. Relaunching the same command resumes.
 
 Shape legend: b global batch rows, b/w rows per rank, t sequence length.
@@ -112,7 +112,7 @@ def build_distributed_run(cfg: TrainConfig, d: Dist, corpus: Corpus | None = Non
 
     ``table_init="replicated"`` builds the whole single-process model first (every rank holds the
     full table for a moment), so step 0 is exactly train.py's; ``"sharded"`` initialises each shard
-    alone (:func:`engram.tables.sharded.init_rows`): the only choice for tables larger than one machine,
+    alone (``engram.tables.sharded.init_rows``): the only choice for tables larger than one machine,
     identical across world sizes but not to a single-process ``engram train`` run.
     """
     if cfg.batch_size % d.world:
@@ -216,7 +216,7 @@ def _explain(e: RuntimeError, d: Dist, where: str, out_dir: str) -> RuntimeError
 
 @dataclass
 class DataParallel:
-    """:class:`loop.Ranks` under torchrun: each rank takes its rows of the global batch and hashes
+    """``loop.Ranks`` under torchrun: each rank takes its rows of the global batch and hashes
     them, DDP averages the dense grads, each table is sharded by row (its grads stay local)."""
     d: Dist
     ddp: DDP

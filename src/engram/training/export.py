@@ -38,9 +38,9 @@ def export_tables(source: Any, directory: str | Path, *, dtype: str = "fp32",
     ``scale_format`` "e8m0" stores fp8 scales as DeepSeek-V4.1 does (power-of-two exponent bytes).
 
     One file per part of each table set (``hasher.owners`` x ``hasher.parts``): ``layer{id}.table``
-    and, for Engram-Nine (arXiv 2601.16531), its hot rows [S, K*e] as ``layer{id}.hot.table`` and
-    the hot index (keys, MPHF, fingerprints) as ``layer{id}.hot.safetensors``; every file carries
-    the stamp (``hasher.profile``). A table set shared by several layers is written once, under
+    and, for Engram-Nine (arXiv 2601.16531), its hot rows ``[S, K*e]`` as ``layer{id}.hot.table``
+    and the hot index (keys, MPHF, fingerprints) as ``layer{id}.hot.safetensors``; every file
+    carries the stamp (``hasher.profile``). A table set shared by several layers is written once, under
     its first layer (the returned paths map every layer to the file it reads).
     ``kept``: given, a table file already holding exactly its rows is kept and named there
     (``tables.tablefile.write_table``).

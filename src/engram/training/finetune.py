@@ -10,7 +10,7 @@ memory trains: tables with the project's table optimiser at ``table_lr_mult`` x 
 norms and conv with AdamW (training/optim.py ``build_optimizers``; paper recipe, spec section 4).
 At the first step the model equals the base model (the value projection starts at zero).
 
-One training loop: :func:`loop.fit` with the corpus's ``TokenBatches`` (batch i is a pure function of
+One training loop: ``loop.fit`` with the corpus's ``TokenBatches`` (batch i is a pure function of
 (seed, i)), checkpoints every ``ckpt_every`` steps in OUT/checkpoints holding the Engram tensors,
 the optimiser state and the loop's position only (not the frozen base), so the same command resumes
 exactly, and refuses a checkpoint of another config, model or data. At the end OUT holds the
@@ -176,7 +176,7 @@ _BOOKKEEPING = {"out_dir", "steps", "ckpt_every", "log_every", "eval_batches", "
 
 
 class AdapterCheckpoints:
-    """:class:`loop.Checkpoints` of a finetune: the Engram tensors, the optimiser state, the RNG
+    """``loop.Checkpoints`` of a finetune: the Engram tensors, the optimiser state, the RNG
     and the loop's position (the frozen base is not saved; the base fingerprint says it is the
     same one)."""
 

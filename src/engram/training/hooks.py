@@ -1,4 +1,4 @@
-"""The stock hooks of :func:`loop.fit`: metrics records with a progress bar, checkpoints, and a
+"""The stock hooks of ``loop.fit``: metrics records with a progress bar, checkpoints, and a
 study's loss curve with a progress bar.
 
 A run's folder carries the marker of a run (engram/outputs.py), so `engram train` may continue it

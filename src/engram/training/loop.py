@@ -1,4 +1,4 @@
-"""The training loop, once: ``engram train``, torchrun training and the studies all run :func:`fit`.
+"""The training loop, once: ``engram train``, torchrun training and the studies all run ``fit``.
 
     run = build_run(cfg)                        # train.py: model, optimisers, batch source
     restore(run, FileCheckpoints(cfg.out_dir))  # the newest checkpoint, if any
@@ -7,39 +7,39 @@
 A study that trains something other than an EngramLM on a corpus (memory-only fine-tuning, concept
 binding, the digits' UNet) gives fit its own loss: ``loss_run(LoopConfig(...), model, optim, batch,
 loss)``, with ``hooks.LossCurve`` for its curve and progress bar. Its learning rate follows the same
-:func:`schedule` (warmup + cosine) as every other run.
+``schedule`` (warmup + cosine) as every other run.
 
 What differs between ways of training is passed in as small objects, not subclasses:
 
-- ``ranks`` (:class:`Ranks`): how a global batch is cut for this process, how sums are reduced over
+- ``ranks`` (``Ranks``): how a global batch is cut for this process, how sums are reduced over
   processes, which module runs the forward (DDP or the model), how gradients are finished and
-  clipped, whether this process logs, how a failure is worded. :data:`ONE_PROCESS` here;
+  clipped, whether this process logs, how a failure is worded. ``ONE_PROCESS`` here;
   ``distributed.DataParallel`` under torchrun.
-- ``hooks`` (:class:`Hook`), called in order at the start, after every step and at the end:
+- ``hooks`` (``Hook``), called in order at the start, after every step and at the end:
   metrics records (``hooks.LogMetrics``; the Nine study's tier watch), checkpoints
-  (``hooks.SaveCheckpoints`` over a :class:`Checkpoints`: ``train.FileCheckpoints`` or
+  (``hooks.SaveCheckpoints`` over a ``Checkpoints``: ``train.FileCheckpoints`` or
   ``dist_checkpoint.ShardedCheckpoints``).
-- ``run.batches`` (:class:`BatchSource`): global batch i for step i // grad_accum, a pure function
+- ``run.batches`` (``BatchSource``): global batch i for step i // grad_accum, a pure function
   of (seed, i), so a resumed run gets exactly the batches it would have had.
 
 Step, evaluation and clipping exist only here (clipping's arithmetic in ``optim.clip_grad_norm_``).
 
 Device, precision and compile (cfg.device / precision / compile; training/precision.py):
 batches are made on the CPU and reach the model's device in ``Ranks.cut``; the forward and loss
-of :func:`train_step` and :func:`evaluate` run under the precision's autocast (none for fp32); under
+of ``train_step`` and ``evaluate`` run under the precision's autocast (none for fp32); under
 fp16 the loss scale (``run.optim.scaler``) scales the loss before ``backward`` and unscales the
 grads before ``ranks.clip``, and a step whose grads are not finite on any rank is skipped. The
 model is placed and compiled in place by ``train.build_run`` (``train.place``), so
 ``Ranks.forward_module``'s module (the model, or DDP around it) and evaluation run it compiled.
 
 Where later changes plug in, one place each:
-- a non-finite loss or gradient: :func:`train_step` checks the step's loss and the global grad
+- a non-finite loss or gradient: ``train_step`` checks the step's loss and the global grad
   norm ``ranks.clip`` returns before ``run.optim.step()`` (``errors.NonFinite``, naming the step;
   nothing of it is applied or saved); under fp16 a step the loss scale skips on purpose (its
   gradient overflowed at a scale above 1) is not one; SIGINT/SIGTERM: a flag (engram/interrupts.py)
-  read at the head of :func:`fit`'s loop and summed over the ranks, then ``Hook.end``
+  read at the head of ``fit``'s loop and summed over the ranks, then ``Hook.end``
   (``SaveCheckpoints`` saves the step reached), then ``errors.Interrupted``.
-- memory-mapped token shards: ``run.batches`` (a :class:`BatchSource`) and :func:`validation`.
+- memory-mapped token shards: ``run.batches`` (a ``BatchSource``) and ``validation``.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class BatchSource(Protocol):
 
 @dataclass
 class LoopConfig:
-    """What :func:`fit` and :func:`train_step` read of a run's config (``train.TrainConfig`` has
+    """What ``fit`` and ``train_step`` read of a run's config (``train.TrainConfig`` has
     all of it, and more); a study training its own loss builds one."""
     steps: int
     lr: float  # the peak of the schedule; Optimizers.set_lr applies it (tables: x table_lr_mult)
@@ -112,7 +112,7 @@ class Run:
 
 
 class StepBatches:
-    """A :class:`BatchSource` for a custom loss: micro-batch i is ``make(i)`` (unlike
+    """A ``BatchSource`` for a custom loss: micro-batch i is ``make(i)`` (unlike
     TokenBatches this may draw from the caller's generator: such runs are not resumed)."""
     hasher = None
 
@@ -125,13 +125,13 @@ class StepBatches:
 
 def loss_run(cfg: LoopConfig, model: nn.Module, optim: Optimizers, batch: Callable[[int], Any],
              loss: Callable[[nn.Module, Any], torch.Tensor]) -> Run:
-    """A run of a study's own loss for :func:`fit`: ``batch(i)`` is micro-batch i, ``loss(module,
+    """A run of a study's own loss for ``fit``: ``batch(i)`` is micro-batch i, ``loss(module,
     batch)`` its mean loss; ``model`` holds the parameters clipped (those with a grad)."""
     return Run(cfg, None, None, model, StepBatches(batch), optim, loss=loss)
 
 
 class Ranks(Protocol):
-    """This process's part in a step: the whole of it (:data:`ONE_PROCESS`) or one rank's rows."""
+    """This process's part in a step: the whole of it (``ONE_PROCESS``) or one rank's rows."""
     world: int  # processes sharing each global batch
     logs: bool  # whether this process writes records and progress (rank 0)
 
@@ -161,7 +161,7 @@ class Ranks(Protocol):
 
 
 class OneProcess:
-    """:class:`Ranks` of a single-process run: the whole batch, nothing to reduce."""
+    """``Ranks`` of a single-process run: the whole batch, nothing to reduce."""
     world = 1
     logs = True
 
@@ -210,7 +210,7 @@ class Checkpoints(Protocol):
 
 
 class Hook(Protocol):
-    """Something :func:`fit` calls; state a hook needs back on resume goes in run.hook_state.
+    """Something ``fit`` calls; state a hook needs back on resume goes in run.hook_state.
     A hook that keeps the step reached when a signal stops the loop sets ``saves = True`` (the
     stop message says so); one that opens something in ``start`` (a progress bar) may have
     ``abort(run)``, called instead of ``end`` when a step or a hook fails."""
@@ -241,7 +241,7 @@ def schedule(step: int, steps: int, warmup: int, min_ratio: float, peak: float =
 
 
 def lr_at(step: int, cfg: Any) -> float:
-    """:func:`schedule` of a run's config (cfg.lr, warmup, min_lr_ratio, steps)."""
+    """``schedule`` of a run's config (cfg.lr, warmup, min_lr_ratio, steps)."""
     return schedule(step, cfg.steps, cfg.warmup, cfg.min_lr_ratio, cfg.lr)
 
 
@@ -339,7 +339,7 @@ def fit(run: Run, hooks: Sequence[Hook] = (), ranks: Ranks = ONE_PROCESS) -> Run
 
 
 def _fit(run: Run, hooks: Sequence[Hook], ranks: Ranks) -> bool:
-    """:func:`fit`'s loop; True when a signal stopped it."""
+    """``fit``'s loop; True when a signal stopped it."""
     stopped = False
     run.optim.zero_grad(set_to_none=True)  # a grad left on a parameter would join the first step
     for h in hooks:

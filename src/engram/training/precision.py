@@ -11,9 +11,9 @@ or ``auto`` (CUDA when torch sees a GPU, else the CPU). ``--precision``:
   update is made in float32, then rounded once into the row. The numerically fragile parts run in
   float32 inside the autocast region: the Engram gate and short conv (norms, sigmoid, SiLU;
   module/engram.py), the adaptive-softmax head and every loss (models/). fp16's narrow range
-  needs the loss scaled (:class:`LossScaler`); bf16 has float32's range and needs none.
+  needs the loss scaled (``LossScaler``); bf16 has float32's range and needs none.
 
-Errors are the user's (:class:`engram.errors.UserError`) and come before any work: an unknown
+Errors are the user's (``engram.errors.UserError``) and come before any work: an unknown
 name, ``cuda`` without a GPU, a precision the device's autocast does not support, ``--compile``
 where torch.compile cannot build code (no C++ compiler for the CPU, no Triton for CUDA).
 """

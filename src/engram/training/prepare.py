@@ -246,7 +246,7 @@ def write_corpus(docs: Iterable[Doc], out: str | Path, tok: Any, eos_token: str,
 
 @dataclass
 class _Shard:
-    """One shard on its way through :func:`write_corpus`."""
+    """One shard on its way through ``write_corpus``."""
     name: str
     digest: str  # of its input (documents, tokenizer, split)
     docs: list[tuple[str, str, int, str]]
@@ -301,7 +301,7 @@ def _tokenisers(workers: int | None, stop: threading.Event
 
     Threads, not processes: the tokenizer lets go of the GIL while it encodes, one copy of it serves
     every thread, and nothing is pickled. Its own thread pool (Rust's rayon) is sized by the
-    process that prepares (:func:`tokenizer_threads`, ``engram prepare``'s entry point), so a
+    process that prepares (``tokenizer_threads``, ``engram prepare``'s entry point), so a
     batch's documents spread over the cores too. Measured against spawned processes with a
     single-threaded tokenizer each (the design before), 2 workers, 64 MB, five alternated pairs on
     a 2-core AMD EPYC Zen 5: 1.11-1.40x the MB/s (median 1.20x) for 0.68-0.87x the CPU seconds
@@ -322,7 +322,7 @@ def _tokenisers(workers: int | None, stop: threading.Event
 @contextmanager
 def tokenizer_threads(workers: int | None) -> Iterator[None]:
     """For the entry point of a process that prepares: the tokenizer's own thread pool (rayon,
-    sized once, at its first use in a process) gets as many threads as :func:`prepare`'s
+    sized once, at its first use in a process) gets as many threads as ``prepare``'s
     ``workers`` (None: the cores; 0: left alone), unless RAYON_NUM_THREADS is set already; unset
     again after. Ids do not depend on it, only speed."""
     n = (os.cpu_count() or 1) if workers is None else workers

@@ -37,7 +37,7 @@ class Dist:
 
 
 def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> Dist:
-    """Join the job torchrun (or :func:`spawn_local`) described in the environment (env://)."""
+    """Join the job torchrun (or ``spawn_local``) described in the environment (env://)."""
     owns = not dist.is_initialized()
     if owns:
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -74,7 +74,7 @@ def default_backend() -> str:
 
 def backend_for(device: str) -> str | None:
     """The process group's backend for a run's ``--device`` under torchrun (None: by the GPUs there
-    are, :func:`default_backend`); a UserError, before the job starts, where it cannot be had."""
+    are, ``default_backend``); a UserError, before the job starts, where it cannot be had."""
     if device == "cpu":
         return "gloo"
     if device == "auto":
@@ -109,7 +109,7 @@ def spawn_local(fn: Callable, world: int, *args: Any) -> None:
 
 
 def start_local(fn: Callable, world: int, *args: Any) -> list:
-    """As :func:`spawn_local`, but return the started processes without waiting (a fault test
+    """As ``spawn_local``, but return the started processes without waiting (a fault test
     kills one and watches the others)."""
     ctx, port = mp.get_context("spawn"), free_port()
     procs = [ctx.Process(target=_spawned, args=(r, fn, world, port, args)) for r in range(world)]

@@ -7,10 +7,10 @@ table update and its optimiser state are row-wise: only touched rows are read, w
 state, and step time follows the touched rows, not the table size.
 
 The table optimiser (``optim.TABLE_OPTIMIZERS``, ``engram train --table_optimizer``):
-    adam     :class:`RowAdam`, the paper's: two moments per element, 8e + 16 bytes a touched row
+    adam     ``RowAdam``, the paper's: two moments per element, 8e + 16 bytes a touched row
              (twice the row itself at float32).
-    adagrad  :class:`RowAdagrad`, one accumulator per row (DLRM / TorchRec): 12 bytes a row.
-    rmsprop  :class:`RowRMSprop`, Adam's second moment shared by the row, no first moment:
+    adagrad  ``RowAdagrad``, one accumulator per row (DLRM / TorchRec): 12 bytes a row.
+    rmsprop  ``RowRMSprop``, Adam's second moment shared by the row, no first moment:
              20 bytes a row, whatever the width.
 (Plus, for all three, 4 bytes a row of the table for the slot map.)
 
@@ -219,12 +219,12 @@ class RowAdam(RowOptimizer):
     - lazy Adam with a global step (TF LazyAdam): a late row's first update is damped by stale bias
       correction (about 0.45 lr at betas (0.9, 0.95)) instead of lr.
     - row-wise Adagrad (DLRM/TorchRec) or a row-scalar second moment: one scalar per row, the
-      smallest state (:class:`RowAdagrad`, :class:`RowRMSprop`, the ``--table_optimizer``
+      smallest state (``RowAdagrad``, ``RowRMSprop``, the ``--table_optimizer``
       options), but no momentum; the paper trains tables with Adam, so Adam is the default.
 
     When every row is touched on every step, this is exactly ``torch.optim.Adam``.
 
-    State per table (:class:`RowOptimizer`'s, with): ``moments`` [c, 2, e] float32 with
+    State per table (``RowOptimizer``'s, with): ``moments`` [c, 2, e] float32 with
     ``exp_avg`` / ``exp_avg_sq`` [c, e] its two views, ``steps`` [c] int64.
 
     ``kernels``: float32 tables on CPU are updated by one compiled pass per row

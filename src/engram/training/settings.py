@@ -1,7 +1,7 @@
 """The process-wide settings a training run's numbers depend on, recorded with the run and put back
 when it resumes; and the allocator environment training processes start with.
 
-Recorded (:func:`record`): the GEMM route of each shape bucket the run's products took
+Recorded (``record``): the GEMM route of each shape bucket the run's products took
 (engram/gemm.py: torch's MKL or oneDNN, whose summation orders differ), torch's thread count (a
 product's summation order follows it too) and the allocator environment. A bucket's route is timed
 on its first use on a machine and kept in the user's cache, where a later measurement may replace
@@ -9,7 +9,7 @@ it (one made on a busy machine is measured again once it is quiet): the same com
 machine could then take the other backend. So a run writes its record to out_dir/settings.json
 (at its start, then with its metrics records when it changed) and into every checkpoint's meta,
 and a resumed run, or one repeated in the same folder (killed before its first checkpoint, say),
-installs the recorded routes before any product runs (:func:`reuse`), whatever the cache holds
+installs the recorded routes before any product runs (``reuse``), whatever the cache holds
 then. ``ENGRAM_GEMM`` = torch / onednn still decides
 every product it names (the record then says so); buckets the record lacks (another batch size)
 are decided as before and join the record. A record from another machine (CPU or torch version)
@@ -18,7 +18,7 @@ is not installed: its timings say nothing there, and the bits differ anyway.
 Process-wide settings are made where a process starts, never by a library call in the middle of
 a run: torch's thread count by ``engram train`` (``TrainConfig.threads``, applied once as the run is
 built: ``train.resolve_machine``), the studies' worker initialiser (studies/common.py), the study
-commands (cli/) and benchmark mains; the allocator environment (:func:`allocator_env`) by what
+commands (cli/) and benchmark mains; the allocator environment (``allocator_env``) by what
 starts training processes; the tokenizer's pool by ``engram prepare``
 (``prepare.tokenizer_threads``). The record keeps the thread count (GEMM routes are keyed by it:
 under another count a bucket is decided afresh).

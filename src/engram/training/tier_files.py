@@ -64,7 +64,7 @@ class TierFiles:
     (os.preadv / os.pwritev on its files' descriptors), never mapped: only the rows asked for are
     ever in this process's memory, and the tables take no address space (a process capped by
     RLIMIT_AS trains tables larger than its cap). Writes land in the page cache (a killed process
-    leaves them); :meth:`sync` makes them durable. Not thread-safe for one layer's file at once
+    leaves them); ``sync`` makes them durable. Not thread-safe for one layer's file at once
     (the tier's one worker thread and the training thread take turns: tier_tables.py)."""
 
     def __init__(self, folder: Path, meta: dict[str, Any], writable: bool = True):
@@ -340,7 +340,7 @@ class Journal:
 
 
 def journal_entries(path: Path, files: TierFiles):
-    """:meth:`Journal.entries` of the journal at ``path``, read without opening it to write (a
+    """``Journal.entries`` of the journal at ``path``, read without opening it to write (a
     server's look at a run killed after its checkpoint)."""
     data = path.read_bytes()
     pos, n = _HEAD.size, len(data)

@@ -298,7 +298,7 @@ class TierBatches:
 
 
 class TierCheckpoints:
-    """:class:`loop.Checkpoints` of a tier run: the dense checkpoint between the tables' sync and
+    """``loop.Checkpoints`` of a tier run: the dense checkpoint between the tables' sync and
     the journal's reset; on load, the tables rolled back to it."""
 
     def __init__(self, inner, tier: TierTables):

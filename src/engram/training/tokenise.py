@@ -41,7 +41,7 @@ def encode_texts(texts: list[str], tok: Any, stop: Any = None) -> tuple[np.ndarr
 
     A text longer than ``PIECE_CHARS`` is encoded in pieces (``pieces``), at most ``ENCODE_CHARS``
     of them at a time: the ids are the same, the memory is bounded whatever a document's size.
-    ``stop``: a ``threading.Event``; once set, :class:`Stopped` is raised before the next call."""
+    ``stop``: a ``threading.Event``; once set, ``Stopped`` is raised before the next call."""
     cut = [pieces(t, tok) for t in texts]
     flat = [p for ps in cut for p in ps]
     ids: list[list[int]] = []

@@ -1,6 +1,6 @@
 """A layer's table while it trains from the file tier (training/tier_tables.py): the step's rows
 as a small dense parameter, looked up through remapped ids; outside a step, the file's rows.
-:class:`WorkingTable` is one process's whole table; :class:`WorkingShard` a torchrun rank's shard
+``WorkingTable`` is one process's whole table; ``WorkingShard`` a torchrun rank's shard
 of it (a ``ShardedTable`` whose owner side serves the asked rows from the working set).
 
 Shape legend: r rows of the table (of the shard: its files' rows), e row width, u distinct rows of
