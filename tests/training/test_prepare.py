@@ -270,3 +270,17 @@ def test_out_inside_an_input_folder_is_not_read(tmp_path, chapters, monkeypatch)
     assert first["summary"]["documents"] == again["summary"]["documents"] == 6
     assert again["fingerprint"] == first["fingerprint"] and again["summary"]["shards_kept"] == 1
     open_corpus(tmp_path / "corpus")  # writing it did not count as a changed input
+
+
+def test_the_closing_line_names_the_next_step_for_its_tokenizer():
+    """A corpus in DeepSeek's tokenizer trains the reference LM; one in a pretrained model's own
+    tokenizer is for `engram finetune` (issue 50: it said `engram train` for smollm2)."""
+    from engram.training.prepare import summary_lines
+    s = {"documents": 2, "tokens": 10, "train_tokens": 8, "val_tokens": 2, "mb": 0.1, "shards": 1,
+         "shards_made": 1, "shards_kept": 0, "seconds": 1.0, "tokens_per_s": 10, "mb_per_s": 0.1}
+    base = {"summary": s, "skipped": {}}
+    assert summary_lines({**base, "tokenizer_spec": "deepseek"}, "c")[-1].endswith(
+        "engram train --data c")
+    assert summary_lines({**base, "tokenizer_spec": "smollm2"}, "c")[-1].endswith(
+        "engram finetune smollm2 --data c")
+    assert "engram finetune MODEL" in summary_lines({**base, "tokenizer_spec": "tok.json"}, "c")[-1]

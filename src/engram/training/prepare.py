@@ -446,5 +446,13 @@ def summary_lines(manifest: dict[str, Any], out: str) -> list[str]:
     if not s["val_tokens"] or not s["train_tokens"]:
         lines.append(f"warning: the split left {'validation' if not s['val_tokens'] else 'training'}"
                      " empty: training needs both (more documents or another --val_fraction)")
-    lines.append(f"wrote {out}; train on it with: engram train --data {out}")
+    from ..models.pretrained import PACKAGED
+
+    spec = manifest.get("tokenizer_spec", "deepseek")
+    if spec == "deepseek":  # the reference LM's tokenizer
+        lines.append(f"wrote {out}; train on it with: engram train --data {out}")
+    else:  # a pretrained model's own (or another) tokenizer: Engram goes into that model
+        model = spec if spec in PACKAGED else "MODEL"
+        lines.append(f"wrote {out}; add Engram to {model} with: engram finetune {model} "
+                     f"--data {out}")
     return lines
