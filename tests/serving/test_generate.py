@@ -182,3 +182,25 @@ def test_nine_model_decodes_like_a_full_recompute():
         assert got == _recompute(model, hasher, row[m.bool()].tolist(), 6)
     ids = hasher.hash(x, attention_mask=mask)[0]
     assert (ids[..., -2:] >= 0).any()  # the prompts do read hot rows
+
+
+def test_precision_and_device_belong_to_the_runtime(tmp_path):
+    """Issue 48's two owners: engram.open(path, precision="bf16") then a Generator with a default
+    GenerationConfig decodes in bf16 (it used to reset the runtime to fp32); a config that says
+    otherwise is refused in one line, not obeyed behind the runtime's back."""
+    import engram
+    from engram.errors import UserError
+    from engram.serving.generate import GenerationConfig, Generator
+    run = tmp_path / "run"
+    train(TrainConfig(out_dir=str(run), steps=1, **TINY), progress=False)
+    rt = engram.open(run, precision="bf16")
+    gen = Generator(rt, config=GenerationConfig(max_new_tokens=2))
+    assert rt.precision == "bf16" and gen.runtime is rt
+    assert len(gen.generate([rt.encode("In the beginning")]).tokens[0]) == 2
+    with pytest.raises(UserError, match="precision belongs to the runtime"):
+        Generator(rt, config=GenerationConfig(precision="fp32"))
+    elsewhere = engram.open(run)
+    elsewhere.model.to("meta")  # a model on another device than the config names
+    with pytest.raises(UserError, match="device belongs to the runtime"):
+        Generator(elsewhere, config=GenerationConfig(device="cpu"))
+    Generator(rt, config=GenerationConfig(precision="bf16", device="cpu"))  # agreeing: fine

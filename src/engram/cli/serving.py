@@ -66,7 +66,8 @@ def _generate(run_dir: str, o: Prompts, t: Tables, gen) -> None:
         write_tables(run_dir, t.table_dir, t.table_dtype, say=say)
     rt = open_model(run_dir, tier=t.tier, table_dir=t.table_dir, table_dtype=t.table_dtype,
                     cache_fraction=t.cache_fraction, prefetch=t.prefetch,
-                    engram_layers=t.engram_layers, device=gen.device, precision=gen.precision)
+                    engram_layers=t.engram_layers, device=gen.device,
+                    precision=gen.precision or "fp32")
     rt.on_unseen = say
     if o.stop and rt.eos_id is not None:
         gen = dataclasses.replace(gen, stop_ids=(*gen.stop_ids, rt.eos_id))

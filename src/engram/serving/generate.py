@@ -34,6 +34,7 @@ from ..training.precision import (
     check_names,
     check_precision,
     model_device,
+    resolve,
 )
 from .runtime import DecodeGroup, Runtime, row_spans
 
@@ -55,12 +56,14 @@ class GenerationConfig:
     seed: int = 0
     # Announce each batch's rows to the tables before the forward (lets a PrefetchTable overlap).
     prefetch: bool = True
-    # Where the model runs: cpu, cuda, cuda:N or auto (the Generator moves it there); None: where
-    # it already is (the CPU for `engram generate`).
+    # Where the model runs: cpu, cuda, cuda:N or auto; None: where it already is (the CPU for
+    # `engram generate`). Device and precision belong to the runtime (``engram.open``'s): a
+    # Generator on a Runtime takes them from it and refuses a different one; on a model given as
+    # parts its own runtime takes them from here.
     device: str | None = None
     # fp32, or bf16 / fp16: each forward under autocast (weights stay as loaded, e.g. a bf16
-    # run's tables in float32).
-    precision: str = field(default="fp32", metadata={"choices": PRECISIONS})
+    # run's tables in float32); None: the runtime's (fp32 for a model given as parts).
+    precision: str | None = field(default=None, metadata={"choices": PRECISIONS})
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -71,7 +74,7 @@ class GenerationConfig:
             raise UserError(f"top_k must be >= 1 or None, got {self.top_k}")
         self.stop_ids = tuple(int(i) for i in self.stop_ids)
         check_ranges(self)  # temperature nan / inf: a NaN passes every comparison above
-        check_names(self.device or "cpu", self.precision)
+        check_names(self.device or "cpu", self.precision or "fp32")
 
 
 @dataclass
@@ -98,14 +101,24 @@ class Generator:
 
     def __init__(self, model: Runtime | EngramLM, hasher: Hasher | None = None, vocab: Any = None,
                  config: GenerationConfig | None = None):
-        rt = model if isinstance(model, Runtime) else Runtime.from_parts(model, hasher, vocab)
+        cfg = self.config = config or GenerationConfig()
+        if isinstance(model, Runtime):  # its settings are its own (house style 19): checked
+            rt = model
+            if cfg.precision is not None and cfg.precision != rt.precision:
+                raise UserError(f"GenerationConfig(precision={cfg.precision!r}) but the runtime "
+                                f"runs in {rt.precision!r}: precision belongs to the runtime "
+                                "(engram.open(path, precision=...)); leave it None here")
+            if cfg.device is not None and resolve(cfg.device, rt.precision) != rt.device:
+                raise UserError(f"GenerationConfig(device={cfg.device!r}) but the runtime's model "
+                                f"is on {rt.device}: the device belongs to the runtime "
+                                "(engram.open(path, device=...)); leave it None here")
+        else:  # this Generator's own runtime, set up from the config
+            rt = Runtime.from_parts(model, hasher, vocab)
+            rt.precision = cfg.precision or "fp32"
+            if cfg.device is not None:
+                rt.to(cfg.device)
+        check_precision(rt.precision, rt.device)
         self.runtime, self.model, self.hasher = rt, rt.model, rt.hasher
-        self.config = config or GenerationConfig()
-        rt.precision = self.config.precision
-        if self.config.device is not None:
-            rt.to(self.config.device)
-        else:
-            check_precision(self.config.precision, model_device(rt.model))
 
     # -- decoding ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -143,7 +156,7 @@ class Generator:
     def _forward(self, group: DecodeGroup, raw: torch.Tensor, warn: bool = False) -> torch.Tensor:
         """Feed raw ids [g, s] (CPU) at the group's position; logits of the last one [g, V]."""
         out = self.runtime.forward(raw, group, warn=warn, announce=self.config.prefetch)
-        with autocast(self.config.precision, model_device(self.model)):
+        with autocast(self.runtime.precision, model_device(self.model)):
             return self.model.logits(out.hidden[:, -1])  # [g, V]: only the last position is sampled
 
     def _step(self, group: DecodeGroup, out: GenerationOutput) -> DecodeGroup | None:
