@@ -400,3 +400,21 @@ def test_a_signal_stops_a_study_s_runs_at_a_checkpoint(tmp_path):
         "saved a checkpoint"), err[-1000:]
     saved = [json.loads(f.read_text())["step"] for f in out.glob("runs/*/checkpoints/latest.json")]
     assert len(saved) == 1 and saved[0] >= 2
+
+
+def test_an_export_without_its_tokenizer_is_one_line(tree, tmp_path, capsys):
+    """Issue 48's damaged export: tokenizer.json deleted (or torn) ends generate in one line naming
+    the folder, the part and what to do, where it ended in the tokenizers library's traceback."""
+    for damage, says in (("delete", "tokenizer.json is missing"),
+                         ("tear", "tokenizer.json is unreadable")):
+        copy = tmp_path / damage
+        shutil.copytree(tree / "export", copy)
+        if damage == "delete":
+            (copy / "tokenizer.json").unlink()
+        else:
+            (copy / "tokenizer.json").write_text('{"version": ')
+        code = main(["generate", str(copy), "--prompt", "God", "--max-new-tokens", "1"])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0] and "engram export-hf" in lines[0], err

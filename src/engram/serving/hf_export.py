@@ -175,7 +175,15 @@ def open_export(out_dir: str | Path, serving: dict[str, Any] | None = None, **op
     config = read_export(out, serving)
     serving = config["engram_serving"]
     mc = model_config_from_dict(config["engram_model"])
-    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tok_file = out / "tokenizer.json"
+    try:
+        tok = Tokenizer.from_file(str(tok_file))
+    except Exception as e:  # tokenizers raises a bare Exception for a missing or torn file
+        missing = not tok_file.is_file()
+        raise (InputNotFound if missing else UserError)(
+            f"{out}: tokenizer.json is {'missing' if missing else f'unreadable ({e})'}; the export "
+            "opens only with the tokenizer it was written with: write it again with "
+            "`engram export-hf`") from None
     raw_vocab = tok.get_vocab_size(with_added_tokens=True)
     if raw_vocab != config.get("vocab_size", raw_vocab):
         raise UserError(f"{out}: tokenizer.json has {raw_vocab} ids, config.json says "
