@@ -77,6 +77,9 @@ CASES = [
     ("export-hf {root}/run {root}/export/config.json/x", "config.json is a file, so nothing can"),
     ("train --out_dir {root}/foreign --steps 1 " + " ".join(TINY), "not a run folder"),
     ("train --out_dir {root}/export --steps 1", "holds an engram export"),
+    # tables that cannot fit in memory: refused before any allocation (issue 48), naming the way out
+    ("train --out_dir {root}/huge --table_size 4000000000",
+     "or keep them in files with --table_tier file"),
     ("train --out_dir {root}/run --steps 1 " + " ".join(TINY), "past steps=1: pass --steps 2"),
     ("train --out_dir {root}/plain.txt", "is a file, not a folder"),
     ("train --out_dir {root}/plain.txt/sub", "plain.txt is a file, so nothing can be written"),

@@ -57,6 +57,39 @@ def check_tier(cfg: Any) -> None:
                         "precision=fp32, compile=false)")
 
 
+def check_fits_memory(cfg: Any) -> None:
+    """Tables in memory that cannot fit are refused before any allocation (issue 48: a huge
+    table_size ended in torch's allocator traceback): the rows and their optimiser state against
+    the memory this machine has available (Linux's MemAvailable; unchecked where it is not told)."""
+    if cfg.table_tier != "memory" or not cfg.engram:
+        return
+    available = available_memory()
+    if available is None:
+        return
+    from ..retrieval.primes import rows_per_layer
+
+    ecfg = cfg.engram_config()
+    rows = sum(rows_per_layer(ecfg).values())
+    need = rows * row_bytes(cfg.table_optimizer, ecfg.head_dim)
+    if need > available:
+        raise UserError(f"the tables need {need / 2**30:,.1f} GiB in memory ({rows:,} rows of "
+                        f"{ecfg.head_dim} values with their {cfg.table_optimizer} state) and this "
+                        f"machine has {available / 2**30:,.1f} GiB available: lower table_size, "
+                        "or keep them in files with --table_tier file")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def row_bytes(optimizer: str, dim: int) -> int:
     """Bytes of one row (float32) and its optimiser state, in the files."""
     return dim * 4 + sum(int(np.prod(t)) * getattr(torch, d).itemsize

@@ -290,6 +290,8 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None,
     batches. On the file tier, the tables go to its files (``shard``: a torchrun rank's, whose
     caller replaces the batches and optimisers and rewires the tier to them)."""
     resolved = resolve_machine(cfg.threads, cfg.device, cfg.precision, cfg.compile)
+    if shard is None:  # a torchrun rank holds its shard alone (tier_shards)
+        tier_attach.check_fits_memory(cfg)
     device = resolved if device is None else device
     corpus = corpus if corpus is not None else build_corpus(cfg.data_config())
     hasher = cfg.hasher(compression=corpus.compression())  # the data's own, over the full tokenizer
