@@ -21,17 +21,21 @@ run without read-ahead went from 1.009x (the map, its read 5 ms + write 13 ms a 
 memory (9 + 31 ms), within this machine's noise; one path serves small tables and large.
 
     python benchmarks/train_tier.py --beyond --json benchmarks/results/train_tier.json
-        [--limit_mb 1536] [--steps 20] [--smoke]
+        [--headroom_mb 1536] [--steps 20] [--smoke]
 
 (c), ``--beyond`` (its figures go under "beyond" in the JSON, beside the rest): three child
 processes step in lockstep (the parent asks each for one step in turn, so load from other processes
 hits them alike): "memory" (compare's model, table in memory), "b" (the file tier at compare's
 table and a budget of ``--budget_frac`` of its files, as above) and "c": the same model with a
-table of at least twice ``--limit_mb``, on the file tier with the default budget (two steps' rows:
-room for the read-ahead), in a process whose address space is capped at ``--limit_mb``
-(RLIMIT_AS, set before the model or any table is built, as offload.py's ``beyond_ram`` does for
-serving). Reported: each child's tokens/s (median step), (c)'s ratio to (b) (goal >= 0.8x), peak
-RSS (getrusage ru_maxrss), the cap, the table's and the files' bytes, the setup time (writing the
+table of at least twice its process's cap, on the file tier with the default budget (two steps'
+rows: room for the read-ahead), in a process whose address space is capped (RLIMIT_AS) at its own
+baseline plus ``--headroom_mb``: the baseline is the address space the child has mapped after its
+imports (torch's CPU build maps ~0.6 GiB, its CUDA build, the index's default on Linux x86_64,
+~3.1 GiB of libraries even with no GPU), measured by the child itself; the cap is set then, before
+the model or any table is built, as offload.py's ``beyond_ram`` does for serving, and (c)'s table
+is sized from it, so the table is twice the cap whichever torch is installed. Reported: each
+child's tokens/s (median step), (c)'s ratio to (b) (goal >= 0.8x), peak RSS (VmHWM), the cap
+with its baseline and headroom, the table's and the files' bytes, the setup time (writing the
 initial rows), and whether "b" trained the same losses as "memory".
 """
 
@@ -72,10 +76,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny model, 3 steps (CI)")
     ap.add_argument("--beyond", action="store_true",
                     help="goal (c): a table twice a process's RLIMIT_AS, against (b)")
-    # 2 GiB: (b)'s own run peaks at 1.38 GiB of address space (torch, numba's JIT, compare's
-    # activations at 16 x 128 tokens; 1.5 GiB failed in the backward), the rest is headroom
-    ap.add_argument("--limit_mb", type=float, default=2048,
-                    help="--beyond: the capped child's address space (RLIMIT_AS), MiB")
+    # 1.5 GiB above the imports' address space: at compare's shapes the uncapped children peak
+    # 1.1-1.3 GiB above it (numba's JIT, the tokenizer, compare's activations at 16 x 128 tokens);
+    # the cap once was an absolute 2 GiB, 1.46 GiB above torch's CPU build's imports (an absolute
+    # 1.5 GiB failed in the backward), and left nothing once the CUDA build's 3.1 GiB had mapped
+    ap.add_argument("--headroom_mb", type=float, default=1536,
+                    help="--beyond: the capped child's address space (RLIMIT_AS) above its own "
+                         "after its imports, MiB")
     ap.add_argument("--tmp", default=None, help="folder for the tier files (default: TMPDIR)")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -159,19 +166,28 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def child(spec: dict) -> dict:
-    """One run of ``--beyond``, in its own process: capped (RLIMIT_AS) first where asked, then
-    built; then one training step per line on stdin, its wall time a line on stdout."""
-    if spec.get("limit"):
-        resource.setrlimit(resource.RLIMIT_AS, (spec["limit"], spec["limit"]))
+    """One run of ``--beyond``, in its own process: capped (RLIMIT_AS) first where asked, at its
+    baseline (the address space its imports mapped) plus ``spec["headroom"]``, its table sized
+    from that cap where ``spec["table"]`` asks; then built; then one training step per line on
+    stdin, its wall time a line on stdout."""
     torch.set_num_threads(1)
     status = open("/proc/self/status").read()
     base_rss = int(status.split("VmRSS:")[1].split()[0]) * 1024
     base_vm = int(status.split("VmSize:")[1].split()[0]) * 1024
+    limit = None
+    cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["cfg"].items()}  # JSON lists
+    if spec.get("headroom"):
+        limit = base_vm + spec["headroom"]
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if spec.get("table"):  # table_size for table bytes of at least this many times the cap or bytes
+        t = spec["table"]
+        want = t["over_limit"] * limit if "over_limit" in t else t["bytes"]
+        cfg["table_size"] = int(want / t["bytes_per_size"]) + 1
     t0 = time.perf_counter()
-    run = build_run(TrainConfig(**{k: tuple(v) if isinstance(v, list) else v  # JSON's lists
-                                   for k, v in spec["cfg"].items()}))
+    run = build_run(TrainConfig(**cfg))
     setup_s = time.perf_counter() - t0
-    print(json.dumps({"ready": setup_s}), flush=True)
+    print(json.dumps({"ready": setup_s, "limit": limit, "baseline_vm": base_vm,
+                      "table_size": cfg["table_size"]}), flush=True)
     losses = []
     for line in sys.stdin:
         if line.strip() != "step":
@@ -182,7 +198,7 @@ def child(spec: dict) -> dict:
         print(json.dumps({"wall": time.perf_counter() - t0}), flush=True)
     tier = getattr(run.batches, "tier", None)
     out = {"setup_s": setup_s, "losses": losses, "baseline_rss": base_rss,
-           "baseline_vm": base_vm, "limit": spec.get("limit")}
+           "baseline_vm": base_vm, "limit": limit, "headroom": spec.get("headroom")}
     if tier is not None:
         tier.wait()
         out.update(budget_bytes=tier.budget, peak_working_sets_bytes=tier.peak,
@@ -190,8 +206,8 @@ def child(spec: dict) -> dict:
                    read_ms_per_step=1e3 * tier.read_s / max(len(losses), 1),
                    write_ms_per_step=1e3 * tier.write_s / max(len(losses), 1))
         tier.close()
-    status = open("/proc/self/status").read()
-    out.update(peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    status = open("/proc/self/status").read()  # VmHWM: getrusage's ru_maxrss keeps the parent's
+    out.update(peak_rss=int(status.split("VmHWM:")[1].split()[0]) * 1024,  # peak from before exec
                peak_vm=int(status.split("VmPeak:")[1].split()[0]) * 1024)
     print(json.dumps({"done": out}), flush=True)
     return out
@@ -202,7 +218,7 @@ def beyond(args) -> dict:
     if args.smoke:
         small, cc = SMOKE, CompareConfig(steps=8, batch_size=2, seq_len=16)
         args.steps, args.warmup = 3, 1
-    limit = int(args.limit_mb * 2**20)
+    headroom = int(args.headroom_mb * 2**20)
     root = Path(tempfile.mkdtemp(prefix="engram-bench-train-beyond-", dir=args.tmp))
     cfg = dataclasses.replace(engram_config(small, cc), steps=args.warmup + args.steps,
                               eval_every=10**9, ckpt_every=10**9, threads=1)
@@ -214,23 +230,24 @@ def beyond(args) -> dict:
                        for t in probe.model.engrams().values())
     budget_b = max(int(args.budget_frac * file_bytes_b), tier_attach.budget_need(cfg, probe.model))
     del probe
-    # table_size for (c): tables of at least twice the cap (primes are picked near table_size)
-    # (--smoke: 32 MiB of table, under the same cap: the machinery, not the goal)
-    want = 32 * 2**20 if args.smoke else 2.05 * limit
-    big = int(want / (4 * e.table.dim * n_tables * rows_per_size)) + 1
+    # table_size for (c), set by its child from its cap: tables of at least twice the cap (primes
+    # are picked near table_size); --smoke: 32 MiB of table, under the same kind of cap: the
+    # machinery, not the goal
+    table = {"bytes_per_size": 4 * e.table.dim * n_tables * rows_per_size,
+             **({"bytes": 32 * 2**20} if args.smoke else {"over_limit": 2.05})}
     specs = {"memory": {"cfg": cfg.to_dict() | {"out_dir": str(root / "memory")}},
              "b": {"cfg": cfg.to_dict() | {"out_dir": str(root / "b"), "table_tier": "file",
                                            "table_budget_mb": budget_b / 2**20}},
-             "c": {"cfg": cfg.to_dict() | {"out_dir": str(root / "c"), "table_tier": "file",
-                                           "table_size": big}, "limit": limit}}
+             "c": {"cfg": cfg.to_dict() | {"out_dir": str(root / "c"), "table_tier": "file"},
+                   "headroom": headroom, "table": table}}
     env = {**os.environ, "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
-    print(f"(c): table_size {big:,}, RLIMIT_AS {limit / 2**20:.0f} MiB; starting the runs",
-          file=sys.stderr)
+    print(f"(c): RLIMIT_AS at its imports' address space + {headroom / 2**20:.0f} MiB, a table "
+          f"{'of 32 MiB' if args.smoke else 'twice that'}; starting the runs", file=sys.stderr)
     procs = {k: subprocess.Popen([sys.executable, __file__, "--_child", json.dumps(v)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
              for k, v in specs.items()}
     try:
-        return _lockstep(args, cfg, procs, root, limit, big)
+        return _lockstep(args, cfg, procs, root, headroom)
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -239,8 +256,12 @@ def beyond(args) -> dict:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _lockstep(args, cfg, procs: dict, root: Path, limit: int, big: int) -> dict:
-    ready = {k: json.loads(_line(p, k))["ready"] for k, p in procs.items()}
+def _lockstep(args, cfg, procs: dict, root: Path, headroom: int) -> dict:
+    hello = {k: json.loads(_line(p, k)) for k, p in procs.items()}
+    ready = {k: h["ready"] for k, h in hello.items()}
+    limit, base_vm, big = hello["c"]["limit"], hello["c"]["baseline_vm"], hello["c"]["table_size"]
+    print(f"(c): RLIMIT_AS {limit / 2**20:.0f} MiB = {base_vm / 2**20:.0f} MiB of imports + "
+          f"{headroom / 2**20:.0f} MiB; table_size {big:,}", file=sys.stderr)
     wall: dict[str, list[float]] = {k: [] for k in procs}
     load0 = os.getloadavg()
     for i in range(args.warmup + args.steps):
@@ -264,9 +285,13 @@ def _lockstep(args, cfg, procs: dict, root: Path, limit: int, big: int) -> dict:
     c = done["c"]
     res = {"cpu": machine.cpu_id(), "cpus": os.cpu_count(), "torch": torch.__version__,
            "threads": 1, "smoke": args.smoke, "timed_steps": args.steps,
-           "rlimit_as_bytes": limit, "table_size_c": big,
-           "table_bytes_c": big_tables, "file_bytes_c": files_c["file_bytes"],
-           "table_over_limit": big_tables / limit, "speed": speed,
+           "rlimit_as_bytes": limit, "rlimit_as_baseline_vm_bytes": base_vm,
+           "rlimit_as_over_baseline_bytes": headroom,
+           "rlimit_as": "the (c) child's address space after its imports (baseline_vm) + "
+                        "rlimit_as_over_baseline_bytes, set before the model or any table is built",
+           "table_size_c": big, "table_bytes_c": big_tables, "file_bytes_c": files_c["file_bytes"],
+           "table_over_limit": big_tables / limit,
+           "table_over_headroom": big_tables / headroom, "speed": speed,
            "c_tokens_per_s_over_b": speed["c"]["tokens_per_s"] / speed["b"]["tokens_per_s"],
            "b_tokens_per_s_over_memory": speed["b"]["tokens_per_s"]
            / speed["memory"]["tokens_per_s"],
@@ -275,7 +300,8 @@ def _lockstep(args, cfg, procs: dict, root: Path, limit: int, big: int) -> dict:
                                           for k, v in done.items()},
            "load_avg": {"start": load0, "end": os.getloadavg()}}
     print(f"CPU: {res['cpu']}; (c) table {big_tables / 2**30:.2f} GiB "
-          f"({res['table_over_limit']:.2f}x RLIMIT_AS {limit / 2**30:.2f} GiB; files "
+          f"({res['table_over_limit']:.2f}x RLIMIT_AS {limit / 2**30:.2f} GiB = the imports' "
+          f"{base_vm / 2**30:.2f} GiB + {headroom / 2**30:.2f} GiB; files "
           f"{res['file_bytes_c'] / 2**30:.2f} GiB), peak RSS {c['peak_rss'] / 2**20:.0f} MiB "
           f"(before the model {c['baseline_rss'] / 2**20:.0f} MiB, table budget "
           f"{c['budget_bytes'] / 2**20:.1f} MiB), setup {ready['c']:.1f} s")
