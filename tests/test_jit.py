@@ -58,3 +58,18 @@ def test_two_numba_versions_keep_their_own_cache(tmp_path):
     assert ours[1:] == (0, 1) and theirs[1:] == (0, 1)  # a fresh copy: each compiles
     assert _probe(sys.executable, src)[1:] == (1, 0)  # ...and then loads its own
     assert _probe(other, src)[1:] == (1, 0)
+
+
+def test_cached_tells_a_compiled_module_from_a_fresh_one(tmp_path):
+    """jit.cached: what `engram train` asks before its first step (one line for the one-time
+    compile, issue 50). A module whose kernel ran has index files; a copy never run has none."""
+    import subprocess
+    import sys
+    from engram import jit
+    mod = tmp_path / "tiny_kernels.py"
+    mod.write_text("from engram.jit import kernel\n\n@kernel()\ndef twice(x):\n    return 2 * x\n")
+    assert not jit.cached(str(mod))
+    subprocess.run([sys.executable, "-c", "import tiny_kernels; tiny_kernels.twice(3)"],
+                   cwd=tmp_path, check=True, env={**__import__("os").environ,
+                                                  "PYTHONPATH": str(tmp_path)})
+    assert jit.cached(str(mod))

@@ -85,3 +85,17 @@ def pow2(typingctx, k):
         bits = builder.shl(builder.add(args[0], ir.Constant(i32, 127)), ir.Constant(i32, 23))
         return builder.bitcast(bits, ir.FloatType())
     return types.float32(types.int32), codegen
+
+
+def cached(module: str) -> bool:
+    """Whether this numba version has compiled a kernel of ``module`` (a module's file, e.g.
+    ``engram/module/kernels.py``) into its disk cache here: its index files beside the source or in
+    numba's user cache. False means the next run compiles them (~20 s, docs/speed.md)."""
+    from pathlib import Path
+
+    src = Path(module)
+    places = [src.parent / "__pycache__"]
+    if numba.config.CACHE_DIR:
+        places.append(Path(numba.config.CACHE_DIR))
+    pattern = f"{src.stem}.*.{_TAG}*.nbi"
+    return any(next(p.rglob(pattern), None) is not None for p in places if p.is_dir())
