@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,17 +64,6 @@ def _demo(o: DemoOptions) -> None:
          "saves a checkpoint of the step reached; the same command resumes from it.",
          interrupted="stopped at once (before training began, or a second Ctrl-C): the run "
          "folder's newest checkpoint, if any, is intact and the same command resumes from it")
-def first_run_note(cfg) -> None:
-    """One line before a first run's one-time work, so a slow first step is not a surprise
-    (issue 50): numba compiling the module's kernels into its cache (~20 s, docs/speed.md)."""
-    from .. import jit
-    from ..module import kernels
-
-    if cfg.engram and cfg.device == "cpu" and not jit.cached(kernels.__file__):
-        print("engram train: the first step compiles the Engram module's kernels once (~20 s; "
-              "numba keeps them for later runs)", file=sys.stderr, flush=True)
-
-
 def _train(cfg, launch: Launch) -> None:
     from ..training.checkpoint import saved_step
 
@@ -89,7 +77,6 @@ def _train(cfg, launch: Launch) -> None:
         else:
             from ..training.train import train
 
-            first_run_note(cfg)
             run = train(cfg, resume=launch.resume)
     except (NonFinite, Interrupted, OSError) as e:  # say what the run folder keeps
         disk = disk_error(e, None) if isinstance(e, OSError) else None

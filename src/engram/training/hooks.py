@@ -34,6 +34,17 @@ def log_record(run: Run, lr: float, last_loss: float, tokens_per_step: int, t_la
     return rec
 
 
+def first_run_note(cfg: Any) -> None:
+    """One line before a first run's one-time work, so a slow first step is no surprise (issue
+    50): numba compiling the Engram module's kernels into its cache (~20 s, docs/speed.md)."""
+    from .. import jit
+    from ..module import kernels
+
+    if cfg.engram and cfg.device == "cpu" and not jit.cached(kernels.__file__):
+        print("engram: the first step compiles the Engram module's kernels once (~20 s; numba "
+              "keeps them for later runs)", file=sys.stderr, flush=True)
+
+
 class LogMetrics:
     """A record every cfg.log_every steps and at the last (validation loss every cfg.eval_every),
     kept in run.history and, on the logging process, in out_dir/metrics.jsonl beside
@@ -56,6 +67,8 @@ class LogMetrics:
             if run.step and self.progress:
                 print(f"engram: resuming {out} from step {run.step} (of {cfg.steps})",
                       file=sys.stderr)
+            elif self.progress and sys.stderr.isatty():  # beside the bar a person watches
+                first_run_note(cfg)
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=cfg.steps, initial=run.step, disable=not (self.progress and
