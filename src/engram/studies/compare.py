@@ -336,7 +336,9 @@ def difference(runs: dict, noise: dict, a: str, b: str) -> dict[str, Any]:
     mean = sum(per) / len(per)
     return {"what": f"{a} - {b}", "mean": mean, "per_seed": per, "spread": spread,
             "over_spread": mean / spread if spread else None, "resolved": resolved(mean, spread),
-            "interval": paired_interval(per)}
+            "interval": paired_interval(per),
+            # the power line: what each verdict would need at this effect and these spreads
+            "seeds_needed": seeds_needed(per, [x for x in (noise[a], noise[b]) if x is not None])}
 
 
 # What "the memory carries the gain" means, fixed before the recorded runs (docs/guides/

@@ -226,6 +226,21 @@ def _difference_text(d: dict[str, Any]) -> str:
             f"95% interval {interval_text(d['interval'], ' nats')}")
 
 
+def _power_text(d: dict[str, Any]) -> str:
+    """What an unresolved difference would need (compare.difference's seeds_needed)."""
+    need = d.get("seeds_needed") or {}
+    parts = []
+    if not (d["interval"] or {}).get("excludes_zero") and "paired_interval_seeds" in need:
+        n = need["paired_interval_seeds"]
+        parts.append("the paired interval would exclude zero with "
+                     + (f"{n} seeds" if n else "more than 20 seeds"))
+    if not d["resolved"] and "rule_run_sd_measured" in need:
+        parts.append(f"the rule needs a run-to-run sd below "
+                     f"{need['rule_run_sd_needed_at_3_seeds']:.4f} nats at 3 seeds (measured "
+                     f"{need['rule_run_sd_measured']:.4f})")
+    return "" if not parts else " (at this effect and spread: " + "; ".join(parts) + ")"
+
+
 def _split_lines(summary: dict[str, Any]) -> list[str]:
     """Is it the memory? Engram's gain split at the capacity-1 control (compare.split_gain)."""
     sp = summary.get("split")
@@ -240,11 +255,24 @@ def _split_lines(summary: dict[str, Any]) -> list[str]:
             "so no token or n-gram identity reaches it (a gated constant plus the trimmed FFN). "
             "Engram's gain over dense splits into what that pathway gives and what the memory's "
             "rows add; each part is judged by the rule over its own two arms' spreads.", "",
-            f"- The pathway (dense - pathway): {_difference_text(sp['pathway'])}.",
-            f"- The memory (pathway - engram): {_difference_text(sp['memory'])}.",
+            f"- The pathway (dense - pathway): {_difference_text(sp['pathway'])}"
+            f"{_power_text(sp['pathway'])}.",
+            f"- The memory (pathway - engram): {_difference_text(sp['memory'])}"
+            f"{_power_text(sp['memory'])}.",
             f"- The memory's share of the gain: {share_text}.",
             f"- The memory carries the gain ({sp['criterion']}): "
-            f"**{'yes' if sp['memory_carries_gain'] else 'no'}**."]
+            f"**{'yes' if sp['memory_carries_gain'] else 'no'}**{_unmet(sp)}."]
+
+
+def _unmet(sp: dict[str, Any]) -> str:
+    """Which parts of the criterion a split missed (empty when it met them all)."""
+    mem, share = sp["memory"], sp["memory_share"]["estimate"]
+    why = [w for w, missed in (
+        (f"the memory's part is {abs(mem['over_spread'] or 0):.1f}x its arms' spread, under the "
+         "rule's 2x", not mem["resolved"]),
+        ("its paired interval includes zero", not (mem["interval"] or {}).get("excludes_zero")),
+        ("its share is under 0.5", share is None or share < 0.5)) if missed]
+    return "" if not why else ": " + "; ".join(why)
 
 
 def _control_lines(summary: dict[str, Any]) -> list[str]:
@@ -252,7 +280,7 @@ def _control_lines(summary: dict[str, Any]) -> list[str]:
     if not controls:
         return []
     return ["", "## Other controls (each arm - engram; positive: worse than Engram)", "",
-            *(f"- {arm}: {_difference_text(d)}." for arm, d in controls.items())]
+            *(f"- {arm}: {_difference_text(d)}{_power_text(d)}." for arm, d in controls.items())]
 
 
 def _interval_line(what: str, summary: dict[str, Any], key: str) -> list[str]:
