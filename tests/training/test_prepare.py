@@ -17,7 +17,8 @@ import pytest
 
 from engram.errors import InputNotFound, OutputExists, UserError
 from engram.training.corpus import open_corpus
-from engram.training.prepare import PrepareConfig, load_tokenizer, prepare, tokenizer_threads
+from engram.training.prepare import PrepareConfig, prepare, tokenizer_threads
+from engram.training.tokenizer import load_tokenizer
 from engram.training.sources import load_documents
 
 EOS = 1

@@ -176,7 +176,7 @@ def prepared_streams(folder: str, model: str) -> tuple[dict[str, np.ndarray], An
     """({"train", "val"} raw-id streams, the compression map) of a folder prepared with the
     model's tokenizer (a one-line refusal for another one)."""
     from ..training.corpus import open_corpus
-    from ..training.prepare import load_tokenizer
+    from ..training.tokenizer import load_tokenizer
 
     corpus = open_corpus(folder, vocab="full")
     tok, _ = load_tokenizer(model)

@@ -236,7 +236,7 @@ class StepRecords:
 def check_inputs(model: str, cfg: FinetuneConfig) -> tuple[str, Corpus]:
     """(the model's recorded name, the corpus): the one-line refusals that come before any weight
     is read."""
-    from .prepare import load_tokenizer
+    from .tokenizer import load_tokenizer
 
     name = check_model(model)
     corpus = open_corpus(cfg.data, vocab="full")  # model ids are the tokenizer's ids
