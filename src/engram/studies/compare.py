@@ -287,16 +287,13 @@ def summarise(results: list[dict], configs: dict[str, TrainConfig], corpus, wall
     # The main comparison's verdicts by its own arms' spreads, as before the controls came.
     spread = largest_spread(noise[n] for n in VARIANTS if n in noise)
 
-    def per_seed(a: str, b: str) -> list[float]:  # a's loss - b's, paired by seed (same batches)
-        return [x - y for x, y in zip(runs[a]["val_loss_per_seed"], runs[b]["val_loss_per_seed"])]
-
     gap = runs["dense"]["val_loss"] - runs["engram"]["val_loss"]
-    paired = per_seed("dense", "engram")
+    paired = per_seed(runs, "dense", "engram")
     intervals = {"engram_vs_dense": paired_interval(paired)}
     vs_moe = paired_moe = None
     if "moe" in runs:
         vs_moe = runs["moe"]["val_loss"] - runs["engram"]["val_loss"]
-        paired_moe = per_seed("moe", "engram")
+        paired_moe = per_seed(runs, "moe", "engram")
         intervals["engram_vs_moe"] = paired_interval(paired_moe)
     # tokens to target: where each mean validation curve first reaches dense's final loss
     curves = {name: mean_curve([r["history"] for r in results if r["name"] == name])
@@ -330,10 +327,15 @@ def summarise(results: list[dict], configs: dict[str, TrainConfig], corpus, wall
     return out
 
 
+def per_seed(runs: dict, a: str, b: str) -> list[float]:
+    """a's loss - b's, seed by seed (the same seed is the same batch order: paired)."""
+    return [x - y for x, y in zip(runs[a]["val_loss_per_seed"], runs[b]["val_loss_per_seed"])]
+
+
 def difference(runs: dict, noise: dict, a: str, b: str) -> dict[str, Any]:
     """a's loss - b's over the seeds: the mean, per seed, the paired interval and the rule judged
     by these two arms' own spreads."""
-    per = [x - y for x, y in zip(runs[a]["val_loss_per_seed"], runs[b]["val_loss_per_seed"])]
+    per = per_seed(runs, a, b)
     spread = largest_spread((noise[a], noise[b]))
     mean = sum(per) / len(per)
     return {"what": f"{a} - {b}", "mean": mean, "per_seed": per, "spread": spread,
