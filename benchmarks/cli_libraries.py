@@ -1,4 +1,4 @@
-"""Could a command-line library replace engram/options.py + engram/schema.py? `--help` of the same
+"""Could a command-line library replace engram/commandline/options.py + schema.py? `--help` of the same
 tiny CLI (TrainConfig's options) built with ours, tyro, jsonargparse and simple-parsing.
 
     pip install tyro jsonargparse simple-parsing   # a throwaway venv (--system-site-packages) does
@@ -45,7 +45,7 @@ SHOWN = "model init and batch order"  # TrainConfig.seed's comment: does --help 
 
 # Each CLI, for the config class TrainConfig of module {module}.
 CLIS = {
-    "ours": ("torch-engram", "from engram.options import add_config, new_parser\n"
+    "ours": ("torch-engram", "from engram.commandline.options import add_config, new_parser\n"
              "p = new_parser('train', 'train')\nadd_config(p, '{module}:TrainConfig', 0)\n"
              "p.parse_args()\n"),
     "tyro": ("tyro", "import tyro\nfrom {module} import TrainConfig\ntyro.cli(TrainConfig)\n"),
@@ -63,8 +63,8 @@ CHECK = ("import sys, runpy\nsys.argv = [{path!r}, '--help']\ntry:\n    runpy.ru
 
 def torch_free_copy() -> str:
     """TrainConfig's source with nothing imported: its fields, types, defaults and comments (read
-    by engram.schema, as --help reads them)."""
-    from engram.schema import fields_of
+    by engram.commandline.schema, as --help reads them)."""
+    from engram.commandline.schema import fields_of
 
     lines = ["from dataclasses import dataclass, field", "", "", "@dataclass", "class TrainConfig:",
              '    """Train one LM."""']
@@ -150,7 +150,7 @@ def main() -> None:
         print(f"{name}: skipped, {why}")
     res["load_avg_end"] = os.getloadavg()[0]
     shutil.rmtree(tmp)
-    from engram import machine  # imports torch: after the timings
+    from engram.compute import machine  # imports torch: after the timings
 
     res["cpu"] = machine.cpu_id()
     write_json(args.json, res, indent=1)

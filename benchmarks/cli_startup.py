@@ -2,7 +2,7 @@
 
     python benchmarks/cli_startup.py [--reps 5] [--json benchmarks/results/cli_startup.json]
 
-`--help` reads every option from the config dataclasses' source (engram/schema.py) and imports no
+`--help` reads every option from the config dataclasses' source (engram/commandline/schema.py) and imports no
 torch, so it should cost about what the interpreter's own start costs, a fraction of one `import
 torch`. Each command runs in a fresh interpreter `reps` times; the figures are medians of wall and
 CPU (user + sys) seconds, and ratios against two baselines measured in the same run, the same way:
@@ -63,7 +63,7 @@ def main() -> None:
     if args.smoke:
         args.reps = args.demo_reps = 1
     sys.path.insert(0, str(SRC))
-    from engram import machine  # after the timings' subprocesses are set up: this imports torch
+    from engram.compute import machine  # after the timings' subprocesses are set up: this imports torch
     from engram.cli import COMMANDS
 
     res: dict = {"cpu": machine.cpu_id(), "cores": os.cpu_count(),

@@ -1,4 +1,4 @@
-"""float32 matrix products here: the route engram/gemm.py chooses against each backend forced.
+"""float32 matrix products here: the route engram/compute/gemm.py chooses against each backend forced.
 
     python benchmarks/gemm_backends.py [--json benchmarks/results/gemm_backends.json] [--smoke]
 
@@ -6,7 +6,7 @@ For each shape this package multiplies (the compare model's attention, SwiGLU, M
 head, adaptive-softmax tail and Engram value + key GEMM at d = 128; the module's GEMM at the
 demo's shapes; decode steps), on 1 and 2 threads: the route ``ENGRAM_GEMM=auto`` decides (measured
 in this run into a fresh decisions file, unless --user_cache; the decision's own timing beside it),
-then y = x W^T forward alone and forward + backward (dx, dW) through ``engram.gemm.linear`` with the
+then y = x W^T forward alone and forward + backward (dx, dW) through ``engram.compute.gemm.linear`` with the
 chosen route, with torch forced and with oneDNN forced, interleaved in one process, as many rounds
 as --budget_s allows (7 to 61). Prints the chosen route's speed against each forced backend (the
 chosen one should be the faster, within noise; against the backend it chose, the ratio is the
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from engram import gemm, gemm_decisions, machine
+from engram.compute import gemm, gemm_decisions, machine
 from record import with_allocator_env, write_json  # benchmarks/record.py: the script's folder is on sys.path
 
 # (name, rows n, in i, out o): the compare model (d = 128, batch 16 x 128 tokens) and the module

@@ -71,10 +71,14 @@ def environment() -> dict:
     from importlib import metadata
 
     try:
-        from engram import gemm, machine
-        cpu, gemm_backend = machine.cpu_id(), gemm.backend()
-    except ImportError:  # an older tree without engram.gemm
-        cpu, gemm_backend = platform.processor(), None
+        from engram.compute import gemm, machine
+    except ImportError:  # an older tree: the modules at the package root, or no engram.gemm at all
+        try:
+            from engram import gemm, machine
+        except ImportError:
+            gemm = machine = None
+    cpu, gemm_backend = ((machine.cpu_id(), gemm.backend()) if gemm is not None
+                         else (platform.processor(), None))
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     env = {"python": platform.python_version(), "platform": platform.platform(), "cpu": cpu,
            "cpu_count": os.cpu_count(), "torch": torch.__version__,

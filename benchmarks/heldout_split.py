@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from engram import machine
+from engram.compute import machine
 from engram.studies.common import seed_spread
 from engram.studies.compare import CompareConfig, difference, run_compare, split_gain
 from engram.studies.evaluate import EvalConfig, run_eval

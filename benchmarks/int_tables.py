@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from engram import EngramConfig
-from engram.machine import cpu_id
+from engram.compute.machine import cpu_id
 from engram.tables.blocks import dequantize_blocks, row_bytes
 from engram.tables.fp8 import gather_rows
 from engram.tables.host import HostTable

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from engram import machine
+from engram.compute import machine
 from engram.cli import main
 from engram.training.corpus import build_corpus, load_documents
-from engram.training.train import TrainConfig, train
+from engram.training.train import TrainConfig, saved_config, train
 
 TASK = """# Held-out documents of the run's own corpus (its validation split), scored whole.
 # Built by benchmarks/lm_eval_heldout.py; data_files are relative: run from this folder.
@@ -85,7 +85,7 @@ def main_(argv: list[str] | None = None) -> int:
         train(cfg, progress=False)
         timings["train_s"] = time.perf_counter() - t0
     else:
-        cfg = TrainConfig(**json.loads((run / "config.json").read_text()))
+        cfg = saved_config(run)
     hf = work / "hf"
     assert main(["export-hf", str(run), str(hf), "--tier", "file"]) == 0
     docs = heldout_docs(cfg, a.per_source, a.max_chars)

@@ -11,7 +11,7 @@ from other processes hits all alike. Variants:
 - ``demo``: a plain port of the official demo's module (dense nn.Embedding with offsets, per-branch
   key/norm loops, torch.stack, nn.Conv1d with symmetric padding then a slice), written here only;
   its products go where torch sends them (MKL), as the official code's would.
-- ``demo_gemm``: the same port with its nn.Linear's through engram.gemm (the module's GEMM path), so
+- ``demo_gemm``: the same port with its nn.Linear's through engram.compute.gemm (the module's GEMM path), so
   ``ours`` / ``demo_gemm`` compares the two modules at equal matrix-multiply speed.
 - ``ours``: engram.Engram as training builds it (sparse row gradient of the table; on CPU in
   float32 the gate and conv run as compiled kernels, module/fused.py).
@@ -19,10 +19,10 @@ from other processes hits all alike. Variants:
 - ``ours_torch``: ``ours`` without the compiled kernels (``kernels=False``: the gate and conv as
   eager torch ops, GateFn + ConvFn; what other devices and dtypes run).
 - ``ours_mkl``: ``ours`` with every product through torch's default BLAS (``F.linear``; MKL),
-  whatever engram/gemm.py's backend: what the GEMM route buys (the same as ``ours`` where the
+  whatever engram/compute/gemm.py's backend: what the GEMM route buys (the same as ``ours`` where the
   backend is ``torch``).
 - ``gemm``: the same module's GEMMs alone (value + 4 keys as one [c -> 5d] matmul with bias), as the
-  module runs them (engram.gemm.linear: oneDNN where the backend is ``onednn``).
+  module runs them (engram.compute.gemm.linear: oneDNN where the backend is ``onednn``).
 - ``gemm_mkl``: the same GEMMs through ``F.linear``.
 
 - ``compiled`` (with --compile only): the same computation written as plain torch ops (gate, norms,
@@ -51,7 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engram import EngramConfig, EngramState, build_engram, gemm, machine
+from engram import EngramConfig, EngramState, build_engram
+from engram.compute import gemm, machine
 from engram.retrieval.primes import prime_table_sizes
 from engram.training.train import ALLOCATOR_ENV
 from record import with_allocator_env, write_json  # benchmarks/record.py: the script's folder is on sys.path

@@ -52,13 +52,13 @@ from engram import (
     build_compression,
     build_engram,
 )
-from engram.machine import cpu_id
+from engram.artifacts.table_files import export_tables
+from engram.compute.machine import cpu_id
 from engram.tables.cache import build_cache, zipf_exponent
 from engram.tables.registry import TIERS
 from engram.tables.tablefile import table_path, write_table
 from engram.tables.tiers import FileTable
 from engram.training.corpus import DataConfig, build_corpus
-from engram.training.export import export_tables
 
 sys.path.insert(0, str(Path(__file__).parent))
 from offload_tiers import (  # noqa: E402  (benchmarks/offload_tiers.py)

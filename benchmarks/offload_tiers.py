@@ -55,7 +55,7 @@ def resident_fraction(path: Path) -> float:
 
 
 @dataclass
-class Tier:
+class ServedModel:
     model: EngramLM
     prefetch: bool = False  # announce rows before the forward
     evict: list[FileTable] = field(default_factory=list)  # made cold before every timed call
@@ -85,23 +85,24 @@ class Tiers:
         load_dense_state(m, self.state, outside=tables)
         return m.eval()
 
-    def all(self, lookahead: bool, registered: tuple[str, ...] = tuple(REGISTRY)) -> dict[str, Tier]:
+    def all(self, lookahead: bool, registered: tuple[str, ...] = tuple(REGISTRY)
+            ) -> dict[str, ServedModel]:
         """The baseline, the ``registered`` tiers (registry names) that open here, and the file
         tier behind the hot cache and prefetch, warm and cold."""
-        out = {BASELINE: Tier(self.memory)}
+        out = {BASELINE: ServedModel(self.memory)}
         for name in registered:
             tier = REGISTRY[name]
             why = tier.missing()
             if why:
                 self.skipped[name] = why
             else:
-                out[name] = Tier(self._served(name, "warm"))
-        out["file_cached"] = Tier(self._served("file", "warm", cached=True), prefetch=True)
+                out[name] = ServedModel(self._served(name, "warm"))
+        out["file_cached"] = ServedModel(self._served("file", "warm", cached=True), prefetch=True)
         cold = self._served("file", "cold", cached=True)
-        out["file_cold_cached"] = Tier(cold, True, file_tables(cold))
+        out["file_cold_cached"] = ServedModel(cold, True, file_tables(cold))
         if lookahead:
             ahead = self._served("file", "ahead", cached=True)
-            out["file_cold_cached_lookahead"] = Tier(ahead, True, file_tables(ahead), True)
+            out["file_cold_cached_lookahead"] = ServedModel(ahead, True, file_tables(ahead), True)
         return out
 
 
@@ -116,7 +117,7 @@ def file_tables(model: EngramLM) -> list[FileTable]:
     return out
 
 
-def close(tiers: dict[str, Tier]) -> None:
+def close(tiers: dict[str, ServedModel]) -> None:
     """Release every store a served model holds (file mappings, pools, a Mooncake session)."""
     for name, tier in tiers.items():
         if name == BASELINE:
@@ -158,7 +159,7 @@ def _paired(times: dict[str, list[float]]) -> dict[str, float]:
 
 
 @torch.no_grad()
-def bench_prefill(tiers: dict[str, Tier], corpus, hasher, args) -> tuple[dict, dict]:
+def bench_prefill(tiers: dict[str, ServedModel], corpus, hasher, args) -> tuple[dict, dict]:
     """Each batch through every tier (shuffled order per round); round 0 is an untimed warm-up."""
     from tqdm.auto import tqdm
 
@@ -192,7 +193,7 @@ def bench_prefill(tiers: dict[str, Tier], corpus, hasher, args) -> tuple[dict, d
 
 
 @torch.no_grad()
-def bench_decode(tiers: dict[str, Tier], corpus, hasher, args) -> tuple[dict, dict]:
+def bench_decode(tiers: dict[str, ServedModel], corpus, hasher, args) -> tuple[dict, dict]:
     """All tiers decode the same prompts in lockstep, one step each in shuffled order (greedy,
     KV cache, n-gram stream, conv state); step 0 is an untimed warm-up."""
     from tqdm.auto import tqdm

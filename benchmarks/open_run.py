@@ -34,7 +34,7 @@ TINY = dict(n_layer=2, d_model=32, n_head=2, seq_len=32, batch_size=2, table_siz
 
 
 def cpu() -> str:
-    from engram import machine
+    from engram.compute import machine
 
     return machine.cpu_id()  # model and vector ISA
 

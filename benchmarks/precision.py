@@ -12,7 +12,7 @@ in one process (load from other processes hits all alike):
    the bf16 run's loss is read against the fp32 run's.
 2. compile: the fp32 Engram model under ``torch.compile`` (``TrainConfig.compile``) vs eager:
    tokens/s after the warm-up steps (which compile), and the first step's seconds.
-3. GEMM route (engram/gemm.py): the fp32 models with ``ENGRAM_GEMM=auto`` (the route measured per
+3. GEMM route (engram/compute/gemm.py): the fp32 models with ``ENGRAM_GEMM=auto`` (the route measured per
    shape bucket on this machine) vs each backend forced (``torch``: MKL, ``onednn``). The chosen
    route must be the faster within noise: auto's tokens/s at least the best forced backend's times
    (1 - noise), noise the largest split-half spread of a variant's median step here (at least 3%).
@@ -34,11 +34,11 @@ import time
 import torch
 from tqdm import tqdm
 
-from engram import gemm, machine
+from engram.compute import gemm, machine
+from engram.models.precision import DTYPES, autocast_supported
 from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.training.corpus import build_corpus
 from engram.training.loop import lr_at
-from engram.training.precision import DTYPES, autocast_supported
 from engram.training.train import (
     ALLOCATOR_ENV,
     TrainConfig,

@@ -300,7 +300,7 @@ def main() -> None:
         args.sizes, args.throughput_mb, args.repeats = "0.2,0.4", 0.3, 1
         args.steps, args.speed_steps = 2, 2
 
-    from engram import machine
+    from engram.compute import machine
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-from engram import machine
+from engram.compute import machine
 from engram.studies.common import Workers
 from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.studies.estimate import probe

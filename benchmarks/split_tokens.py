@@ -22,7 +22,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from engram import machine
+from engram.compute import machine
 from engram.studies.common import figure, save
 from engram.studies.compare import CompareConfig, run_compare
 from engram.training.train import TrainConfig

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from engram import gemm, machine
+from engram.compute import gemm, machine
 from engram.studies.common import job, run_jobs, seed_spread, train_run
 from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.tables.store import MemoryTable

@@ -8,11 +8,11 @@
    backward, clip, AdamW + RowAdam. Figure: Engram tokens/s / dense tokens/s (the cost of the
    memory at equal FLOPs; goal close to 1). Also the same Engram model with the module's gate and
    conv on the torch path (``engram_torch``, ``Engram.kernels = False``): what the compiled
-   kernels (module/fused.py) buy at these shapes. Where engram/gemm.py's backend is oneDNN, also
+   kernels (module/fused.py) buy at these shapes. Where engram/compute/gemm.py's backend is oneDNN, also
    dense and Engram with every product through torch's default BLAS (``dense_mkl``,
    ``engram_mkl``): what the GEMM route buys, and the Engram / dense ratio without it; and with
    oneDNN's weight gradient taken the old way (``dense_dw_copy``, ``engram_dw_copy``: dY^T copied
-   as the first operand; the same bits): what engram/gemm.py's ``_grad_weight`` buys.
+   as the first operand; the same bits): what engram/compute/gemm.py's ``_grad_weight`` buys.
 2. Memory. Each variant again, alone in a fresh process: peak RSS after model + corpus, and after
    training steps (gradients and optimiser state included).
 3. Optimiser. RowAdam step time with a table of 1M vs 50M rows at the same batch (see
@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engram import Engram, gemm, machine
+from engram import Engram
+from engram.compute import gemm, machine
 from engram.studies.compare import CompareConfig, budget, variant_configs
 from engram.training.corpus import build_corpus
 from engram.training.optim import clip_grad_norm_

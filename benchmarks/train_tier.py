@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from engram import machine
+from engram.compute import machine
 from engram.studies.compare import CompareConfig
 from engram.training import tier_attach
 from engram.training.train import TrainConfig, build_run, train_step

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from engram import EngramConfig
-from engram.machine import cpu_id
+from engram.compute.machine import cpu_id
 from engram.tables.fp8 import dequantize_fp8, gather_rows, quantize_fp8_e8m0, row_bytes
 from engram.tables.pool import PoolRegion, write_pool
 from engram.tables.tablefile import write_table

@@ -30,7 +30,7 @@ import torch
 
 from engram import EngramConfig, EngramLM, ModelConfig, NgramHasher, build_compression
 from engram.serving.generate import GenerationConfig, Generator
-from engram.serving.hf_export import export_model
+from engram.artifacts.export import write as export_model
 from engram.serving.loader import export_hf
 from engram.training.process_group import free_port
 from record import write_json  # benchmarks/record.py: the script's folder is on sys.path

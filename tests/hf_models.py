@@ -4,7 +4,7 @@ the adapter runtime)."""
 import torch
 
 from engram import EngramConfig
-from engram.models.adapter import save_engram
+from engram.artifacts.adapter import save_engram
 from engram.models.hf import engram_runtime, inject
 from engram.retrieval.compress import build_compression
 

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 import engram
+from engram.artifacts.checkpoint import CheckpointError
 from engram.cli import COMMANDS, main
 from engram.cli.registry import STUDY_SKIP
 from engram.errors import InputNotFound, OutputExists, UserError
-from engram.options import field_comments, parse_overrides
-from engram.schema import MISSING, fields_of, resolve
+from engram.commandline.options import field_comments, parse_overrides
+from engram.commandline.schema import MISSING, fields_of, resolve
 from engram.studies.compare import CompareConfig
 from engram.studies.sweep import SweepConfig
-from engram.training.checkpoint import CheckpointError
 from engram.training.train import TrainConfig
 
 

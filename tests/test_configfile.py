@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engram import configfile
+from engram.commandline import configfile
 from engram.cli import COMMANDS, main
 from engram.errors import UserError
 

@@ -1,4 +1,4 @@
-"""engram.gemm: the oneDNN path equals F.linear to float32 rounding, forward and every gradient;
+"""engram.compute.gemm: the oneDNN path equals F.linear to float32 rounding, forward and every gradient;
 each product goes where the backend, its size and its bucket's measured route say; the route is
 measured once, kept on disk, handed to workers, and survives a cache it cannot write."""
 
@@ -14,12 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engram import gemm, gemm_decisions, machine
+import engram
+from engram.compute import gemm, gemm_decisions, machine
 
 needs_onednn = pytest.mark.skipif(not gemm._onednn_available(), reason="torch built without oneDNN")
 # One thread: timings are short and steady (two threads on a busy 2-core machine stall for ms).
 pytestmark = pytest.mark.usefixtures("one_thread")
-SRC = str(Path(gemm.__file__).parents[1])
+SRC = str(Path(engram.__file__).parents[1])
 
 
 @pytest.fixture
@@ -222,7 +223,7 @@ def test_the_parents_decisions_beat_the_file_and_reach_spawned_workers(fresh, tm
     env = {**os.environ, "ENGRAM_GEMM_CACHE": str(child_cache), "TMPDIR": str(tmp_path / "ct"),
            "PYTHONPATH": SRC}
     code = (f"import torch; torch.set_num_threads({torch.get_num_threads()}); "
-            "from engram import gemm; print(gemm.route(512, 256, 256))")
+            "from engram.compute import gemm; print(gemm.route(512, 256, 256))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
@@ -275,7 +276,7 @@ def test_concurrent_first_uses_agree(fresh, tmp_path):
     lock, the other reads its decision."""
     env = {**os.environ, "TMPDIR": str(tmp_path / "t"), "PYTHONPATH": SRC}
     env.pop(gemm.ROUTES_ENV, None)
-    code = ("import torch; torch.set_num_threads(1); from engram import gemm; "
+    code = ("import torch; torch.set_num_threads(1); from engram.compute import gemm; "
             "print(gemm.route(1000, 256, 512))")
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]

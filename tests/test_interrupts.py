@@ -466,7 +466,7 @@ def record_times():
         sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
         from record import write_json
 
-        from engram import machine
+        from engram.compute import machine
 
         old = json.loads(Path(path).read_text()) if Path(path).exists() else {}
         write_json(path, {

@@ -1,4 +1,4 @@
-"""engram/jit.py: the kernels' disk cache is this numba's own, so two numba versions over one source
+"""engram/compute/jit.py: the kernels' disk cache is this numba's own, so two numba versions over one source
 tree (vLLM's venv, README) neither recompile what the other wrote nor load it."""
 
 import os
@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 numba = pytest.importorskip("numba")
-from engram import jit  # noqa: E402
+import engram  # noqa: E402
+from engram.compute import jit  # noqa: E402
 from engram.module import kernels  # noqa: E402
 
-PACKAGE = Path(jit.__file__).parent
+PACKAGE = Path(engram.__file__).parent  # the whole package: the probe imports engram.module
 # one call of a small kernel; prints numba's version, the cache's folder, its hits and misses
 PROBE = ("import numba, numpy as np; from engram.module import kernels; "
          "kernels.exp_neg(np.float32(1.0)); s = kernels.exp_neg.stats; "
@@ -65,9 +66,9 @@ def test_cached_tells_a_compiled_module_from_a_fresh_one(tmp_path):
     compile, issue 50). A module whose kernel ran has index files; a copy never run has none."""
     import subprocess
     import sys
-    from engram import jit
+    from engram.compute import jit
     mod = tmp_path / "tiny_kernels.py"
-    mod.write_text("from engram.jit import kernel\n\n@kernel()\ndef twice(x):\n    return 2 * x\n")
+    mod.write_text("from engram.compute.jit import kernel\n\n@kernel()\ndef twice(x):\n    return 2 * x\n")
     assert not jit.cached(str(mod))
     subprocess.run([sys.executable, "-c", "import tiny_kernels; tiny_kernels.twice(3)"],
                    cwd=tmp_path, check=True, env={**__import__("os").environ,

@@ -2,6 +2,8 @@
 and no two modules import each other, even through others or inside functions."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,12 +11,13 @@ import pytest
 import engram
 
 SRC = Path(engram.__file__).parent
-# Lowest first. errors, ranges, schema, files, outputs, interrupts, configfile, options, command,
-# machine, jit, gemm_decisions and gemm are the foundation every layer may use; the root re-exports.
-LAYERS = ["errors", "ranges", "schema", "files", "outputs", "interrupts", "configfile", "options",
-          "command", "machine", "jit", "gemm_decisions", "gemm",
-          "retrieval", "tables", "module", "models", "training", "serving", "studies", "cli",
-          "__main__", "__init__"]
+# Lowest first. The root's modules (errors, ranges, files, outputs, interrupts), commandline/ (the
+# command-line machinery) and compute/ (GEMM routes, machine identity, jit) are the foundation every
+# layer may use; the root's __init__ re-exports.
+LAYERS = ["errors", "ranges", "files", "outputs", "interrupts", "commandline", "compute",
+          "retrieval", "tables", "module", "models", "artifacts", "training", "serving", "studies",
+          "cli", "__main__", "__init__"]
+ROOT_MODULES_AT_MOST = 8  # issue 48: the root holds only foundations (__init__, __main__ counted)
 
 
 def module_name(path: Path) -> str:
@@ -66,6 +69,11 @@ def test_every_module_is_in_a_layer():
         assert layer_of(mod) >= 0, mod
 
 
+def test_the_root_holds_only_foundations():
+    root = sorted(p.name for p in SRC.glob("*.py"))
+    assert len(root) <= ROOT_MODULES_AT_MOST, root
+
+
 @pytest.mark.parametrize("module", sorted(GRAPH))
 def test_imports_only_downward(module):
     upward = [m for m in GRAPH[module] if layer_of(m) > layer_of(module)]
@@ -95,6 +103,34 @@ def test_no_import_cycles():
     for m in GRAPH:
         if m not in state:
             visit(m)
+
+
+def test_serving_never_imports_training():
+    """Issue 48: what a folder holds is read in artifacts/, below both; serving opens a run
+    without the training code (inside functions too)."""
+    found = {m: sorted(n for n in GRAPH[m] if n.startswith("engram.training"))
+             for m in GRAPH if m.startswith("engram.serving")}
+    assert not {m: ns for m, ns in found.items() if ns}
+
+
+def test_opening_a_run_and_generating_loads_no_training_module(tmp_path):
+    """The same at run time, in a fresh process: an import moved into a function or made through
+    importlib is still an import."""
+    from engram.training.train import TrainConfig, train
+
+    run = tmp_path / "run"
+    train(TrainConfig(out_dir=str(run), steps=1, max_chars=20_000, n_layer=2, d_model=32,
+                      n_head=2, seq_len=32, batch_size=4, table_size=997, n_embed_per_ngram=32,
+                      n_head_per_ngram=2, engram_layers=(0,), warmup=1, eval_batches=1,
+                      log_every=1, eval_every=1, ckpt_every=1), progress=False)
+    code = (f"import sys, engram; rt = engram.open({str(run)!r}); "
+            "engram.Generator(rt, config=engram.GenerationConfig(max_new_tokens=2))"
+            ".generate([rt.encode('hello')]); "
+            "print(sorted(m for m in sys.modules if m.startswith('engram.training')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_the_checker_catches_an_upward_import(tmp_path):

@@ -1,10 +1,10 @@
-"""engram/machine.py: the processor every timing and result names."""
+"""engram/compute/machine.py: the processor every timing and result names."""
 
 from pathlib import Path
 
 import pytest
 
-from engram import machine
+from engram.compute import machine
 
 
 def test_cpu_id_tells_processors_apart():

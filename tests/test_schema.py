@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import engram
-from engram.schema import MISSING, Source, constant, fields_of, resolve
+from engram.commandline.schema import MISSING, Source, constant, fields_of, resolve
 
 LETTERS = ("a", "b")
 
@@ -57,14 +57,14 @@ def test_the_source_agrees_with_the_class():
 
 
 def test_names_are_followed_across_modules_without_importing_them():
-    code = ("import sys; from engram.schema import fields_of, constant;"
+    code = ("import sys; from engram.commandline.schema import fields_of, constant;"
             "f = {x.name: x for x in fields_of('engram.studies.pool_budget:PoolBudgetConfig')};"
             "assert f['tiers'].default == constant('engram.studies.pool_budget:DEFAULT_TIERS');"
             "assert constant('engram.tables.tablefile:DTYPES')['fp32'].text.startswith('(torch');"
             "assert 'torch' not in sys.modules and 'engram.studies.pool_budget' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True,
                    env={**os.environ, "PYTHONPATH": str(Path(engram.__file__).parents[1])})
-    assert constant("engram.serving.hf_export:TIERS") == resolve("engram.serving.hf_export:TIERS")
+    assert constant("engram.artifacts.export:TIERS") == resolve("engram.artifacts.export:TIERS")
 
 
 def test_bad_references_are_clear():

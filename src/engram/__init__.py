@@ -1,11 +1,14 @@
 """engram: DeepSeek's Engram conditional memory for PyTorch language models.
 
 The folders are layers, lowest first; a module imports its own layer or lower ones, never higher
-(tests/test_layers.py checks it): retrieval (token ids -> row ids) -> tables (where rows live) ->
-module (the Engram module, module/) -> models (reference LM, HF injection) -> training ->
-serving -> studies -> cli. This file re-exports the names most code needs, imported on first use
-(``from engram import EngramLM``), so that ``import engram.cli`` for ``engram --help`` and importing
-the light foundation modules do not import torch.
+(tests/test_layers.py checks it): the foundation (this folder's modules: errors, ranges, files,
+outputs, interrupts; commandline/, the command-line machinery; compute/, GEMM routes, machine
+identity and jit) -> retrieval (token ids -> row ids) -> tables (where rows live) -> module (the
+Engram module, module/) -> models (reference LM, HF injection) -> artifacts (what is on disk: run
+folders, checkpoints, table files) -> training -> serving -> studies -> cli. This file re-exports
+the names most code needs, imported on first use (``from engram import EngramLM``), so that
+``import engram.cli`` for ``engram --help`` and importing the light foundation modules do not import
+torch.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 # name -> the module (under engram) that defines it
 _EXPORTS = {
-    "DecodeCache": "models.model", "EngramLM": "models.model", "ModelConfig": "models.model",
+    "DecodeCache": "models.cache", "EngramLM": "models.model", "ModelConfig": "models.model",
     "ModelOutput": "models.model",
     "Engram": "module", "EngramState": "module", "ShortConv": "module", "build_engram": "module",
     "DEAD": "retrieval.compress", "Compression": "retrieval.compress",
@@ -37,7 +40,7 @@ _EXPORTS = {
 # precision=...)``, a run or an export as one Runtime; ``engram.load_adapter(folder)``, an
 # ``engram finetune`` adapter as (transformers model with Engram, its tokenizer).
 _ALIASES = {"open": ("serving.loader", "open_model"),
-            "load_adapter": ("models.adapter", "from_pretrained")}
+            "load_adapter": ("artifacts.adapter", "from_pretrained")}
 DISTRIBUTION = "torch-engram"  # the name on the package index; `engram` there is another project
 
 

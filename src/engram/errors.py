@@ -71,3 +71,9 @@ class Interrupted(Exception):
 
 __all__ = ["DiskError", "FolderBusy", "InputNotFound", "Interrupted", "NonFinite", "OutputExists",
            "UserError"]
+
+
+def one_line(e: BaseException, limit: int = 200) -> str:
+    """An exception's message on one line, cut at ``limit`` characters: for a UserError that
+    names what a library raised (its messages may span lines)."""
+    return " ".join(str(e).split())[:limit]

@@ -19,6 +19,8 @@ The foundation layer: it imports nothing of engram but errors, so every layer ma
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import os
 import secrets
 from contextlib import contextmanager
@@ -192,3 +194,23 @@ def publish_bytes(path: str | os.PathLike, write: Callable[[object], object],
         with open(tmp, "wb") as f:
             write(f)
     return publish(path, fill, need)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
+    """Digest of a file read in chunks: plain reads, so checking a file larger than memory leaves
+    this process's memory flat (memory-mapped pages would count as resident)."""
+    h, buf = hashlib.sha256(), bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def read_json_object(path: str | os.PathLike) -> dict:
+    """A JSON object from ``path``; OSError or ValueError (torn, emptied, not UTF-8, not an
+    object) for the caller to name in its one line."""
+    obj = json.loads(Path(path).read_text())
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    return obj

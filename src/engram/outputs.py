@@ -1,6 +1,6 @@
 """Where a command may write, decided before it does any work.
 
-One rule for every command (``engram.command.Command`` applies it to what each declares it writes):
+One rule for every command (``engram.commandline.command.Command`` applies it to what each declares it writes):
 
 - A folder output is a folder the command creates, an empty one, or one that carries the marker of
   its own kind: ``FOLDER/.engram``, a small JSON file (``{"kind": "run", "command": "engram

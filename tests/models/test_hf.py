@@ -8,7 +8,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from engram import EngramConfig  # noqa: E402
-from engram.models.adapter import AdapterMismatch, load_engram, save_engram  # noqa: E402
+from engram.artifacts.adapter import load_engram, save_engram  # noqa: E402
+from engram.models.adapter import AdapterMismatch  # noqa: E402
 from engram.models.hf import eject, engram_runtime, freeze_base, inject  # noqa: E402
 from engram.retrieval.compress import build_compression  # noqa: E402
 

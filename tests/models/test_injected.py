@@ -12,7 +12,8 @@ transformers = pytest.importorskip("transformers")
 import engram  # noqa: E402
 from engram.cli import main  # noqa: E402
 from engram.errors import UserError  # noqa: E402
-from engram.models.adapter import AdapterMismatch, from_pretrained  # noqa: E402
+from engram.artifacts.adapter import from_pretrained  # noqa: E402
+from engram.models.adapter import AdapterMismatch  # noqa: E402
 from engram.serving.generate import GenerationConfig, Generator  # noqa: E402
 from hf_models import make_adapter, tiny_model  # noqa: E402
 

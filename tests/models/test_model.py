@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 import engram
 from engram.models.layers import MoE, engram_memory
-from engram.models.model import DecodeCache, EngramLM, ModelConfig, ModelOutput
+from engram.models.cache import DecodeCache
+from engram.models.model import EngramLM, ModelConfig, ModelOutput
 
 V, B, T = 97, 2, 12
 
@@ -428,3 +429,42 @@ def test_engram_mask_passes_masked_positions_through_untouched():
         plain = model(x, ids).hidden
     assert torch.equal(seen[0][~mask], torch.zeros_like(seen[0][~mask]))
     assert torch.equal(seen[0][mask], seen[1][mask]) and not torch.equal(masked, plain)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_a_model_built_for_a_state_takes_it_as_it_is(name):
+    """init=False (issue 48, gpt-fast's build on meta, load with assign): nothing allocated or
+    drawn (the global generator as it was), then the state's tensors are the parameters: the
+    same state dict, buffers (rotary tables, Engram's head offsets) and logits as the model the
+    state came from, tied weights still tied; a later load copies as nn.Module's does."""
+    want = make(name)
+    state = {k: v.clone() for k, v in want.state_dict().items()}
+    untouched = torch.rand(4, generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(3)
+    got = EngramLM(want.config, init=False).eval()
+    assert torch.equal(torch.rand(4), untouched)
+    # the adaptive head is built off meta (its arange has no C++ meta kernel), the rest on it
+    assert all(p.is_meta for n, p in got.named_parameters() if not n.startswith("head.asm."))
+    got.load_state_dict(state)
+    assert not any(t.is_meta for t in [*got.parameters(), *got.buffers()])
+    mine = got.state_dict()
+    assert list(mine) == list(want.state_dict())
+    assert all(mine[k].dtype == v.dtype and torch.equal(mine[k], v) for k, v in state.items())
+    bufs = dict(want.named_buffers())
+    assert all(torch.equal(b, bufs[k]) for k, b in got.named_buffers())
+    assert got.embed.weight.data_ptr() == state["embed.weight"].data_ptr()  # not a copy
+    assert (getattr(got.head, "weight", None) is got.embed.weight) == want.config.tie_embeddings
+    raw = raw_batch()
+    assert torch.equal(got(raw, hash_ids(got, raw)).logits, want(raw, hash_ids(want, raw)).logits)
+    got.load_state_dict(make(name, seed=4).state_dict())  # loaded: copies, as nn.Module's
+    assert got.embed.weight.data_ptr() == state["embed.weight"].data_ptr()
+
+
+def test_a_model_built_for_a_state_needs_all_of_it():
+    state = make("engram").state_dict()
+    with pytest.raises(RuntimeError, match="Missing key"):
+        EngramLM(model_cfg(**VARIANTS["engram"]), init=False).load_state_dict(
+            {k: v for k, v in state.items() if "table" not in k})
+    with pytest.raises(ValueError, match="no values for .*table"):
+        EngramLM(model_cfg(**VARIANTS["engram"]), init=False).load_state_dict(
+            {k: v for k, v in state.items() if "table" not in k}, strict=False)

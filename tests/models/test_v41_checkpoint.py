@@ -12,7 +12,7 @@ from v41_ckpt import TINY, engram_tensors, make_checkpoint, same_tensor, v41_con
 from engram import EngramLM, ModelConfig, build_engram
 from engram.cli import main
 from engram.models.v41_checkpoint import V41CheckpointError, read_config
-from engram.models.v41_layers import (
+from engram.artifacts.layer_set import (
     check_fits,
     export_v41,
     import_v41,

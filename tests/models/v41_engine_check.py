@@ -194,7 +194,7 @@ def check_lookup_and_gate(E, report, tmp):
     from v41_ckpt import TINY, make_checkpoint
 
     from engram import build_engram
-    from engram.models.v41_layers import import_v41, read_layer_set
+    from engram.artifacts.layer_set import import_v41, read_layer_set
     from engram.tables.pool import PoolRegion, write_pool
     from engram.tables.store import MemoryTable
     from engram.tables.tablefile import table_path
@@ -273,7 +273,7 @@ def check_lookup_and_gate(E, report, tmp):
             res["old_v41_default_paper_gate_max_abs"] = float((h + y - eng).abs().max())
     report["gate"] = res
     # the engine's own weight loader takes our export's table tensors unchanged
-    from engram.models.v41_layers import export_v41
+    from engram.artifacts.layer_set import export_v41
     from v41_ckpt import engram_tensors
 
     export_v41(tmp / "layers", tmp / "back")

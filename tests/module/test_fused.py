@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from engram import Engram, EngramState, gemm
+from engram import Engram, EngramState
+from engram.compute import gemm
 from engram.module import fused
 
 pytestmark = pytest.mark.skipif(not fused.fits(), reason="numba is not installed")
@@ -192,7 +193,7 @@ def test_same_bits_compiled_or_loaded_from_the_cache(tmp_path):
     optimises it again, so compiled and loaded code are not the same machine code; with fastmath's
     reassociation they summed differently (~1e-5 in the gradients: CI's failure of the test
     above, twice, under pytest-xdist with the cache filled by other processes meanwhile). The
-    kernels are IEEE now (engram/jit.py); this fails with fastmath back on."""
+    kernels are IEEE now (engram/compute/jit.py); this fails with fastmath back on."""
     shutil.copytree(Path(SRC) / "engram", tmp_path / "engram",
                     ignore=shutil.ignore_patterns("__pycache__"))
     code = textwrap.dedent(f"""
@@ -200,7 +201,7 @@ def test_same_bits_compiled_or_loaded_from_the_cache(tmp_path):
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_fused import _module, _run  # this file's module and its gradients
         import engram
-        from engram import gemm
+        from engram.compute import gemm
         from engram.module import fused
         assert engram.__file__.startswith({str(tmp_path)!r}), engram.__file__  # the fresh copy
         mod = _module()

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from engram import EngramConfig, EngramLM, ModelConfig, NgramHasher
+from engram.artifacts.table_files import export_tables
 from engram.cli import main
 from engram.serving.generate import GenerationConfig, Generator
 from engram.serving.loader import load_dense_state
-from engram.tables.registry import REGISTRY
 from engram.tables.cache import CachedTable
 from engram.tables.prefetch import wrap_prefetch
+from engram.tables.registry import REGISTRY
 from engram.tables.tiers import open_tables
-from engram.training.export import export_tables
 from engram.training.train import TrainConfig, train
 
 LOOKUP = np.arange(300) % 250

@@ -12,8 +12,11 @@ from engine_sim import MiniEngine
 from safetensors.torch import load_file
 
 from engram import EngramConfig, EngramLM, ModelConfig, NgramHasher
+from engram.errors import UserError
 from engram.serving.generate import GenerationConfig, Generator
-from engram.serving.hf_export import export_model, open_export, read_export
+from engram.artifacts.export import read_export
+from engram.artifacts.export import write as export_model
+from engram.serving.hf_export import open_export
 from engram.serving.paged import PagedLM
 from engram.tables.registry import REGISTRY, TIERS
 from engram.tables.tablefile import TableFileError
@@ -80,6 +83,22 @@ def test_every_tier_serves_generate_s_tokens(exported, serving):
     assert len({tuple(w) for w in want}) > 3  # the tokens depend on the prompt
 
 
+def test_opening_takes_the_export_as_it_is_and_draws_nothing(exported):
+    """Issue 48 (gpt-fast: build on meta, load with assign): the opened model's state dict is the
+    exported model's bit for bit (without the tables a file tier reads from files), and opening
+    leaves the global generator as it was."""
+    out, model, _, _ = exported
+    want = model.state_dict()
+    untouched = torch.rand(4, generator=torch.Generator().manual_seed(0))
+    for tier in ("memory", "file"):
+        torch.manual_seed(0)
+        got = open_export(out, {"tier": tier}).model.state_dict()
+        assert torch.equal(torch.rand(4), untouched), tier
+        assert set(got) == (set(want) if tier == "memory" else
+                            {k for k in want if ".engram.table." not in k}), tier
+        assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in got)
+
+
 def test_export_layout(exported):
     out, model, _, vocab = exported
     config = json.loads((out / "config.json").read_text())
@@ -106,9 +125,13 @@ def test_bad_exports_are_refused_at_load(exported, tmp_path):
     with pytest.raises(TableFileError, match="layer"):
         load(out, tier="file")
     table.unlink()
-    with pytest.raises(FileNotFoundError, match="layer 1"):
+    with pytest.raises(FileNotFoundError, match="missing a table file.*tables/layer1.table"):
         load(out, tier="memory")
     config = json.loads((out / "config.json").read_text())
+    edited = {**config, "num_hidden_layers": config["num_hidden_layers"] + 1}
+    (out / "config.json").write_text(json.dumps(edited))  # the HF copy of the shape, edited
+    with pytest.raises(UserError, match="num_hidden_layers=.*engram_model"):
+        load(out, tier="memory")
     config["engram_format"] = "something-else"
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="not an engram export"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_hf_export import prompts, random_model, reference
 
-from engram.serving.hf_export import export_model
+from engram.artifacts.export import write as export_model
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402

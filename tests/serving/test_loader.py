@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 import torch
 
+from engram.artifacts.checkpoint import load_checkpoint, newest_checkpoint
 from engram.cli import main
 from engram.retrieval.hot import NineHasher, build_hot_index
 from engram.serving.generate import GenerationConfig, Generator
 from engram.serving.loader import open_model, write_tables
-from engram.training.corpus import build_corpus
 from engram.tables.hotcold import check_index_files, hot_path, read_index_files, write_hot_tier
 from engram.tables.registry import REGISTRY, TIERS, open_tier
 from engram.tables.tablefile import TableFileError, table_path
+from engram.training.corpus import build_corpus
 from engram.training.train import TrainConfig, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -64,6 +65,24 @@ def _logits(served):
     g = served.hasher.config.max_ngram_size - 1
     assert all(bool((i[..., -g:] >= 0).any()) for i in ids.values())  # the hot tier is read
     return served.model(local, ids).logits
+
+
+@pytest.mark.parametrize("layout", ["shared", "own"])
+def test_opening_takes_the_checkpoint_as_it_is_and_draws_nothing(runs, layout):
+    """Issue 48 (gpt-fast: build on meta, load with assign): the opened model's state dict is the
+    checkpoint's bit for bit (the file tier's without the tables it reads from files), and
+    opening leaves the global generator as it was; it used to draw an init seed and every table
+    from it, only to overwrite them."""
+    run = runs[layout][0]
+    want = load_checkpoint(newest_checkpoint(run), parts=("model",))[0]["model"]
+    untouched = torch.rand(4, generator=torch.Generator().manual_seed(0))
+    for tier in ("memory", "file"):
+        torch.manual_seed(0)
+        got = open_model(run, tier=tier).model.state_dict()
+        assert torch.equal(torch.rand(4), untouched), tier
+        assert set(got) == (set(want) if tier == "memory" else
+                            {k for k in want if ".engram.table." not in k})
+        assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in got)
 
 
 # open_model's "memory" serves the checkpoint's own tables: the reference every other registered

@@ -20,7 +20,8 @@ from test_hf_export import random_model
 from engram.cli import main
 from engram.errors import UserError
 from engram.serving.generate import GenerationConfig, Generator
-from engram.serving.hf_export import export_model, open_export
+from engram.artifacts.export import write as export_model
+from engram.serving.hf_export import open_export
 from engram.serving.loader import open_model
 from engram.serving.paged import PagedLM
 from engram.training.prepare import PrepareConfig, prepare

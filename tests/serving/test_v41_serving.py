@@ -11,7 +11,7 @@ import torch
 from engine_sim import MiniEngine
 from v41_ckpt import engram_tensors, make_checkpoint, same_tensor
 
-from engram.models.v41_layers import import_v41
+from engram.artifacts.layer_set import import_v41
 from engram.cli import main
 from engram.serving.generate import GenerationConfig, Generator
 from engram.serving.hf_export import open_export

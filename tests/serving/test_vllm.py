@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from test_hf_export import prompts, random_model, reference
 
-from engram.serving.hf_export import export_model
+from engram.artifacts.export import write as export_model
 
 VLLM_PYTHON = os.environ.get("ENGRAM_VLLM_PYTHON") or (
     sys.executable if importlib.util.find_spec("vllm") is not None else None)
@@ -91,7 +91,7 @@ def test_vllm_serves_an_imported_v41_layer_set(tmp_path):
     from test_v41_serving import RUN
     from v41_ckpt import make_checkpoint
 
-    from engram.models.v41_layers import import_v41
+    from engram.artifacts.layer_set import import_v41
     from engram.serving.generate import GenerationConfig, Generator
     from engram.serving.loader import export_hf
     from engram.serving.loader import open_model

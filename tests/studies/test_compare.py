@@ -55,7 +55,7 @@ def test_compare_end_to_end_writes_results(tmp_path):
     assert ("People's Daily" in report) == ("peoples-daily" in TINY.sources)
     assert 0 < summary["gates"]["mean"] < 1
     # Results say which machine and which GEMM path produced them (rounding differs between them).
-    from engram import gemm, machine
+    from engram.compute import gemm, machine
     assert summary["machine"] == {"cpu": machine.cpu_id(), "gemm": gemm.backend()}
     assert f"matrix products through {gemm.backend()}" in report
     # The wall-time estimate made before the runs, beside what they took and where it went.
@@ -173,3 +173,22 @@ def test_fieller_share():
     # A gain not bounded away from zero: no interval, and the report says why.
     u = fieller_ratio([0.01, -0.02, 0.015], [0.02, -0.03, 0.01])
     assert u["low"] is None and "undefined" in u["why"]
+
+
+def test_a_memory_that_costs_loss_does_not_carry_the_gain():
+    """The split at 4x compare's tokens (compare/split_tokens/, two passes over the corpus): the
+    rows cost 0.127 nats, resolved, a share above 0.5 of a negative gain; the criterion asks for a
+    gain. Flipped in sign (the 2x point's shape) the same numbers carry it."""
+    from engram.studies.compare import split_gain
+    from engram.studies.report import _unmet
+
+    loss = {"dense": [5.1857, 5.1596, 5.1638], "engram": [5.3041, 5.2840, 5.2938],
+            "pathway": [5.1721, 5.1614, 5.1668]}
+    runs = {a: {"val_loss_per_seed": v} for a, v in loss.items()}
+    noise = {a: max(v) - min(v) for a, v in loss.items()}
+    sp = split_gain(runs, noise)
+    assert sp["memory"]["mean"] < 0 and sp["memory"]["resolved"] and sp["memory_share"]["estimate"] > 0.5
+    assert not sp["memory_carries_gain"] and "not a gain" in _unmet(sp)
+    flipped = {**runs, "engram": {"val_loss_per_seed": [2 * p - e for p, e in
+                                                         zip(loss["pathway"], loss["engram"])]}}
+    assert split_gain(flipped, noise)["memory_carries_gain"]

@@ -90,7 +90,7 @@ def test_killed_nine_run_resumes_to_the_same_numbers(tmp_path):
     import time
 
     from engram.studies.nine import train_and_watch
-    from engram.training.checkpoint import CheckpointError
+    from engram.artifacts.checkpoint import CheckpointError
     from engram.training.loop import restore
     from engram.training.train import FileCheckpoints, build_run
 

@@ -54,7 +54,10 @@ def test_real_v41_table_arithmetic(summary):
     assert {k: v["rows"] for k, v in t["layers"].items()} == {"1": 384_006_168, "14": 384_016_682}
     assert t["layers"]["1"]["fp8+e8m0"] == 384_006_168 * 264
     assert t["total"]["fp8+e8m0"] == 768_022_850 * 264 == 202_758_032_400
-    assert t["row_bytes"] == {"fp8+e8m0": 264, "fp8+fp32": 288, "bf16": 512, "fp32": 1024}
+    # GGUF Q8_0 / Q4_0 blocks too (issue 47): 256 values in 8 blocks of 32, an fp16 scale each
+    assert t["row_bytes"] == {"fp8+e8m0": 264, "fp8+fp32": 288, "bf16": 512, "fp32": 1024,
+                              "int8": 272, "int4": 144}
+    assert t["total"]["int4"] == 768_022_850 * 144
     assert "layer 14: 384,016,682 rows, FP8 + E8M0 101,380,404,048 B" in "\n".join(
         v41_lines(summary[0]["v41_tables"]))
 

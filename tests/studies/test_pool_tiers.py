@@ -13,8 +13,8 @@ import torch
 from engram.studies.pool_steps import build_setup, step_rows, steps
 from engram.studies.pool_tiers import (
     TIERS,
+    BudgetTables,
     DelayedTable,
-    Tier,
     break_even,
     build_tiers,
     split_name,
@@ -81,7 +81,7 @@ def test_injected_latency_adds_round_trips(setup):
         dt = time.perf_counter() - t0
         assert torch.equal(out, store.lookup(rows))
     assert dt >= 10 * 200e-6
-    reads = time_reads(Tier({1: slow}, [], {}), [{1: rows}])
+    reads = time_reads(BudgetTables({1: slow}, [], {}), [{1: rows}])
     assert reads[1]["latency_s"] >= 2e-3 and reads[1]["distinct"] == 320
 
 

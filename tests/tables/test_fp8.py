@@ -140,7 +140,23 @@ def test_row_bytes_and_table_memory():
         264, 288, 512, 1024]
     t = table_memory({1: 10, 14: 3}, 256)
     assert t["total"] == {"rows": 13, "fp8+e8m0": 13 * 264, "fp8+fp32": 13 * 288,
-                          "bf16": 13 * 512, "fp32": 13 * 1024}
+                          "bf16": 13 * 512, "fp32": 13 * 1024, "int8": 13 * 272,
+                          "int4": 13 * 144}  # every format by default (issue 47)
+    # GGUF Q8_0 / Q4_0: an fp16 scale and 32 values (a byte each, or a nibble) per block
+    assert [row_bytes(32, f) for f in ("int8", "int4")] == [34, 18]
+    assert [row_bytes(256, f) for f in ("int8", "int4")] == [272, 144]
+    assert [row_bytes(48, f) for f in ("int8", "int4")] == [50, 26]  # 32 does not divide 48
+    t = table_memory({1: 10}, 32, formats=("fp32", "int8", "int4"))
+    assert t["row_bytes"] == {"fp32": 128, "int8": 34, "int4": 18}
+    assert t["total"] == {"rows": 10, "fp32": 1280, "int8": 340, "int4": 180}
+
+
+def test_row_bytes_are_the_table_files_bytes(tmp_path):
+    """row_bytes of int8 / int4 is what a table file stores a row in (its header's row_bytes)."""
+    rows = torch.randn(7, 64)
+    for kind in ("int8", "int4"):
+        h = write_table(tmp_path / f"{kind}.table", rows, layer_id=1, config=CFG, dtype=kind)
+        assert h.row_bytes == row_bytes(64, kind)
 
 
 # -- the fused read: gather + dequantise in one pass ------------------------------------------------

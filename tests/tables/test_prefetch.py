@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from engram import EngramConfig, EngramLM, MemoryTable, ModelConfig, NgramHasher
+from engram.artifacts.table_files import export_tables
 from engram.serving.loader import load_dense_state
 from engram.tables.cache import CachedTable
+from engram.tables.host import PinnedTable
 from engram.tables.prefetch import PrefetchTable, prefetch_batch, wrap_prefetch
 from engram.tables.store import SplitLookup
 from engram.tables.tiers import open_tables
-from engram.tables.host import PinnedTable
-from engram.training.export import export_tables
 
 LOOKUP = np.arange(300) % 250
 PROFILES = {

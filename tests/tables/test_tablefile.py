@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engram import EngramConfig, EngramLM, MemoryTable, NgramHasher
+from engram.artifacts.checkpoint import save_checkpoint
 from engram.tables.tablefile import (
     TableFileError,
     check_compatible,
@@ -19,8 +20,7 @@ from engram.tables.tablefile import (
     write_table,
 )
 from engram.tables.tiers import FileTable, open_tables
-from engram.training.checkpoint import save_checkpoint
-from engram.training.export import export_tables
+from engram.training.run_tables import export_tables
 from engram.training.train import TrainConfig
 
 CFG = EngramConfig(engram_vocab_size=[101, 211], max_ngram_size=3, n_embed_per_ngram=64,

@@ -107,6 +107,23 @@ def test_every_registered_tier_equals_memory_table(tier, front, exported, oracle
         opened.close()
 
 
+def test_the_memory_tier_reads_the_files_rows_and_draws_nothing(exported, oracles, hasher):
+    """Issue 48 (build on meta, load with assign): the memory tier's tables hold the files' rows
+    bit for bit, read into the tensor it serves, not over rows drawn from the caller's generator
+    first (which it leaves as it was)."""
+    untouched = torch.rand(1, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    opened = open_parts_on("memory", exported, CFG, hasher)
+    try:
+        assert torch.equal(torch.rand(1), untouched)
+        assert sorted(opened.parts) == [("cold", lid) for lid in sorted(oracles)]
+        for (_, lid), store in opened.parts.items():
+            assert isinstance(store, MemoryTable)
+            assert torch.equal(store.weight.detach(), oracles[lid].weight.detach()), lid
+    finally:
+        opened.close()
+
+
 def test_unknown_or_unavailable_tiers_are_clear_errors(exported, hasher, monkeypatch):
     with pytest.raises(ValueError, match="tier must be one of .*'memory'.*got 'nvme'"):
         open_parts_on("nvme", exported, CFG, hasher)

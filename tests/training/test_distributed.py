@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engram.training.checkpoint import CheckpointError
+from engram.artifacts.checkpoint import CheckpointError
 from engram.training.corpus import DataConfig, build_corpus
 from engram.training.dist_checkpoint import consolidate, latest_distributed
 from engram.training.distributed import train_distributed
@@ -140,7 +140,7 @@ def test_world_2_checkpoint_loads_in_one_process(killed, reference, tmp_path, co
     # The torchrun run's own folder opens in one process (engram.open, generate, eval): every
     # table row from its shards, the same model as the consolidated checkpoint.
     from engram.serving.loader import open_model
-    from engram.training.checkpoint import latest_checkpoint, load_checkpoint
+    from engram.artifacts.checkpoint import latest_checkpoint, load_checkpoint
 
     served = open_model(killed[0]).model.state_dict()
     want = load_checkpoint(latest_checkpoint(tmp_path / "w1" / "checkpoints"))[0]["model"]

@@ -17,10 +17,10 @@ from test_distributed import (  # noqa: F401  (corpus, reference: fixtures)
     reference,
 )
 
+from engram.artifacts.checkpoint import latest_checkpoint, load_checkpoint
 from engram.errors import UserError
-from engram.training.checkpoint import latest_checkpoint, load_checkpoint
+from engram.models.precision import autocast_supported
 from engram.training.dist_checkpoint import consolidate, latest_distributed
-from engram.training.precision import autocast_supported
 from engram.training.process_group import backend_for, spawn_local
 from engram.training.train import train
 

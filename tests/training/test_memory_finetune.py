@@ -10,10 +10,10 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
+from engram.artifacts.checkpoint import LATEST  # noqa: E402
 from engram.cli import main  # noqa: E402
 from engram.errors import UserError  # noqa: E402
-from engram.models.adapter import from_pretrained, read_meta  # noqa: E402
-from engram.training.checkpoint import LATEST  # noqa: E402
+from engram.artifacts.adapter import from_pretrained, read_meta  # noqa: E402
 from engram.training.corpus import load_documents  # noqa: E402
 from engram.training.finetune import FinetuneConfig, finetune  # noqa: E402
 from engram.training.prepare import PrepareConfig, prepare  # noqa: E402

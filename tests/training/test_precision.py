@@ -1,4 +1,4 @@
-"""Device, precision and compile (training/precision.py) on the CPU: bf16 and fp16 runs track the
+"""Device, precision and compile (models/precision.py) on the CPU: bf16 and fp16 runs track the
 fp32 run, tables are stored in the precision with RowAdam's state in float32, fp16's loss scale
 skips non-finite steps and resumes exactly, compile equals eager, bad input fails before any work,
 and a bf16 checkpoint serves in fp32."""
@@ -11,22 +11,22 @@ import numpy as np
 import pytest
 import torch
 
+from engram.artifacts.checkpoint import load_checkpoint
 from engram.errors import NonFinite, UserError
-from engram.serving.generate import GenerationConfig, Generator
-from engram.serving.loader import open_model
-from engram.studies.evaluate import EvalConfig, run_eval
-from engram.tables.store import MemoryTable
-from engram.training import sparse_rows
-from engram.training.checkpoint import load_checkpoint
-from engram.training.corpus import DataConfig, build_corpus
-from engram.training.loop import Run, evaluate, fit
-from engram.training.precision import (
+from engram.models.precision import (
     LossScaler,
     autocast_supported,
     check_compile,
     check_precision,
     resolve_device,
 )
+from engram.serving.generate import GenerationConfig, Generator
+from engram.serving.loader import open_model
+from engram.studies.evaluate import EvalConfig, run_eval
+from engram.tables.store import MemoryTable
+from engram.training import sparse_rows
+from engram.training.corpus import DataConfig, build_corpus
+from engram.training.loop import Run, evaluate, fit
 from engram.training.train import TrainConfig, build_run, train, train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")

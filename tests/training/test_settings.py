@@ -21,7 +21,7 @@ import tempfile
 import pytest
 import torch
 
-from engram import gemm
+from engram.compute import gemm
 from engram.training import settings
 from engram.training.corpus import DataConfig, build_corpus
 from engram.training.train import TrainConfig, train
@@ -142,7 +142,7 @@ def test_engram_gemm_overrides_the_record_and_the_record_says_so(tmp_path, corpu
 def test_recorded_reads_a_sharded_checkpoint_and_prefers_it_to_settings_json(tmp_path):
     """A torchrun run's record sits in its checkpoint's dense part (dist_checkpoint.py's layout);
     settings.json adds buckets decided since, when it is of the same machine."""
-    from engram.training.checkpoint import save_checkpoint
+    from engram.artifacts.checkpoint import save_checkpoint
 
     here = gemm._machine()
     ckpt = {"gemm": {"backend": "auto", "machine": here, "routes": {"1t 64x8x8": "onednn"}},

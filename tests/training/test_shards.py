@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from engram.artifacts.checkpoint import CheckpointError
 from engram.errors import UserError
-from engram.training.checkpoint import CheckpointError
 from engram.training.corpus import DataConfig, build_corpus, open_corpus
 from engram.training.prepare import PrepareConfig, prepare
-from engram.training.streams import NpyFile, TokenStream
 from engram.training.sources import load_documents
+from engram.training.streams import NpyFile, TokenStream
 from engram.training.train import TrainConfig, train
 
 TINY = dict(n_layer=1, d_model=32, n_head=2, seq_len=16, batch_size=4, table_size=101,

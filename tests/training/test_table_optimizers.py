@@ -14,9 +14,9 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 
+from engram.artifacts.checkpoint import CheckpointError
 from engram.errors import UserError
 from engram.tables.store import MemoryTable
-from engram.training.checkpoint import CheckpointError
 from engram.training.corpus import DataConfig, build_corpus
 from engram.training.optim import TABLE_OPTIMIZERS, build_optimizers, make_table_optimizer
 from engram.training.row_optim import RowAdagrad, RowAdam, RowRMSprop
@@ -283,7 +283,7 @@ def test_nine_hot_tier_and_fp16_train_with_a_row_wise_optimizer(tmp_path, corpus
     train(_cfg(tmp_path, "part", steps=3, **nine), corpus, progress=False)
     resumed = train(_cfg(tmp_path, "part", steps=6, **nine), corpus, progress=False)
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in full.history]
-    from engram.training.precision import autocast_supported
+    from engram.models.precision import autocast_supported
 
     if autocast_supported("cpu", torch.float16):
         half = train(_cfg(tmp_path, "fp16", steps=8, precision="fp16", table_optimizer="rmsprop"),

@@ -14,14 +14,14 @@ import torch
 from safetensors import safe_open
 
 import engram
+from engram.artifacts.checkpoint import CheckpointError
+from engram.artifacts.tier_files import TierError, TierFiles, rank_folder
 from engram.errors import UserError
 from engram.retrieval.primes import rows_per_layer
-from engram.training.checkpoint import CheckpointError
 from engram.training.corpus import DataConfig, build_corpus
 from engram.training.dist_checkpoint import consolidate, latest_distributed
 from engram.training.distributed import build_distributed_run, train_distributed
 from engram.training.process_group import Dist, spawn_local, start_local
-from engram.training.tier_files import TierError, TierFiles, rank_folder
 from engram.training.tier_shards import Shard
 from engram.training.train import TrainConfig, build_run, train
 

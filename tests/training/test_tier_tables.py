@@ -1,5 +1,5 @@
-"""Training from the file tier (training/tier_tables.py, tier_files.py): the same floats as
-in-memory training, exact resume, SIGKILL at random points, bad input in one line."""
+"""Training from the file tier (training/tier_tables.py, artifacts/tier_files.py): the same floats
+as in-memory training, exact resume, SIGKILL at random points, bad input in one line."""
 
 import json
 import os
@@ -16,14 +16,14 @@ import pytest
 import torch
 
 import engram
+from engram.artifacts import tier_files
+from engram.artifacts.checkpoint import CheckpointError
+from engram.artifacts.tier_files import JOURNAL, Journal, TierFiles, roll_back
 from engram.errors import UserError
 from engram.tables.store import MemoryTable, deferred_rows, normal_chunks
-from engram.training import tier_files
-from engram.training.checkpoint import CheckpointError
 from engram.training.corpus import DataConfig, build_corpus
 from engram.training.hooks import LogMetrics, SaveCheckpoints
 from engram.training.loop import ONE_PROCESS, fit
-from engram.training.tier_files import JOURNAL, Journal, TierFiles, roll_back
 from engram.training.train import TrainConfig, build_run, checkpoints_of, train
 
 TINY = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, seq_len=32, batch_size=4,

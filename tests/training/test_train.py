@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from engram.artifacts.checkpoint import CheckpointError, latest_checkpoint
 from engram.models.layers import AdaptiveHead
-from engram.options import parse_overrides
-from engram.training.checkpoint import CheckpointError, latest_checkpoint
+from engram.commandline.options import parse_overrides
 from engram.training.corpus import DataConfig, build_corpus
 from engram.training.train import (
     TrainConfig,
@@ -174,7 +174,7 @@ def test_nine_run_resumes_exactly_and_exports_its_hot_tier(tmp_path, corpus):
     from engram.tables.hotcold import hot_path, read_hot_tier
     from engram.tables.tablefile import read_header, table_path
     from engram.tables.tiers import FileTable
-    from engram.training.export import export_tables
+    from engram.training.run_tables import export_tables
 
     nine = dict(hot_rows=40, shared_tables=True, engram_layers=(0, 1))
     full = train(_cfg(tmp_path, "full", steps=6, **nine), corpus, progress=False)
@@ -252,7 +252,7 @@ def test_a_checkpoint_written_before_an_option_existed_still_resumes():
 
 def test_a_checkpoint_reads_only_the_parts_asked(tmp_path):
     """A server opens a checkpoint without its optimiser state (2x the tables in Adam moments)."""
-    from engram.training.checkpoint import load_checkpoint, save_checkpoint
+    from engram.artifacts.checkpoint import load_checkpoint, save_checkpoint
 
     state = {"model": {"w": torch.arange(6.0).view(2, 3)},
              "optim": {"state": [{"m": torch.ones(4)}, (torch.zeros(2), 3)]}, "hot_index": None}

@@ -10,7 +10,8 @@ positional arguments (``Arg``), the config dataclasses whose fields are its opti
 fields to skip, a prefix), and which arguments and options are places it reads (``reads``: a name,
 or ``In`` for a text file) and writes (``writes``: ``Out``, a file or a folder of a
 kind). The function receives the positional values, then one instance per config, and prints its
-result. Every command with configs also takes ``--config FILE`` and ``--print_config`` (options.py). Adding a command:
+result. Every command with configs also takes ``--config FILE`` and ``--print_config``
+(commandline/options.py). Adding a command:
 
     @command("eval", "loss of a trained run on any text", args=(RUN_DIR,),
              configs=("engram.studies.evaluate:EvalConfig",),
@@ -29,10 +30,10 @@ a second command writing the same folder is refused in one line naming the first
 fails leaves no folder it created behind.
 
 A config whose module imports torch is named ``"module:Class"``; every config is read from its
-source (``engram.schema``), so ``engram --help`` and ``engram CMD --help`` import no torch, and a
-command's modules are imported only when it runs (import them inside the function). Options that
-exist only on the command line (the prompts, resume, where tables live) are dataclasses next to the
-commands that take them.
+source (``engram.commandline.schema``), so ``engram --help`` and ``engram CMD --help`` import no
+torch, and a command's modules are imported only when it runs (import them inside the function).
+Options that exist only on the command line (the prompts, resume, where tables live) are
+dataclasses next to the commands that take them.
 
 Errors: ``engram.errors.UserError`` (bad input) and argparse errors print one line,
 ``engram CMD: error: MESSAGE``, and exit 2; a disk that refuses a write (ENOSPC, EDQUOT, EROFS, EIO:
@@ -52,7 +53,7 @@ from typing import Any, Iterator
 
 from ..errors import Interrupted, UserError
 from ..files import disk_error
-from ..options import ConfigParser, new_parser
+from ..commandline.options import ConfigParser, new_parser
 # Each declares its commands, in `engram --help` order: making a run, studies, serving.
 from . import training  # noqa: F401, I001
 from . import studies  # noqa: F401
@@ -132,11 +133,16 @@ def run() -> int:
     """The process's entry (the ``engram`` script, ``python -m engram``): ``main``, then the
     process ends without a last garbage collection walking every object still held: a study's
     parent spent ~1.2 s of a 2.5 s Ctrl-C there on 2 cores, for memory the OS takes back anyway
-    (atexit handlers still run first). Not in ``main``, which a caller's process outlives."""
+    (atexit handlers still run first). Not in ``main``, which a caller's process outlives.
+
+    Not where Triton is loaded (torch's CUDA builds import it with torch._dynamo, which every
+    optimiser's first param group imports): its nanobind objects, frozen, outlive its module, and
+    nanobind prints ~40 lines of "leaked instances" at exit, after the command's last line."""
     import gc
 
     code = main()
-    gc.freeze()
+    if "triton" not in sys.modules:
+        gc.freeze()
     return code
 
 

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from ..command import Arg, Command, Config, In, Out
+from ..commandline.command import Arg, Command, Config, In, Out
 
 TRAIN = "engram.training.train:TrainConfig"
 
-# What a torchrun run's config.json holds besides TrainConfig's fields (training/distributed.py):
-# `--config RUN/config.json` passes over them where no option of the command owns them.
-RUN_RECORDS = ("world_size", "table_init")
+from ..artifacts import RUN_RECORDS  # noqa: F401  (torchrun's records in a run's config.json)
 
 
 GENERATION = "engram.serving.generate:GenerationConfig"
@@ -59,6 +57,6 @@ RUNS_KEPT = ("finished runs are kept; a run in progress resumes from its checkpo
 
 def _on_this_machine(base) -> None:
     """A study's --device, --precision and --compile, checked before its first run (UserError)."""
-    from ..training.precision import resolve
+    from ..models.precision import resolve
 
     resolve(base.device, base.precision, base.compile)

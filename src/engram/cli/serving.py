@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputNotFound, UserError
-from ..command import Arg, Config, In, Out
+from ..commandline.command import Arg, Config, In, Out
+from ..ranges import AT_LEAST_1, check_ranges
 from .registry import GENERATION, RUN_DIR, RUN_RECORDS, TIER_OPTIONS, TRAIN, command
 
 @dataclass
@@ -29,6 +30,20 @@ class Tables:
 
 
 @dataclass
+class Gate:
+    # Keep a lossy --table_dtype whose measured loss rise is above the gate's 0.01 nats a token,
+    # up to this many nats (docs/guides/tables.md: the quality gate).
+    accept_loss: float | None = None
+    # Measure a lossy format's cost on this UTF-8 text (paragraphs are documents) instead of the
+    # run's held-out split; refused where it overlaps the training stream.
+    text: str | None = None
+    quality_tokens: int = 32_768  # at most this many tokens scored to measure a lossy format
+
+    def __post_init__(self) -> None:
+        check_ranges(self, quality_tokens=AT_LEAST_1)
+
+
+@dataclass
 class Prompts:
     prompt: list[str]  # text to continue; repeat the option for a batch
     stop: bool = True  # end a row at the end-of-text token (--no-stop: always max_new_tokens)
@@ -45,25 +60,33 @@ class Prompts:
 
 @command("generate", "continue prompts with a trained run, tables on any tier",
          args=(Arg("run_dir", RUN_DIR.help, deprecated="--run"),),
-         configs=(Prompts, Tables, GENERATION),
+         configs=(Prompts, Tables, Config(Gate, skip=("text", "quality_tokens")), GENERATION),
          reads=("run_dir", "table_dir"), writes=(Out("json"),),
          about="GenerationConfig's prefetch (announce rows before each forward) stays on; "
-         "--prefetch is the tables' background gather.")
-def _generate(run_dir: str, o: Prompts, t: Tables, gen) -> None:
+         "--prefetch is the tables' background gather. Lossy table files are written and "
+         "measured as `engram export-tables` does (the quality gate).")
+def _generate(run_dir: str, o: Prompts, t: Tables, g: Gate, gen) -> None:
     import dataclasses
 
     import torch
 
     from ..serving.generate import Generator
-    from ..serving.loader import open_model, write_tables
+    from ..serving.loader import open_model
+    from ..studies.table_cost import cost_line, export_gated, is_run, table_folder
 
     def say(line: str) -> None:
         print(f"engram generate: {line}", file=sys.stderr)
 
     if o.threads:
         torch.set_num_threads(o.threads)
-    if t.tier != "memory" and t.engram_layers is None:  # the file tiers read table files
-        write_tables(run_dir, t.table_dir, t.table_dtype, say=say)
+    if t.tier != "memory" and t.engram_layers is None and is_run(run_dir):
+        # a run's file tiers read table files written from its checkpoint; an export's are its own
+        export_gated(run_dir, t.table_dir, t.table_dtype, accept_loss=g.accept_loss,
+                     command="engram generate", say=say)
+    if t.engram_layers is None:  # a V4.1 layer set's files are its own (fp8 + E8M0, as V4.1's)
+        line = cost_line(table_folder(run_dir, t.tier, t.table_dir))
+        if line:
+            say(line)
     rt = open_model(run_dir, tier=t.tier, table_dir=t.table_dir, table_dtype=t.table_dtype,
                     cache_fraction=t.cache_fraction, prefetch=t.prefetch,
                     engram_layers=t.engram_layers, device=gen.device,
@@ -93,33 +116,72 @@ def _generate(run_dir: str, o: Prompts, t: Tables, gen) -> None:
 @command("export-tables", "a run's tables as table files, for the file tiers (generate, eval, "
          "pool-budget read them)",
          args=(RUN_DIR,), configs=(Config(Tables, skip=("tier", "cache_fraction", "prefetch",
-                                                        "engram_layers")),),
-         reads=("run_dir",), writes=(Out("table_dir", "tables", of="run_dir"),),
-         about="Writes nothing when the files of the newest checkpoint are there already.")
-def _export_tables(run_dir: str, t: Tables) -> None:
-    from ..serving.loader import write_tables
+                                                        "engram_layers")), Gate),
+         reads=("run_dir", In("text", text=True)),
+         writes=(Out("table_dir", "tables", of="run_dir"),),
+         about="Writes nothing when the files of the newest checkpoint are there already. A lossy "
+         "--table_dtype (all but fp32) is measured against the fp32 tables (TABLE_DIR/"
+         "quality.json, one line on stderr) and refused, its files removed, when the loss rises "
+         "more than 0.01 nats a token (--accept_loss).")
+def _export_tables(run_dir: str, t: Tables, g: Gate) -> None:
+    from ..studies.table_cost import describe, export_gated
 
-    folder = write_tables(run_dir, t.table_dir, t.table_dtype,
-                          say=lambda line: print(f"engram export-tables: {line}", file=sys.stderr))
+    def say(line: str) -> None:
+        print(f"engram export-tables: {line}", file=sys.stderr)
+
+    folder, rec = export_gated(run_dir, t.table_dir, t.table_dtype, accept_loss=g.accept_loss,
+                               text=g.text, max_tokens=g.quality_tokens, say=say)
+    if rec is not None:
+        say(describe(rec))
     print(f"table files in {folder}")
 
 
 @command("export-hf", "a trained run as a directory vLLM serves (`vllm serve OUT` with the plugin)",
          args=(RUN_DIR, Arg("out_dir", "where to write config.json, weights, tables and "
                             "tokenizer")),
-         configs=(Config(Tables, skip=("table_dir",)),),
-         reads=("run_dir",), writes=(Out("out_dir", "export", of="run_dir"),),
+         configs=(Config(Tables, skip=("table_dir",)), Gate),
+         reads=("run_dir", In("text", text=True)),
+         writes=(Out("out_dir", "export", of="run_dir"),),
          about="The tier is a default: vLLM's --hf-overrides "
          "'{\"engram_serving\": {\"tier\": \"file\"}}' changes it. A rerun keeps the files "
-         "already written that hold what it would write, and writes the rest.",
+         "already written that hold what it would write, and writes the rest. A lossy "
+         "--table_dtype (all but fp32) is measured as `engram export-tables` measures it "
+         "(OUT/tables/quality.json, one line on stderr) before it replaces any table file, and "
+         "refused, OUT left as it was, when the loss rises more than 0.01 nats a token "
+         "(--accept_loss).",
          interrupted="the files written whole so far are kept; the same command writes the rest")
-def _export_hf(run_dir: str, out_dir: str, t: Tables) -> None:
+def _export_hf(run_dir: str, out_dir: str, t: Tables, g: Gate) -> None:
     from ..serving.loader import export_hf
+    from ..studies.table_cost import describe, export_hf_gated
 
+    def say(line: str) -> None:
+        print(f"engram export-hf: {line}", file=sys.stderr)
+
+    if t.engram_layers is not None and t.table_dtype not in ("fp32", "fp8"):
+        # Issue 47: every lossy export is measured, against the rows it rounds; a layer set's
+        # are fp8 + E8M0 (fp8 and fp32 files hold them exactly), and the gate measures against a
+        # run's own tables, not a layer set's.
+        raise UserError(f"--table_dtype {t.table_dtype} with --engram_layers: a V4.1 layer "
+                        "set's rows are fp8 with E8M0 scales, held exactly by fp8 or fp32 table "
+                        "files; another format's cost against them is not measured, so it is "
+                        "not exported (choose --table_dtype fp8)")
     kept: list[Path] = []
-    out = export_hf(run_dir, out_dir, tier=t.tier, table_dtype=t.table_dtype,
-                    cache_fraction=t.cache_fraction, prefetch=t.prefetch,
-                    engram_layers=t.engram_layers, kept=kept)
+
+    def write() -> Path:
+        return export_hf(run_dir, out_dir, tier=t.tier, table_dtype=t.table_dtype,
+                         cache_fraction=t.cache_fraction, prefetch=t.prefetch,
+                         engram_layers=t.engram_layers, kept=kept)
+
+    if t.engram_layers is not None:  # the layer set's own rows (fp8 + E8M0), or fp32: exact
+        out = write()
+    else:
+        placed: list[Path] = []
+        out, rec = export_hf_gated(run_dir, out_dir, t.table_dtype, write,
+                                   accept_loss=g.accept_loss, text=g.text,
+                                   max_tokens=g.quality_tokens, say=say, placed=placed)
+        if rec is not None:
+            say(describe(rec))
+        kept = [p for p in kept if p not in placed]  # written by this command, through the gate
     if kept:
         names = ", ".join(str(p.relative_to(out)) for p in kept)
         print(f"engram export-hf: kept {len(kept)} file{'s' if len(kept) > 1 else ''} already "
@@ -159,7 +221,7 @@ def _lm_eval(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):  # lm-eval's own help, from a process of its own:
         import subprocess  # this one stays free of torch (lm-eval imports it)
 
-        from ..schema import constant
+        from ..commandline.schema import constant
 
         print("engram lm-eval: lm-eval's own options below; --model is engram unless given.\n"
               "model_args of engram: pretrained=OUT (an `engram export-hf` directory), tier ("
@@ -220,14 +282,14 @@ def _model_args(argv: list[str]) -> dict[str, str]:
 def _check_model_args(args: dict[str, str]) -> None:
     """What the user can fix, refused in one line before lm-eval starts (it logs and builds its
     task list first, and reports a model's error as a traceback)."""
-    from ..serving.hf_export import check_serving
+    from ..artifacts.export import check_serving
 
     if "pretrained" not in args:
         raise UserError("--model_args needs pretrained=DIR (an `engram export-hf` directory)")
     root = Path(args["pretrained"])
-    from ..models.adapter import is_adapter
+    from ..artifacts import adapter
 
-    if is_adapter(root):  # `engram finetune`'s folder
+    if adapter.detect(root):  # `engram finetune`'s folder
         if args.get("tier", "memory") != "memory":
             raise UserError(f"pretrained={root} is a finetuned adapter: its tables are served from "
                             "memory only")
@@ -247,7 +309,7 @@ V41_ABOUT = "OUT appears whole or not at all; an existing non-empty OUT is refus
                         Arg("out", "folder to write")),
          reads=("src",), writes=(Out("out", "v41-layers", whole=True),), about=V41_ABOUT)
 def _import_v41(src: str, out: str) -> None:
-    from ..models.v41_layers import import_v41
+    from ..artifacts.layer_set import import_v41
 
     print(f"wrote {import_v41(src, out, progress=True)}")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..errors import UserError
-from ..command import Arg, In, Out
+from ..commandline.command import Arg, In, Out
 from .registry import RUN_DIR, RUNS_KEPT, STUDY_BASE, _on_this_machine, command
 
 
@@ -105,8 +105,14 @@ def _study_vision(cfg) -> None:
          args=(RUN_DIR,), configs=("engram.studies.evaluate:EvalConfig",),
          reads=("run_dir", In("text", text=True)), writes=(Out("json"),))
 def _eval(run_dir: str, ec) -> None:
-    from ..studies.evaluate import run_eval
+    import sys
 
+    from ..studies.evaluate import run_eval
+    from ..studies.table_cost import cost_line, table_folder
+
+    line = cost_line(table_folder(run_dir))  # an export's table files (a run's are fp32, in memory)
+    if line:
+        print(f"engram eval: {line}", file=sys.stderr)
     print(json.dumps(run_eval(run_dir, ec)))
 
 

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..command import Arg, Config, In, Out
+from ..commandline.command import Arg, Config, In, Out
 from ..errors import Interrupted, NonFinite, UserError
 from ..files import disk_error
 from ..ranges import AT_LEAST_1, POSITIVE, Range, check_ranges
@@ -65,7 +65,7 @@ def _demo(o: DemoOptions) -> None:
          interrupted="stopped at once (before training began, or a second Ctrl-C): the run "
          "folder's newest checkpoint, if any, is intact and the same command resumes from it")
 def _train(cfg, launch: Launch) -> None:
-    from ..training.checkpoint import saved_step
+    from ..artifacts.checkpoint import saved_step
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -129,7 +129,7 @@ def _prepare(cfg) -> None:
          interrupted="stopped at once (before training began, or a second Ctrl-C): the newest "
          "checkpoint in OUT_DIR/checkpoints, if any, is intact and the same command resumes from it")
 def _finetune(model: str, cfg) -> None:
-    from ..training.checkpoint import saved_step
+    from ..artifacts.checkpoint import saved_step
     from ..training.finetune import finetune
 
     try:

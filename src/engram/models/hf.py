@@ -329,7 +329,7 @@ def inject(model: nn.Module, config: EngramConfig, layer_ids: list[int] | None =
         inner = getattr(model, "_reorder_cache", None)
         model._reorder_cache = partial(runtime.reorder_cache, inner=inner)
     # save_pretrained keeps writing the base checkpoint (from_pretrained of the plain class loads
-    # it); the memory ships separately as an adapter (engram.models.adapter.save_engram).
+    # it); the memory ships separately as an adapter (engram.artifacts.adapter.save_engram).
     keys = {f"{n}" for n, _ in model.named_parameters() if ".engram." in f".{n}"}
     model._keys_to_ignore_on_save = set(getattr(model, "_keys_to_ignore_on_save", None) or ()) | keys
     runtime.ignored_keys = keys

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gemm import Linear, adopt, linear
+from ..compute.gemm import Linear, adopt, linear
 from ..module import Engram, EngramState
 
 
@@ -289,7 +289,7 @@ class AdaptiveHead(nn.Module):
 
     def __init__(self, dim: int, vocab_size: int, cutoffs: tuple[int, ...], div_value: float):
         super().__init__()
-        # adopt: its head and tail projections take the package's GEMM path (engram/gemm.py)
+        # adopt: its head and tail projections take the package's GEMM path (engram/compute/gemm.py)
         self.asm = adopt(nn.AdaptiveLogSoftmaxWithLoss(dim, vocab_size, list(cutoffs),
                                                        div_value=div_value, head_bias=False))
         self.register_buffer("rank", torch.arange(vocab_size))  # [V] model id -> class index

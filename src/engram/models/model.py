@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -32,16 +33,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gemm import Linear
+from ..compute.gemm import Linear
 from ..module import Engram, EngramState, build_engram
 from ..module.engram import compile_ready
 from ..tables.store import TableStore
-from .layers import (AdaptiveHead, Attend, Block, CacheAttention, Memory, MoE, SwiGLU,
-                     causal_attention, engram_memory, rope_tables)
+from .cache import DecodeCache
+from .layers import (AdaptiveHead, Attend, Block, Memory, MoE, SwiGLU, causal_attention,
+                     engram_memory, rope_tables)
 from .model_config import ModelConfig
 from .surgery import fix_gate, share_key
 
-__all__ = ["DecodeCache", "EngramLM", "ModelConfig", "ModelOutput", "build_block", "build_ffn"]
+__all__ = ["EngramLM", "ModelConfig", "ModelOutput", "build_block", "build_ffn"]
 
 
 @dataclass
@@ -59,45 +61,6 @@ class ModelOutput:
         """[b, t, V], computed on first use (training losses never need them with the adaptive
         head); with the adaptive head they are log-probabilities, which softmax/argmax take as is."""
         return self.head(self.hidden)
-
-
-@dataclass
-class DecodeCache:
-    """Everything a cached forward needs to continue a batch of sequences at position ``pos``."""
-
-    keys: list[torch.Tensor]  # per layer [b, h, max_len, e]
-    values: list[torch.Tensor]  # per layer [b, h, max_len, e]
-    engram: dict[int, EngramState] = field(default_factory=dict)  # per Engram layer: conv context
-    pos: int = 0  # positions already processed (the next token's position)
-
-    @property
-    def batch_size(self) -> int:
-        return self.keys[0].shape[0]
-
-    @property
-    def max_len(self) -> int:
-        return self.keys[0].shape[2]
-
-    def attention(self, layer: int) -> CacheAttention:
-        """Layer ``layer``'s attention for the next forward: continues at ``pos``."""
-        return CacheAttention(self.keys[layer], self.values[layer], self.pos)
-
-    def reorder(self, index: torch.Tensor) -> None:
-        """Keep rows ``index`` (beam search, batch compaction)."""
-        self.keys = [k.index_select(0, index.to(k.device)) for k in self.keys]
-        self.values = [v.index_select(0, index.to(v.device)) for v in self.values]
-        for state in self.engram.values():
-            state.reorder(index)
-
-    def cat(self, other: DecodeCache) -> DecodeCache:
-        """This cache's rows, then ``other``'s (both at the same position)."""
-        return DecodeCache(
-            keys=[torch.cat([x, y]) for x, y in zip(self.keys, other.keys)],
-            values=[torch.cat([x, y]) for x, y in zip(self.values, other.values)],
-            engram={i: EngramState(None if s.conv is None
-                                   else torch.cat([s.conv, other.engram[i].conv]))
-                    for i, s in self.engram.items()},
-            pos=self.pos)
 
 
 def build_ffn(config: ModelConfig, layer: int) -> nn.Module:
@@ -123,12 +86,18 @@ def build_block(config: ModelConfig, layer: int,
 class EngramLM(nn.Module):
     """Decoder-only LM; ``tables`` puts given layers' rows in another store (kept as it is)."""
 
-    def __init__(self, config: ModelConfig, tables: dict[int, TableStore | None] | None = None):
+    def __init__(self, config: ModelConfig, tables: dict[int, TableStore | None] | None = None,
+                 *, init: bool = True):
+        """``init=False``: a model whose values a state dict will give (opening a saved run):
+        built on the meta device (the small adaptive head aside), nothing drawn from the global
+        generator, and its first ``load_state_dict`` takes the state's tensors as its own
+        (``tables``, outside stores, stay as they are)."""
         super().__init__()
         # One draw from the global generator (what the caller seeded), before any module is built:
         # every parameter's init is then drawn from (this, its name) alone (init_weights), so two
         # models that differ in one part share every other initial parameter bit for bit.
-        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))  # (also under meta)
+        # Opening draws nothing (issue 48): the global generator is the caller's, untouched.
+        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu")) if init else None
         tables = dict(tables or {})
         extra = sorted(set(tables) - set(config.engram_layers))
         if extra:
@@ -136,26 +105,37 @@ class EngramLM(nn.Module):
                              f"(Engram layers: {config.engram_layers})")
         self.config = config
         self._own_tables = [i for i in config.engram_layers if i not in tables]
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList([build_block(config, i, tables.get(i, "memory"))
-                                     for i in range(config.n_layer)])
-        for engram in self.engrams().values():  # ablations (paper table 5), off by default
-            if config.engram_fixed_gate:
-                fix_gate(engram)
-            if config.engram_shared_key:
-                share_key(engram)
-        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self._unloaded = not init  # on meta until load_state_dict (gpt-fast's _load_model)
+        with nullcontext() if init else torch.device("meta"):
+            # On meta, nn.Embedding's own normal_ would load torch's Python meta kernels (sympy,
+            # about 2 s a process): given its weight, it draws nothing.
+            shape = (config.vocab_size, config.d_model)
+            self.embed = (nn.Embedding(*shape) if init else
+                          nn.Embedding(*shape, _weight=torch.empty(shape)))
+            self.blocks = nn.ModuleList([build_block(config, i, tables.get(i, "memory"))
+                                         for i in range(config.n_layer)])
+            for engram in self.engrams().values():  # ablations (paper table 5), off by default
+                if config.engram_fixed_gate:
+                    fix_gate(engram)
+                if config.engram_shared_key:
+                    share_key(engram)
+            self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+            if config.head != "adaptive":
+                self.head = Linear(config.d_model, config.vocab_size, bias=False)
         if config.head == "adaptive":
-            self.head = AdaptiveHead(config.d_model, config.vocab_size, config.head_cutoffs,
-                                     config.head_div)
-        else:
-            self.head = Linear(config.d_model, config.vocab_size, bias=False)
+            # Off meta when opening: its rank buffer's arange has only a Python meta kernel (sympy
+            # again); the head is small, drawn under a forked generator (the caller's untouched).
+            with nullcontext() if init else torch.random.fork_rng(devices=[]):
+                self.head = AdaptiveHead(config.d_model, config.vocab_size, config.head_cutoffs,
+                                         config.head_div)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
+        # In the caller's device context, off meta: no checkpoint holds the rotary tables.
         cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, e/2]
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        if init:
+            self.init_weights()
 
     # -- initialisation (all of it) ----------------------------------------------------------------
     def generator(self, name: str) -> torch.Generator:
@@ -219,12 +199,57 @@ class EngramLM(nn.Module):
         # Zero conv (paper 2.3): Y = alpha * v at the start, a pure gated lookup.
         engram.init_weights()
 
+    # -- loading -----------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
+                        assign: bool = False):
+        """``nn.Module.load_state_dict``; into a model built with ``init=False`` the state's
+        tensors become the parameters, cast to the dtypes the model was built with as a copy
+        would (gpt-fast's ``assign=True``: no second copy of the tables), outside stores keep
+        their own, tied parameters stay tied, and the buffers no state holds are made."""
+        if not self._unloaded:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        own = self.state_dict(keep_vars=True)
+        given = {}
+        for key, value in state_dict.items():
+            mine = own.get(key)
+            if mine is not None and not mine.is_meta and mine.shape == value.shape:
+                with torch.no_grad():  # an outside store's tensor: filled in place, kept
+                    if value.data_ptr() != mine.data_ptr():
+                        mine.copy_(value)
+                value = mine
+            elif mine is not None and mine.is_meta:
+                value = value.to(mine.dtype)
+            given[key] = value
+        tied: dict[int, list[str]] = {}
+        for name, p in self.named_parameters(remove_duplicate=False):
+            tied.setdefault(id(p), []).append(name)
+        result = super().load_state_dict(given, strict=strict, assign=True)
+        for first, *others in (names for names in tied.values() if len(names) > 1):
+            for name in others:  # assign gave each name its own tensor (tie_embeddings)
+                module, _, attr = name.rpartition(".")
+                setattr(self.get_submodule(module), attr, self.get_parameter(first))
+        self._make_buffers()
+        return result
+
+    def _make_buffers(self) -> None:
+        """The buffers built on meta that no state holds (Engram's per-head offsets and sizes,
+        module/engram.py), then a check that nothing is left on meta."""
+        for engram in self.engrams().values():
+            if engram.head_sizes is not None and engram.offsets.is_meta:
+                engram.make_head_buffers()
+        left = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
+        if left:
+            raise ValueError(f"the state dict gave no values for {left[:5]} (a model built with "
+                             "init=False takes every value from it)")
+        self._unloaded = False
+
     def compile(self, *args, **kwargs) -> None:
         """``nn.Module.compile`` (torch.compile of this model's forward, in place: same module,
         same state dict), with the Engram table reads kept out of the graph (sparse row
         gradients, tiers' reads). Under compile the gate and conv run as plain ops the compiler
         fuses (module/gate.py ``gate_plain``, conv.py ``conv_plain``), products as the compiler
-        picks them (not gemm.py's route); the MoE dispatch's per-expert split is a graph break."""
+        picks them (not compute/gemm.py's route); the MoE dispatch's per-expert split is a graph
+        break."""
         compile_ready()
         super().compile(*args, **kwargs)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..gemm import linear
+from ..compute.gemm import linear
 from ..retrieval.config import EngramConfig
 from ..retrieval.primes import head_offsets, prime_table_sizes
 from ..tables.store import MemoryTable, TableStore
@@ -74,10 +74,7 @@ class Engram(nn.Module):
         self.d_mem, self.hidden_size, self.hc_mult = d_mem, hidden_size, hc_mult
         self.gate, self.fused, self.conv_init, self.kernels = gate, fused, conv_init, kernels
         self.head_sizes = list(head_sizes) if head_sizes is not None else None
-        if self.head_sizes is not None:
-            self.register_buffer("offsets", torch.tensor(head_offsets(self.head_sizes)),
-                                 persistent=False)
-            self.register_buffer("sizes", torch.tensor(self.head_sizes), persistent=False)
+        self.make_head_buffers()
         if fused:
             self.kv_proj = nn.Linear(d_mem, (hc_mult + 1) * hidden_size, bias=False)
         else:
@@ -98,6 +95,14 @@ class Engram(nn.Module):
         # suppression analyses); the keys and the gate are then skipped.
         self.gate_value: float | None = None
         self.init_weights()
+
+    def make_head_buffers(self) -> None:
+        """The per-head row offsets and sizes (from ``head_sizes``; no state holds them): made
+        here, and again by a model built on meta once its state is loaded (models/model.py)."""
+        if self.head_sizes is not None:
+            self.register_buffer("offsets", torch.tensor(head_offsets(self.head_sizes)),
+                                 persistent=False)
+            self.register_buffer("sizes", torch.tensor(self.head_sizes), persistent=False)
 
     def init_weights(self) -> None:
         """All initialisation in one place."""

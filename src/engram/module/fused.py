@@ -39,7 +39,7 @@ _HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 ITEMS = 16
 MAX_KERNEL = 4  # the conv's taps are summed 4 at a time in registers (kernels.weight_rows)
 # Values ([n, m, d]) under which a call stays on one thread (a decode step: waking the pool costs
-# more than the work). Machine-dependent, but not timed (unlike engram/gemm.py's route): a call's
+# more than the work). Machine-dependent, but not timed (unlike engram/compute/gemm.py's route): a call's
 # bits are the same either way, and a threshold off by 4x costs ~0.15 ms a call near it (65536
 # values of the compare module ran 0.50 ms serial, 0.36 ms on 2 threads).
 SERIAL_BELOW = 1 << 16

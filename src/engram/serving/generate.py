@@ -26,9 +26,7 @@ import torch
 
 from ..errors import UserError
 from ..models.model import EngramLM
-from ..ranges import check_ranges
-from ..retrieval.hashing import Hasher
-from ..training.precision import (
+from ..models.precision import (
     PRECISIONS,
     autocast,
     check_names,
@@ -36,6 +34,8 @@ from ..training.precision import (
     model_device,
     resolve,
 )
+from ..ranges import check_ranges
+from ..retrieval.hashing import Hasher
 from .runtime import DecodeGroup, Runtime, row_spans
 
 

@@ -31,7 +31,7 @@ def register_config() -> None:
     from transformers import AutoConfig
 
     from .hf_config import EngramLMConfig
-    from .hf_export import MODEL_TYPE
+    from ..artifacts.export import MODEL_TYPE
 
     AutoConfig.register(MODEL_TYPE, EngramLMConfig, exist_ok=True)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from .hf_export import MODEL_TYPE
+from ..artifacts.export import MODEL_TYPE
 
 
 class EngramLMConfig(PretrainedConfig):

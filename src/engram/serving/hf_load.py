@@ -1,10 +1,10 @@
 """Loading and saving ``EngramLMForCausalLM`` as an export.
 
 transformers' own loader would read model.safetensors into a model it builds itself; an export
-keeps its tables apart, as table files read on a tier (serving/hf_export.py), so both directions
-go through the export's own functions: ``open_export`` (the one runtime) in,
-``export_model`` out. The tables are opened by ONE call into hf_export/loader (the tier chain
-lives there), so a new tier needs no change here.
+keeps its tables apart, as table files read on a tier (artifacts/export.py, serving/hf_export.py),
+so both directions go through the export's own functions: ``open_export`` (the one runtime) in,
+``export_model`` (artifacts/export.py's ``write``) out. The tables are opened by ONE call into
+hf_export/loader (the tier chain lives there), so a new tier needs no change here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from .hf_export import ARCHITECTURE, FORMAT, MODEL_TYPE, SERVING_DEFAULTS, open_export
+from ..artifacts.export import ARCHITECTURE, CONFIG, FORMAT, MODEL_TYPE, SERVING_DEFAULTS
+from .hf_export import open_export
 
 # from_pretrained arguments that concern the hub or transformers' own loader: nothing to do here.
 _HUB_ARGS = {"cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
@@ -31,11 +32,11 @@ def load_export(cls: type, path: str | Path, config: Any, engram_serving: dict[s
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such directory; an engram model loads from a local "
                                 "directory written by `engram export-hf` (nothing is downloaded)")
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"no config.json in {path}: write the export with `engram export-hf`")
-    raw = json.loads((path / "config.json").read_text())
+    if not (path / CONFIG).exists():
+        raise FileNotFoundError(f"no {CONFIG} in {path}: write the export with `engram export-hf`")
+    raw = json.loads((path / CONFIG).read_text())
     if raw.get("model_type") != MODEL_TYPE:
-        raise ValueError(f"{path}/config.json is a {raw.get('model_type')!r} model, not an engram "
+        raise ValueError(f"{path}/{CONFIG} is a {raw.get('model_type')!r} model, not an engram "
                          f"export (model_type {MODEL_TYPE!r}, written by `engram export-hf`)")
     if config is None:
         config = cls.config_class.from_pretrained(path)
@@ -77,7 +78,7 @@ def save_export(model: Any, out_dir: str | Path) -> Path:
     """Write ``model`` as an export; its serving keys, table dtype and row counts (for a hot
     cache) are the ones it was loaded with (its runtime's)."""
     from ..tables.tablefile import read_header, table_path
-    from .hf_export import export_model
+    from ..artifacts.export import write as export_model
 
     out, rt = Path(out_dir), model.runtime
     serving = {**SERVING_DEFAULTS, **(getattr(model.config, "engram_serving", None) or {})}

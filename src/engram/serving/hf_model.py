@@ -1,5 +1,5 @@
 """The reference LM with Engram as a transformers model: ``AutoModelForCausalLM.from_pretrained(OUT)``
-on a directory written by ``engram export-hf`` (serving/hf_export.py), with no trust_remote_code
+on a directory written by ``engram export-hf`` (artifacts/export.py), with no trust_remote_code
 once ``engram`` is imported (serving/hf_auto.py registers the classes). ``generate()``, pipelines,
 PEFT and lm-evaluation-harness then work on it as on any causal LM.
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from ..artifacts.run import FOLDER as RUN_FILES
+from ..artifacts.run import load_dense_state
 from ..errors import UserError
-from ..models.run_files import load_dense_state
+from ..models.precision import check_names, resolve
 from ..models.vocab import VocabMap
 from ..retrieval.hashing import Hasher
 from ..tables.registry import open_tier
-from ..training.precision import check_names, resolve
 from .runtime import Runtime
 
 
@@ -27,7 +28,9 @@ def open_model(path: str | Path, *, tier: str = "memory", table_dir: str | Path 
     layer set (``engram_layers``), ready to serve, with tables on ``tier`` (``TIERS``); any other
     option of the tier in ``options`` (e.g. ``pool_path``). Opening reads only the folder and
     writes nothing: a run's table files for a file tier come from ``write_tables``."""
-    from .hf_export import check_serving, open_export
+    from ..artifacts import kind_of
+    from ..artifacts.export import check_serving
+    from .hf_export import open_export
 
     check_names(device or "cpu", precision)
     check_serving({"tier": tier, "cache_fraction": cache_fraction})  # the export's own check
@@ -37,15 +40,14 @@ def open_model(path: str | Path, *, tier: str = "memory", table_dir: str | Path 
                         "a tier such as file, or leave them out)")
     if device is not None:
         resolve(device, precision)  # this machine can run it: before loading
-    from ..models.adapter import is_adapter
-
     path = Path(path)
-    if is_adapter(path):  # `engram finetune`'s folder: a transformers model + its Engram
+    kind = kind_of(path)
+    if kind == "adapter":  # `engram finetune`'s folder: a transformers model + its Engram
         if engram_layers is not None or table_dir is not None:
             raise UserError(f"{path} is a finetuned adapter: --engram_layers and --table_dir "
                             "apply to a run folder")
         rt = open_adapter(path, tier)
-    elif (path / "config.json").is_file() and not (path / "checkpoints").is_dir():
+    elif kind == "export":
         if engram_layers is not None:
             raise UserError(f"{path} is an export: --engram_layers applies to a run folder")
         rt = open_export(path, {"tier": tier, "cache_fraction": cache_fraction,
@@ -67,34 +69,34 @@ def open_adapter(path: Path, tier: str = "memory") -> Runtime:
     files."""
     import torch
 
-    from ..models.adapter import adapter_tokenizer, from_pretrained, read_meta
+    from ..artifacts.adapter import load_base, read
     from ..models.hf import engram_runtime
     from ..models.injected import InjectedLM
 
     if tier != "memory":
         raise UserError(f"{path} is a finetuned adapter: its tables are served from memory only "
                         f"(--tier {tier} reads table files, which an adapter does not have)")
-    meta = read_meta(path)
-    model, _ = from_pretrained(path)
-    tok, _ = adapter_tokenizer(path)
+    files = read(path)
+    model = load_base(files)
     lm = InjectedLM(model).eval()
     v = lm.config.vocab_size
-    return Runtime(lm, engram_runtime(model).hasher, VocabMap(torch.arange(v), v), tok,
-                   meta.get("eos_id"), path, f"adapter of {meta.get('base_model')}", tier,
-                   tokenizer_file=path / "tokenizer.json")
+    return Runtime(lm, engram_runtime(model).hasher, VocabMap(torch.arange(v), v),
+                   files.tokenizer, files.eos_id, path, f"adapter of {files.base_model}", tier,
+                   tokenizer_file=files.tokenizer_file)
 
 
 def _open_run(run_dir: Path, *, tier: str, table_dir: str | Path | None, table_dtype: str | None,
               cache_fraction: float, prefetch: bool, verify: bool,
               engram_layers: str | Path | None, **options: Any) -> Runtime:
     from ..models.nine_model import build_lm
-    from ..models.run_files import read_run_files
+    from ..artifacts.run import check_copies, read_run_files
     from ..tables.hotcold import check_index_files
-    from ..tables.sharded import read_shards
-    from ..training.checkpoint import served_checkpoint
+    from ..artifacts.checkpoint import saved_meta, served_checkpoint
 
     state, ckpt, shards = served_checkpoint(run_dir)  # a torchrun run's: its shard files too
     files = read_run_files(run_dir)
+    check_copies(run_dir, files, ckpt, saved_meta(ckpt))  # its copies of the config agree
+    tok = files.tokenizer()
     hasher = files.hasher(state)  # Engram-Nine's carries the checkpoint's hot index
     ecfg = files.config.engram
     counts = files.row_counts if cache_fraction > 0 else None
@@ -103,7 +105,7 @@ def _open_run(run_dir: Path, *, tier: str, table_dir: str | Path | None, table_d
     tables: dict[int, Any] = {}
     layer_set = None
     if engram_layers is not None:
-        from ..models.v41_layers import check_fits, read_layer_set
+        from ..artifacts.layer_set import check_fits, read_layer_set
 
         layer_set = read_layer_set(engram_layers)
         check_fits(files.config, layer_set, hasher.parts)
@@ -121,22 +123,40 @@ def _open_run(run_dir: Path, *, tier: str, table_dir: str | Path | None, table_d
         tables = open_tier(tier, folder, ecfg, hasher, counts=counts,
                            cache_fraction=cache_fraction, prefetch=prefetch, verify=verify,
                            **options)
-    model = build_lm(files.config, hasher, tables or None)
+    # Built on meta, loaded with assign (gpt-fast's _load_model; issue 48): no table is drawn
+    # only to be overwritten, and the checkpoint's tensors are the parameters, not copied.
+    model = build_lm(files.config, hasher, tables or None, init=False)
+    try:
+        _load(model, state, shards, tables)
+    except (KeyError, ValueError, RuntimeError) as e:  # a checkpoint not of model.json's model
+        if isinstance(e, UserError):
+            raise
+        raise UserError(f"{run_dir}: checkpoint {ckpt.name} does not fit {RUN_FILES}/model.json "
+                        f"({type(e).__name__}: {' '.join(str(e).split())[:200]}): copy the run "
+                        "back from a copy, or train it again") from e
+    if layer_set is not None:
+        from ..artifacts.layer_set import load_layer_set
+
+        load_layer_set(model, layer_set, hasher, memory_tables=tier == "memory", verify=verify)
+    model.eval()
+    return Runtime(model, hasher, VocabMap(files.vocab, tok.get_vocab_size(with_added_tokens=True)),
+                   tok, files.eos_id, run_dir, ckpt.name, tier, tables, files.row_counts,
+                   tokenizer_file=files.tokenizer_file, checkpoint_file=ckpt)
+
+
+def _load(model: Any, state: dict[str, Any], shards: list[Path], tables: dict[int, Any]) -> None:
+    """The checkpoint's state into a model built on meta (``shards``: a torchrun run's files)."""
+    from ..tables.sharded import read_shards
+
     if shards:  # a torchrun run's: its table rows are in the shard files, of any world size
+        if not tables:
+            for e in model.engrams().values():
+                e.table.to_empty(device="cpu")  # filled by read_shards, row range by row range
         load_dense_state(model, state["model"], outside=model.config.engram_layers)
         if not tables:
             read_shards(shards, {lid: e.table for lid, e in model.engrams().items()}, None)
     else:
         load_dense_state(model, state["model"], outside=tables)
-    if layer_set is not None:
-        from ..models.v41_layers import load_layer_set
-
-        load_layer_set(model, layer_set, hasher, memory_tables=tier == "memory", verify=verify)
-    model.eval()
-    tok = files.tokenizer()
-    return Runtime(model, hasher, VocabMap(files.vocab, tok.get_vocab_size(with_added_tokens=True)),
-                   tok, files.eos_id, run_dir, ckpt.name, tier, tables, files.row_counts,
-                   tokenizer_file=files.tokenizer_file, checkpoint_file=ckpt)
 
 
 def stale_tables(folder: Path, hasher: Hasher, tag: str, dtype: str | None) -> str:
@@ -163,10 +183,10 @@ def write_tables(run_dir: str | Path, table_dir: str | Path | None = None, dtype
     ours (a "tables" folder)."""
     from contextlib import ExitStack
 
-    from ..models.run_files import read_run_files
+    from ..artifacts.run import read_run_files
     from ..outputs import claim_folder
-    from ..training.checkpoint import newest_checkpoint
-    from ..training.export import export_tables
+    from ..artifacts.checkpoint import newest_checkpoint
+    from ..artifacts.table_files import export_tables
 
     run_dir = Path(run_dir)
     folder = Path(table_dir) if table_dir is not None else run_dir / "tables"
@@ -192,11 +212,12 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, tier: str = "memory",
               table_dtype: str = "fp32", cache_fraction: float = 0.0,
               prefetch: bool = False, engram_layers: str | Path | None = None,
               kept: list[Path] | None = None) -> Path:
-    """Write an export (serving/hf_export.py) of the newest checkpoint of ``run_dir`` (files
+    """Write an export (artifacts/export.py) of the newest checkpoint of ``run_dir`` (files
     already there and current are kept, named in ``kept``);
     ``engram_layers``: a V4.1 layer set replacing its Engram layers (fp8 tables keep E8M0 scales,
     so the served rows equal the layer set's bit for bit)."""
-    from .hf_export import check_serving, export_model
+    from ..artifacts.export import check_serving
+    from ..artifacts.export import write as export_model
 
     check_serving({"tier": tier, "cache_fraction": cache_fraction})
     rt = open_model(run_dir, engram_layers=engram_layers)

@@ -1,7 +1,7 @@
 """One runtime for a trained model: ``engram.open(path)`` and every front door runs it the same way.
 
 ``open_model`` opens a run folder (``engram train --out_dir``: its newest checkpoint and its
-``model/`` files, models/run_files.py), an ``engram export-hf`` folder, or a run with a
+``model/`` files, artifacts/run.py), an ``engram export-hf`` folder, or a run with a
 DeepSeek-V4.1 layer set in place of its Engram layers, with nothing else present: no training data,
 no corpus re-hash, and nothing written. What it returns holds the model, the hasher, the
 vocabulary map, the tokenizer and the policies, and the few operations every entry point needs:
@@ -39,12 +39,13 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from ..models.model import DecodeCache, EngramLM, ModelOutput
+from ..models.cache import DecodeCache
+from ..models.model import EngramLM, ModelOutput
+from ..models.precision import autocast, model_device, resolve
+from ..models.vocab import VocabMap, unknown_inputs
 from ..retrieval.hashing import HashStream, Hasher
 from ..tables.cache import CacheStats
 from ..tables.prefetch import prefetch_batch
-from ..training.precision import autocast, model_device, resolve
-from ..models.vocab import VocabMap, unknown_inputs
 
 IGNORE = -100  # target id left out of the loss (torch's cross-entropy convention)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from ..models.v41_layers import META, export_v41, write_layer_set
+from ..artifacts.layer_set import META, export_v41, write_layer_set
 from .loader import open_model
 
 

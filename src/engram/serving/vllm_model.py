@@ -4,7 +4,7 @@ vLLM owns scheduling, the paged KV cache, sampling and the OpenAI server; this c
 model: ``engram.serving.paged.PagedLM`` on vLLM's flat token batch, with vLLM's paged
 ``Attention`` as its attention and the per-request n-gram and conv history in slots addressed by
 vLLM's own block table and slot mapping (design note: serving/slots.py). Weights, tables and the
-tier they are read from come from an ``engram export-hf`` directory (serving/hf_export.py); the
+tier they are read from come from an ``engram export-hf`` directory (artifacts/export.py); the
 tier (any of ``engram.tables.registry.TIERS``) can be changed per server with
 ``--hf-overrides '{"engram_serving": {"tier": "file"}}'``.
 
@@ -22,7 +22,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import get_attention_context
 
-from ..models.run_files import load_dense_state
+from ..artifacts.run import load_dense_state
 from .hf_export import open_export
 from .paged import PagedLM
 from .slots import StepLayout

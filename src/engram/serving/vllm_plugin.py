@@ -10,7 +10,7 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from .hf_config import EngramLMConfig
-    from .hf_export import ARCHITECTURE, MODEL_TYPE
+    from ..artifacts.export import ARCHITECTURE, MODEL_TYPE
 
     try:
         AutoConfig.register(MODEL_TYPE, EngramLMConfig)

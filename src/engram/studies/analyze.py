@@ -195,7 +195,7 @@ def run_analyze(run_dir: str, baseline: str | None, ac: AnalyzeConfig,
         if other:  # compared token by token: the same data, seed and training windows
             check_pair(run_dir, saved, other, flag)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = TrainConfig(**saved)
+    cfg = TrainConfig.from_record(saved, Path(run_dir) / "config.json")
     corpus = build_corpus(cfg.data_config(), tok)
     base = open_model(baseline) if baseline else None
     if base is not None and not np.array_equal(base.vocab, vocab):

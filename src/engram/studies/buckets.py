@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from ..artifacts.checkpoint import saved_step
 from ..errors import UserError
 from ..training.batches import TokenBatches
-from ..training.checkpoint import saved_step
 from .common import largest_spread, resolved, seed_spread
 from .evidence import interval_text, paired_interval
 

@@ -127,7 +127,7 @@ def _defaults(cfg: Any) -> dict[str, Any]:
 def worker_env() -> Iterator[None]:
     """The environment worker processes start with: glibc keeps freed memory (allocator_env) and
     numba's pool has one thread (a started pool keeps a thread spinning beside the other workers:
-    training ran 10x slower, engram/jit.py)."""
+    training ran 10x slower, engram/compute/jit.py)."""
     old = os.environ.get("NUMBA_NUM_THREADS")
     os.environ["NUMBA_NUM_THREADS"] = "1"
     try:

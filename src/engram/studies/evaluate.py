@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import UserError
+from ..models.precision import PRECISIONS, check_names
 from ..outputs import read_text, write_json
 from ..ranges import AT_LEAST_1, check_ranges
-from ..training.precision import PRECISIONS, check_names
 
 
 @dataclass

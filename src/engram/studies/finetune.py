@@ -36,6 +36,14 @@ from torch import nn
 from ..errors import UserError
 from ..files import publish_text
 from ..models.hf import eject, engram_runtime
+from ..models.precision import (
+    PRECISIONS,
+    LossScaler,
+    autocast,
+    check_names,
+    model_device,
+    resolve,
+)
 from ..models.pretrained import SMOLLM2, load_pretrained
 from ..ranges import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Range, check_ranges
 from ..retrieval.compress import build_compression, tokenizer_fingerprint
@@ -45,14 +53,6 @@ from ..training.finetune import attach_memory, lm_loss, memory_config, memory_op
 from ..training.hooks import LossCurve
 from ..training.loop import LoopConfig, fit, loss_run
 from ..training.optim import Optimizers
-from ..training.precision import (
-    PRECISIONS,
-    LossScaler,
-    autocast,
-    check_names,
-    model_device,
-    resolve,
-)
 from .finetune_report import plot_finetune, plot_study, summarise
 
 METHODS = ("engram", "lora")
@@ -396,7 +396,7 @@ def finished_seed(folder: Path, cfg: FinetuneStudyConfig) -> dict[str, Any] | No
 def run_study(cfg: FinetuneStudyConfig, model: nn.Module | None = None,
               tokenizer: Any = None) -> dict[str, Any]:
     """Every seed of cfg.seeds (finished ones read back), then the summary over them."""
-    from ..machine import cpu_id
+    from ..compute.machine import cpu_id
 
     t0 = time.perf_counter()
     out = Path(cfg.out_dir)

@@ -53,7 +53,7 @@ class EngramHarnessLM(TemplateLM):
         # checked by the export's reader: an unknown tier is refused with the known ones
         serving = {k: v for k, v in (("tier", tier), ("cache_fraction", cache_fraction),
                                      ("prefetch", prefetch)) if v is not None}
-        from ..models.adapter import is_adapter
+        from ..artifacts.adapter import detect as is_adapter
 
         if is_adapter(pretrained):  # `engram finetune`'s folder: the runtime opens it as is
             from ..serving.loader import open_model

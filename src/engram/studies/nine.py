@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
+from ..artifacts.checkpoint import CheckpointError
 from ..errors import UserError
 from ..ranges import AT_LEAST_1, NON_NEGATIVE, Range, check_ranges
 from ..retrieval.hot import build_hot_index, ngram_keys
 from ..retrieval.primes import prime_table_sizes
 from ..training.batches import val_batches
-from ..training.checkpoint import CheckpointError
 from ..training.corpus import build_corpus
 from ..training.hooks import SaveCheckpoints
 from ..training.loop import Run, fit, restore

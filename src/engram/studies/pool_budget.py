@@ -42,7 +42,7 @@ from .pool_steps import build_setup, step_rows, steps, time_layers
 from .pool_tiers import (
     FP8_POOL,
     TIERS,
-    Tier,
+    BudgetTables,
     build_tiers,
     split_name,
     stored_row_bytes,
@@ -136,7 +136,7 @@ def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
         "left_out": missing,
         # pc.threads is set by the entry point (`engram pool-budget`): the count in force here.
         "threads": torch.get_num_threads(), "load_avg_start": os.getloadavg()[0], "modes": {}}
-    tiers: dict[str, Tier] = {}
+    tiers: dict[str, BudgetTables] = {}
     table_dir = Path(pc.table_dir or tempfile.mkdtemp(prefix=".tables-", dir=out_dir))
     try:
         tiers = build_tiers(setup, names, table_dir, pool_path=pool_path,

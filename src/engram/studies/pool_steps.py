@@ -9,11 +9,8 @@ Shape legend: b batch, t positions of the step, H hash heads.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,14 +35,12 @@ def build_setup(run_dir: str | None, tc: Any, seed: int = 0) -> Setup:
     """The run's model (tables in memory), or ``tc``'s model with random weights."""
     from ..retrieval.compress import build_compression
     from ..training.corpus import build_corpus
-    from ..training.train import TrainConfig, build_model
+    from ..training.train import build_model, saved_config
 
     if run_dir is not None:
         from ..serving.loader import open_model
 
-        saved = json.loads((Path(run_dir) / "config.json").read_text())
-        names = {f.name for f in dataclasses.fields(TrainConfig)}
-        tc = TrainConfig(**{k: v for k, v in saved.items() if k in names})
+        tc = saved_config(run_dir)
         served = open_model(run_dir)
         return Setup(served.model, served.hasher, build_corpus(tc.data_config()), tc)
     if not tc.engram:

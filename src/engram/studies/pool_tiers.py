@@ -6,7 +6,8 @@ of the exported table files, plus ``file_cold`` (a table file with its pages evi
 read) and ``<tier>_cache`` (behind the hot cache). ``<tier>_fp8`` exports the tables as
 DeepSeek-V4.1 stores them, FP8 values with E8M0 scales (264 bytes a row of head dim 256, not
 1,024), read and dequantised in one pass (tables/fp8.py StoredRows); its rows are the fp32 ones
-quantised. A read is one step's rows for one Engram layer; ``DelayedTable`` injects latency
+quantised. Each name is opened by the registry (its ``Opened``) and read through
+``BudgetTables``. A read is one step's rows for one Engram layer; ``DelayedTable`` injects latency
 per round trip of reads to model a farther medium with the same rows.
 
 Shape legend: b batch, t positions of the step, H hash heads, u distinct rows of a step.
@@ -24,8 +25,11 @@ import numpy as np
 import torch
 
 from ..models.model import EngramLM
+from ..tables.cache import CachedTable
 from ..tables.registry import TIERS as REGISTERED
+from ..tables.registry import Opened
 from ..tables.store import TableStore
+from ..tables.tiers import FileTable
 from .pool_steps import Setup
 
 COLD = ("file",)  # tiers whose pages can be evicted before every read (FileTable.evict)
@@ -61,11 +65,14 @@ def stored_row_bytes(name: str, head_dim: int) -> int:
 # -- the tiers -------------------------------------------------------------------------------------
 
 @dataclass
-class Tier:
-    stores: dict[int, TableStore]  # per Engram layer
-    cold: list  # FileTables whose pages are evicted before every read (cold tiers)
-    caches: dict[int, Any]  # per layer: the CachedTable in front, if any
-    opened: Any = None  # the registry's Opened: closed when the budget is done
+class BudgetTables:
+    """What the budget reads for one of its tier names: the registered tier's ``Opened`` (its
+    stores, closed when the budget is done) as one store per Engram layer, maybe behind the hot
+    cache, and what a timed read needs around it (pages to evict, cache counters)."""
+    stores: dict[int, TableStore]  # per Engram layer: what a read times
+    cold: list[FileTable]  # whose pages are evicted before every read (cold tiers)
+    caches: dict[int, CachedTable]  # per layer: the hot cache in front, if any
+    opened: Opened | None = None  # the registry's; None: stores the budget wraps itself (sweep)
 
     def close(self) -> None:
         if self.opened is not None:
@@ -85,7 +92,7 @@ def export_files(setup: Setup, folder: Path, fp8: bool = False) -> None:
 
 def build_tiers(setup: Setup, names: tuple[str, ...], folder: Path, *, pool_path: str,
                 cache_fraction: float,
-                counts: dict[int, torch.Tensor] | None = None) -> dict[str, Tier]:
+                counts: dict[int, torch.Tensor] | None = None) -> dict[str, BudgetTables]:
     """Every requested tier over the same rows, each opened by the registry from its own copy of
     the table files (so evicting one copy's pages leaves the others warm). ``pool_path``: where
     the pool tier's region lives (a DAX device, a file on /dev/shm, ...; the fp8 pool tiers' at
@@ -94,7 +101,7 @@ def build_tiers(setup: Setup, names: tuple[str, ...], folder: Path, *, pool_path
     from ..tables.registry import open_parts_on
 
     cfg, hasher = setup.model.config.engram, setup.hasher
-    out: dict[str, Tier] = {}
+    out: dict[str, BudgetTables] = {}
     try:
         for name in names:
             base, cold, cache, fp8 = split_name(name)
@@ -107,8 +114,8 @@ def build_tiers(setup: Setup, names: tuple[str, ...], folder: Path, *, pool_path
             stores = {lid: t for (_, lid), t in opened.parts.items()}
             caches = ({lid: build_cache(s, counts[lid], cache_fraction)
                        for lid, s in stores.items()} if cache else {})
-            out[name] = Tier(caches or stores, list(stores.values()) if cold else [], caches,
-                             opened)
+            out[name] = BudgetTables(caches or stores, list(stores.values()) if cold else [],
+                                     caches, opened)
     except BaseException:
         for tier in out.values():
             tier.close()
@@ -141,7 +148,8 @@ class DelayedTable:
 
 
 @torch.no_grad()
-def time_reads(tier: Tier, rows: list[dict[int, torch.Tensor]]) -> dict[int, dict[str, float]]:
+def time_reads(tier: BudgetTables,
+               rows: list[dict[int, torch.Tensor]]) -> dict[int, dict[str, float]]:
     """Per Engram layer: median latency of reading a step's rows, rows/s, distinct rows, misses."""
     out = {}
     for lid, store in tier.stores.items():
@@ -167,7 +175,7 @@ def time_reads(tier: Tier, rows: list[dict[int, torch.Tensor]]) -> dict[int, dic
 
 
 @torch.no_grad()
-def time_prefetched(setup: Setup, tier: Tier, batch: list[dict]) -> dict[str, Any]:
+def time_prefetched(setup: Setup, tier: BudgetTables, batch: list[dict]) -> dict[str, Any]:
     """The model served from the tier behind PrefetchTable: each layer's rows are announced when
     the step starts; the wait each Engram layer sees for its rows (0: the read fit its window)."""
     from ..serving.loader import load_dense_state
@@ -204,7 +212,7 @@ def time_prefetched(setup: Setup, tier: Tier, batch: list[dict]) -> dict[str, An
 
 
 @torch.no_grad()
-def sweep(base: Tier, rows: list[dict], inject_us: tuple[float, ...], inflight: int,
+def sweep(base: BudgetTables, rows: list[dict], inject_us: tuple[float, ...], inflight: int,
           counts: dict[int, torch.Tensor] | None, cache_fraction: float,
           stop_s: float = math.inf) -> dict[str, Any]:
     """Read latency of each layer's step rows with latency injected per round trip, straight from
@@ -227,7 +235,7 @@ def sweep(base: Tier, rows: list[dict], inject_us: tuple[float, ...], inflight: 
             if variant == "pool_cache":
                 caches = {lid: build_cache(s, counts[lid], cache_fraction)
                           for lid, s in stores.items()}
-            reads = time_reads(Tier(caches or stores, [], caches), rows)
+            reads = time_reads(BudgetTables(caches or stores, [], caches), rows)
             for lid, r in reads.items():
                 res[lid].append({"latency_s": r["latency_s"], "misses": r["misses"]})
         out[variant] = res

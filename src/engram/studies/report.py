@@ -173,7 +173,7 @@ def write_report(summary: dict[str, Any], path: Path) -> None:
              f"vocabulary {summary['corpus']['vocab']:,} ids; wall time {summary['wall_s']:.0f} s"
              + _timing(summary.get("time")) + ".", "",
              *([f"Machine: {m['cpu'] or 'unknown CPU'}; matrix products through {m['gemm']} "
-                "(engram/gemm.py, ENGRAM_GEMM).", ""] if (m := summary.get("machine")) else []),
+                "(engram/compute/gemm.py, ENGRAM_GEMM).", ""] if (m := summary.get("machine")) else []),
              "| run | val loss (mean) | per seed | seed spread | total params | active params | "
              "table params | tokens | tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
@@ -268,6 +268,7 @@ def _unmet(sp: dict[str, Any]) -> str:
     """Which parts of the criterion a split missed (empty when it met them all)."""
     mem, share = sp["memory"], sp["memory_share"]["estimate"]
     why = [w for w, missed in (
+        ("the memory's part is not a gain: its rows cost loss", mem["mean"] <= 0),
         (f"the memory's part is {abs(mem['over_spread'] or 0):.1f}x its arms' spread, under the "
          "rule's 2x", not mem["resolved"]),
         ("its paired interval includes zero", not (mem["interval"] or {}).get("excludes_zero")),

@@ -6,7 +6,8 @@ to the rest. Everything is vectorised over a batch's rows; the LRU is exact at r
 a documented order inside a batch, so its hit/miss counts can be checked against a plain reference.
 
 Shape legend: r rows in the table, e row width, n row ids asked for, u distinct ids among them,
-C cache capacity (static + LRU slots).
+C cache capacity (static + LRU slots), w a row's width as the tier stores it (e, or int8 / int4
+blocks' bytes).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import numpy as np
 import torch
 
 from ..retrieval.hashing import NgramHasher
-from .store import TableStore
+from .fp8 import StoredRows
+from .store import StoredReads, TableStore
 from .tiers import check_rows
 
 
@@ -47,7 +49,7 @@ class Reservation:
     """A lookup between its two halves: hits copied out, misses still to be fetched."""
     uniq: np.ndarray  # [u] distinct rows, ascending
     slots: np.ndarray  # [u] their cache slots before the call (-1: miss)
-    values: torch.Tensor  # [u, e] hits filled in, misses not yet
+    values: torch.Tensor  # [u, w] hits filled in, misses not yet (as the cache holds rows)
     miss: np.ndarray  # [misses] positions in uniq of the misses
     miss_rows: torch.Tensor  # [misses] the rows to fetch from the tier behind
 
@@ -74,6 +76,11 @@ class CachedTable:
     - ``capacity``: total cached rows C (static + LRU).
     - ``hot_rows``: rows to pin, most important first (``hot_rows(counts, k)``); at most C are kept.
     - ``device``: where cached rows live (an accelerator's memory for a device-side hot cache).
+
+    Rows are held as the tier stores them where it stores them narrower than it reads them
+    (``StoredReads``: bf16, fp16, int8, int4 table files; issue 47), on the CPU: an int8 row of 32
+    values takes 34 bytes, not 128, and every read widens it as the tier's own read does
+    (fp8.StoredRows), so a cached row reads bit for bit as the tier gives it.
     """
 
     @torch.no_grad()
@@ -92,10 +99,14 @@ class CachedTable:
         self.n_lru = n_lru = self.capacity - S
         sample = inner.lookup(torch.from_numpy(hot[:1]) if S else torch.zeros(1, dtype=torch.long))
         self.out_dtype = sample.dtype
+        self.stored = (inner.stored_format() if isinstance(inner, StoredReads)
+                       and self.device.type == "cpu" else None)  # (dtype, w, blocks) or None
+        dtype, width, self.blocks = self.stored or (self.out_dtype, self.dim, None)
+        self._fetch = inner.gather_stored if self.stored else inner.lookup
         self.slot = np.full(self.num_rows, -1, dtype=np.int32)  # [r] row -> slot, or -1
         self.row_of = np.full(self.capacity, -1, dtype=np.int64)  # [C] slot -> row, or -1
-        self.values = torch.empty(self.capacity, self.dim, dtype=self.out_dtype,
-                                  device=self.device)  # [C, e]
+        self.values = torch.empty(self.capacity, width, dtype=dtype,
+                                  device=self.device)  # [C, w]
         # Recency per LRU slot (slot S + i); empty slots get distinct stamps below every real one,
         # so they fill first and in slot order. The queue lists (LRU slot, stamp) in stamp order;
         # an entry is live while the slot still has that stamp.
@@ -106,7 +117,7 @@ class CachedTable:
         self.clock = 0
         for a in range(0, S, 1 << 16):
             part = torch.from_numpy(hot[a:a + (1 << 16)])
-            self.values[a:a + part.numel()] = inner.lookup(part).to(self.device)
+            self.values[a:a + part.numel()] = self._fetch(part).to(self.device)
         self.slot[hot] = np.arange(S, dtype=np.int32)
         self.row_of[:S] = hot
         self.stats = CacheStats()
@@ -115,14 +126,20 @@ class CachedTable:
     # -- the store protocol ------------------------------------------------------------------------
     @property
     def source(self) -> TableStore:
-        """Where misses are read from (the SplitLookup protocol, engram.tables.store)."""
-        return self.inner
+        """Where misses are read from (the SplitLookup protocol, engram.tables.store): the tier,
+        or its rows as stored when the cache holds them so."""
+        return _AsStored(self.inner) if self.stored else self.inner
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows held."""
+        return self.values.numel() * self.values.element_size()
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         flat = check_rows(rows, self.num_rows).numpy()  # [n]
         uniq, inv = np.unique(flat, return_inverse=True)  # [u], [n]
         res = self.reserve(uniq, flat.size, _counts(inv, uniq.size))
-        fetched = self.inner.lookup(res.miss_rows) if res.miss.size else None
+        fetched = self._fetch(res.miss_rows) if res.miss.size else None
         vals = self.complete(res, fetched)  # [u, e]
         return vals.index_select(0, torch.from_numpy(inv).to(self.device)).view(*rows.shape,
                                                                                 self.dim)
@@ -141,7 +158,8 @@ class CachedTable:
             hit = slots >= 0
             self.stats.lookups += uniq.size if n is None else n
             self.stats.hits += int(hit.sum() if counts is None else counts[hit].sum())
-            vals = torch.empty(uniq.size, self.dim, dtype=self.out_dtype, device=self.device)
+            vals = torch.empty(uniq.size, self.values.shape[1], dtype=self.values.dtype,
+                               device=self.device)  # [u, w]
             h = np.flatnonzero(hit)
             if h.size:
                 _copy_rows(vals, h, self.values, slots[h])
@@ -151,12 +169,14 @@ class CachedTable:
 
     @torch.no_grad()
     def complete(self, res: Reservation, fetched: torch.Tensor | None) -> torch.Tensor:
-        """Fill the misses' rows [misses, e] in and update the LRU; -> values [u, e]."""
+        """Fill the misses' rows [misses, w] in and update the LRU; -> values [u, e]."""
         vals = res.values
         if res.miss.size:
-            _copy_rows(vals, res.miss, fetched.to(self.device, self.out_dtype), slice(None))
+            _copy_rows(vals, res.miss, fetched.to(self.device, vals.dtype), slice(None))
         with self._lock:
             self._touch(res.uniq, res.slots, vals)
+        if self.stored:  # widened as the tier's own read widens them
+            return StoredRows(vals, None, self.blocks).gather(None, self.out_dtype)
         return vals
 
     # -- LRU ---------------------------------------------------------------------------------------
@@ -252,7 +272,21 @@ def _copy_rows(dst: torch.Tensor, di: Any, src: torch.Tensor, si: Any) -> None:
     dst[ix[0]] = src[ix[1]]
 
 
-_NUMPY_OK = (torch.float32, torch.float16, torch.float64)
+_NUMPY_OK = (torch.float32, torch.float16, torch.float64, torch.uint8)
+
+
+class _AsStored:
+    """A StoredReads tier whose lookup gives its rows as stored: what a cache holding rows so
+    reads its misses from (a prefetch worker among them)."""
+
+    def __init__(self, inner: Any):
+        self.inner, self.num_rows, self.dim = inner, inner.num_rows, inner.dim
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.inner.gather_stored(rows)
+
+    def prefetch(self, rows: torch.Tensor) -> None:
+        self.inner.prefetch(rows)
 
 
 def _counts(inv: np.ndarray, u: int) -> np.ndarray:

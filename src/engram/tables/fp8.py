@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .blocks import block_bytes, dequantize_blocks
+from .blocks import row_bytes as block_row_bytes
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # fp8 scale format -> (torch dtype of the stored scales, bytes per scale). "e8m0": the unsigned
@@ -193,26 +194,34 @@ def check_quantized(q: torch.Tensor, sc: torch.Tensor, n: int, dim: int, block: 
 # -- sizes -----------------------------------------------------------------------------------------
 
 ROW_FORMATS = ("fp8+e8m0", "fp8+fp32", "bf16", "fp32")  # how a row of e values can be stored
+BLOCK_FORMATS = ("int8", "int4")  # GGUF Q8_0 / Q4_0 blocks (tables/blocks.py): an fp16 scale each
 
 
 def row_bytes(dim: int, fmt: str, block: int = 32) -> int:
-    """Bytes of one stored row of ``dim`` values (fp8 rows carry one scale per ``block``)."""
+    """Bytes of one stored row of ``dim`` values (fp8 rows carry one scale per ``block``; int8
+    and int4 rows are blocks of ``block`` values, one block a row when ``block`` does not divide
+    ``dim``, as table files store them: 34 and 18 bytes at width 32)."""
     scales = dim // block
     sizes = {"fp8+e8m0": dim + scales, "fp8+fp32": dim + 4 * scales, "bf16": 2 * dim,
              "fp32": 4 * dim}
+    if fmt in BLOCK_FORMATS:
+        return block_row_bytes(fmt, dim, block if dim % block == 0 else dim)
     if fmt not in sizes:
-        raise ValueError(f"row format must be one of {ROW_FORMATS}, got {fmt!r}")
+        raise ValueError(f"row format must be one of {ROW_FORMATS + BLOCK_FORMATS}, got {fmt!r}")
     return sizes[fmt]
 
 
-def table_memory(rows: dict[int, int], dim: int, block: int = 32) -> dict:
-    """Rows and bytes per layer in every row format, and their totals; "fp8+e8m0" is vLLM's
-    DeepSeek-V4.1 arithmetic, ``num_embeddings * (head_dim + head_dim // 32)`` per layer."""
-    layers = {lid: {"rows": r, **{f: r * row_bytes(dim, f, block) for f in ROW_FORMATS}}
+def table_memory(rows: dict[int, int], dim: int, block: int = 32,
+                 formats: tuple[str, ...] = ROW_FORMATS + BLOCK_FORMATS) -> dict:
+    """Rows and bytes per layer in each of ``formats`` (any of ``ROW_FORMATS`` and
+    ``BLOCK_FORMATS``; by default all, so every format a table file can hold is sized), and
+    their totals; "fp8+e8m0" is vLLM's DeepSeek-V4.1 arithmetic,
+    ``num_embeddings * (head_dim + head_dim // 32)`` per layer."""
+    layers = {lid: {"rows": r, **{f: r * row_bytes(dim, f, block) for f in formats}}
               for lid, r in rows.items()}
-    total = {k: sum(x[k] for x in layers.values()) for k in ("rows", *ROW_FORMATS)}
+    total = {k: sum(x[k] for x in layers.values()) for k in ("rows", *formats)}
     return {"head_dim": dim, "scale_block": block, "layers": layers, "total": total,
-            "row_bytes": {f: row_bytes(dim, f, block) for f in ROW_FORMATS}}
+            "row_bytes": {f: row_bytes(dim, f, block) for f in formats}}
 
 
 # The fused read's scale table [2, 256]: every E8M0 code's fp32 value, as e8m0_to_float reads it,

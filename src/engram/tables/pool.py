@@ -348,6 +348,21 @@ class PoolTable:
         self.region.check(seq)  # seqlock: no row of this copy may come from a rewrite
         return out if rows.dim() == 1 else out.view(*rows.shape, self.dim)
 
+    def stored_format(self) -> tuple[torch.dtype, int, tuple[str, int] | None] | None:
+        """tables.store.StoredReads: how a cache in front of the pool may hold its rows."""
+        if self.scales is not None or self.data.dtype == self.out_dtype:
+            return None
+        return self.data.dtype, self.data.shape[1], self.header.blocks
+
+    def gather_stored(self, rows: torch.Tensor) -> torch.Tensor:
+        """tables.store.StoredReads: rows [n] as the pool stores them [n, w], copied out."""
+        flat = check_rows(rows, self.num_rows)
+        seq = self.region.seq
+        self.region.check(seq)
+        out = self.data.index_select(0, flat)
+        self.region.check(seq)  # seqlock, as lookup
+        return out
+
     def prefetch(self, rows: torch.Tensor) -> None:
         pass  # a mapping needs no warm-up; PrefetchTable reads it in the background
 

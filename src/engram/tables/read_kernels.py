@@ -3,7 +3,7 @@ rows and widens them to fp32 in one pass (fp8 E4M3 values times their block scal
 and int4 GGUF blocks, tables/blocks.py), so a
 tier reads the 264 bytes of an FP8 + E8M0 row and writes its 1,024 fp32 bytes with no separate
 fp8 -> fp32 conversion (torch's costs ~3 ns a value on CPU). Compiled on first call, cached on
-disk next to this file (engram/jit.py). Each kernel also checks the row ids (returning where the
+disk next to this file (engram/compute/jit.py). Each kernel also checks the row ids (returning where the
 first bad one is), so a tier's read of a decode step's rows pays for no separate numpy pass.
 
 Every value is bit for bit what torch computes (``q.float() * scale``, tables/fp8.py
@@ -25,7 +25,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..jit import kernel
+from ..compute.jit import kernel
 
 LANES = 32  # values per vector step: one 32-byte load, two 16-lane fp32 stores (AVX-512)
 AHEAD = 8  # rows ahead whose bytes are prefetched (a random row's cache misses overlap the work)

@@ -137,9 +137,10 @@ def _open_memory(directory: Path, config: EngramConfig, hasher: Hasher | None, *
     for key, f in files.items():
         if torch.device(device).type == "cpu" and f.dtype in STORED:
             parts[key] = HostTable(f)  # as stored: fp8 a quarter of fp32's memory, int4 1/7
-        else:
-            parts[key] = MemoryTable(f.num_rows, f.dim, device=device)
-            _copy_rows(f, parts[key].weight.data)
+        else:  # the file's rows, not a draw they would overwrite (the caller's generator kept)
+            rows = torch.empty(f.num_rows, f.dim, device=device)
+            _copy_rows(f, rows)
+            parts[key] = MemoryTable(f.num_rows, f.dim, rows=rows)
         f.close()
     return Opened(parts)
 
@@ -243,7 +244,7 @@ register(Tier("sharded", "rows split by range over torch.distributed ranks and f
               "all-to-all (one process: the whole table)", _open_sharded))
 
 # The names, in registration order, written out so the command line reads them without importing
-# torch (engram.schema); a tier registered above must be listed here too.
+# torch (engram.commandline.schema); a tier registered above must be listed here too.
 TIERS = ("memory", "file", "pinned", "shared", "pool", "mooncake", "sharded")
 if TIERS != tuple(REGISTRY):
     raise ImportError(f"tables.registry.TIERS {TIERS} != the registered tiers {tuple(REGISTRY)}")

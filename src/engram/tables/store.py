@@ -67,6 +67,22 @@ class SplitLookup(TableStore, Protocol):
         ...
 
 
+@runtime_checkable
+class StoredReads(Protocol):
+    """A store whose rows are kept narrower than they are read (bf16, fp16, int8 or int4 table
+    files): a cache in front of it keeps them so and widens them on each read (tables/cache.py),
+    holding 2 to 7x the rows of an fp32 cache in the same bytes (issue 47)."""
+
+    def stored_format(self) -> tuple[torch.dtype, int, tuple[str, int] | None] | None:
+        """(dtype, row width, int8 / int4 blocks) where one array holds a row whole and narrower
+        than it is read; None otherwise (fp32, or fp8, whose block scales are a second array)."""
+        ...
+
+    def gather_stored(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows [n] as stored [n, w] (int8 / int4: their blocks' bytes), copied out."""
+        ...
+
+
 _DEFERRED = False  # inside deferred_rows(): MemoryTables are built without their rows
 NORMAL_BLOCK = 16  # torch's CPU normal_ draws and transforms float32 values 16 at a time
 
@@ -110,13 +126,22 @@ class MemoryTable(nn.Module):
     """
 
     def __init__(self, num_rows: int, dim: int, sparse: bool = False, init_std: float = 1.0,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 rows: torch.Tensor | None = None):
+        """``rows``: the table's rows as they are ([num_rows, dim], e.g. read from table files),
+        taken as the weight (its dtype and device): nothing drawn, the global generator untouched."""
         super().__init__()
         if num_rows <= 0 or dim <= 0:
             raise ValueError(f"a table needs positive rows and width, got {num_rows} x {dim}")
         self.num_rows, self.dim, self.sparse, self.init_std = int(num_rows), int(dim), sparse, init_std
-        self.deferred = _DEFERRED  # no rows here: init_state says how to make them (deferred_rows)
+        # no rows here: init_state says how to make them (deferred_rows)
+        self.deferred = _DEFERRED and rows is None
         self.init_state: torch.Tensor | None = None
+        if rows is not None:
+            if tuple(rows.shape) != (self.num_rows, self.dim):
+                raise ValueError(f"rows of shape {tuple(rows.shape)} for a {num_rows} x {dim} table")
+            self.weight = nn.Parameter(rows)
+            return
         self.weight = nn.Parameter(torch.empty(0 if self.deferred else self.num_rows, self.dim,
                                                dtype=dtype, device=device))
         self.reset_parameters()

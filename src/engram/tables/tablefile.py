@@ -335,7 +335,7 @@ def read_header(source: str | Path | int, name: str | None = None) -> TableHeade
             fd, own = os.open(source, os.O_RDONLY), True
         except FileNotFoundError:
             raise FileNotFoundError(f"no table file at {source} (export one with "
-                                    "engram.training.export.export_tables)") from None
+                                    "engram.artifacts.table_files.export_tables)") from None
     try:
         size = os.fstat(fd).st_size
         pre = os.pread(fd, _PREAMBLE.size, 0)

@@ -170,7 +170,7 @@ class FileTable:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
             raise FileNotFoundError(f"no table file at {self.path} (export one with "
-                                    "engram.training.export.export_tables)") from None
+                                    "engram.artifacts.table_files.export_tables)") from None
         try:
             header = read_header(fd, str(self.path))
             if self.expect is not None:
@@ -295,6 +295,22 @@ class FileTable:
             raise RuntimeError(f"{self.path} was closed")
         return self._stored(data, scales, torch.arange(a, b))
 
+    def stored_format(self) -> tuple[torch.dtype, int, tuple[str, int] | None] | None:
+        """tables.store.StoredReads: how a cache in front of this file may hold its rows."""
+        with self._lock:
+            data, scales = self._data, self._scales
+        if data is None or scales is not None or data.dtype == self.out_dtype:
+            return None
+        return data.dtype, data.width, data.blocks
+
+    def gather_stored(self, rows: torch.Tensor) -> torch.Tensor:
+        """tables.store.StoredReads: rows [n] as the file stores them [n, w], copied out."""
+        with self._lock:
+            data, scales = self._data, self._scales
+        if data is None:
+            raise RuntimeError(f"{self.path} was closed")
+        return self._stored(data, scales, check_rows(rows, self.num_rows))[0]
+
     def _stored(self, data: _Region, scales: _Region | None,
                 flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         raw = torch.empty(flat.numel(), data.width, dtype=data.dtype)  # [n, e] or [n, rb]
@@ -337,7 +353,7 @@ def open_tables(directory: str | Path, config: EngramConfig, hasher: Hasher | No
         path = table_path(directory, lid, part)
         if not path.exists():
             raise FileNotFoundError(f"no {part} table file for Engram layer {lid} at {path} "
-                                    "(export with engram.training.export.export_tables)")
+                                    "(export with engram.artifacts.table_files.export_tables)")
         out[lid] = FileTable(path, expect=(config, lid, hasher, part), **kwargs)
     return out
 

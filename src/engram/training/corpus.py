@@ -31,13 +31,12 @@ import torch
 
 from ..errors import UserError
 from ..models.vocab import VocabMap
-from ..retrieval.compress import Compression, default_tokenizer, tokenizer_fingerprint
+from ..retrieval.compress import EOS_TOKEN, Compression, default_tokenizer, tokenizer_fingerprint
 from ..retrieval.compress import cache_dir as _compression_cache_dir
 from . import shards
 from .shards import SPLITS, DataError
 from .shards import in_val as _in_val  # noqa: F401  (finetune's split; its old home)
 from .sources import (  # noqa: F401  (their old home)
-    EOS_TOKEN,
     SOURCES,
     Document,
     _rst_tree,

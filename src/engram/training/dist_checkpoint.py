@@ -16,20 +16,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..files import publish_text
-from ..models.model import EngramLM
-from ..tables.sharded import read_shards, row_range, shard_bounds, write_shard
-from .checkpoint import (
+from ..artifacts.checkpoint import (
     LATEST,
     CheckpointError,
-    _sha256,
     latest_checkpoint,
     latest_distributed,
     load_checkpoint,
     save_checkpoint,
 )
+from ..files import publish_text, sha256_file
+from ..models.model import EngramLM
+from ..tables.sharded import read_shards, row_range, shard_bounds, write_shard
 from .process_group import Dist
-from .working_table import WorkingRows
 from .train import (
     Run,
     TrainConfig,
@@ -40,6 +38,7 @@ from .train import (
     load_position,
     save,
 )
+from .working_table import WorkingRows
 
 
 
@@ -77,7 +76,7 @@ def save_distributed(run: Run, d: Dist, keep: int = 2) -> Path:
     dist.monitored_barrier(group=d.control, timeout=timedelta(seconds=d.timeout_s),
                            wait_all_ranks=True)
     shards = [None] * d.world
-    dist.all_gather_object(shards, (name, _sha256(step_dir / name)), group=d.control)
+    dist.all_gather_object(shards, (name, sha256_file(step_dir / name)), group=d.control)
     if d.rank == 0:
         shutil.rmtree(step_dir / "dense", ignore_errors=True)
         save_checkpoint(step_dir / "dense", run.step, _dense_state(run), checkpoint_meta(run),
@@ -98,7 +97,7 @@ def _shards_to_read(tables: dict[int, Any], info: dict, step_dir: Path) -> list[
         ranges = [shard_bounds(t.num_rows, info["world"])[k:k + 2] for t in tables.values()]
         mine = [row_range(t) for t in tables.values()]
         if any(max(a, lo) < min(z, hi) for (a, z), (lo, hi) in zip(ranges, mine)):
-            if _sha256(step_dir / name) != sha:
+            if sha256_file(step_dir / name) != sha:
                 raise CheckpointError(f"checkpoint shard {step_dir / name} is corrupted "
                                       "(checksum mismatch)")
             paths.append(step_dir / name)
@@ -161,7 +160,7 @@ def consolidate(src_out_dir: str | Path, dst_out_dir: str | Path) -> Path:
         raise CheckpointError(f"{src_out_dir} trained its tables in per-rank tier folders "
                               "(table_tier=file): engram.open / eval / generate / export-hf read "
                               "them from the run folder; consolidate is for in-memory tables")
-    cfg = TrainConfig(**{**meta["config"], "out_dir": str(dst_out_dir)})
+    cfg = TrainConfig.from_record({**meta["config"], "out_dir": str(dst_out_dir)}, step_dir)
     run = build_run(cfg)
     load_distributed(run, step_dir, info, check_config=False)
     Path(dst_out_dir).mkdir(parents=True, exist_ok=True)

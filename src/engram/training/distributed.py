@@ -44,14 +44,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..artifacts.checkpoint import CheckpointError
 from ..errors import UserError
 from ..models.model import EngramLM
+from ..models.precision import LossScaler
 from ..retrieval.hashing import NgramHasher
 from ..retrieval.primes import rows_per_layer
 from ..tables.sharded import ShardedTable
 from . import settings as run_settings
 from .batches import Batch, TokenBatches
-from .checkpoint import CheckpointError
 from .corpus import Corpus, build_corpus
 from .dist_checkpoint import (  # noqa: F401
     LATEST,
@@ -64,7 +65,6 @@ from .dist_checkpoint import (  # noqa: F401
 from .hooks import LogMetrics, SaveCheckpoints
 from .loop import fit, restore
 from .optim import Optimizers, build_optimizers, clip_grad_norm_, make_table_optimizer
-from .precision import LossScaler
 from .process_group import (  # noqa: F401
     Dist,
     DistributedError,

@@ -14,7 +14,7 @@ One training loop: ``loop.fit`` with the corpus's ``TokenBatches`` (batch i is a
 (seed, i)), checkpoints every ``ckpt_every`` steps in OUT/checkpoints holding the Engram tensors,
 the optimiser state and the loop's position only (not the frozen base), so the same command resumes
 exactly, and refuses a checkpoint of another config, model or data. At the end OUT holds the
-adapter (models/adapter.py: engram.safetensors with the base model's name and fingerprint, the
+adapter (artifacts/adapter.py: engram.safetensors with the base model's name and fingerprint, the
 tokenizer and its compression map) and finetune.json (held-out loss before and after).
 
 Checks before any work, one line each: a model folder of another family (models/pretrained.py), a
@@ -36,31 +36,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import UserError
-from ..files import publish_text
-from ..models.adapter import (
-    base_fingerprint,
-    engram_state_dict,
-    load_engram_state_dict,
-    save_engram,
-)
-from ..models.hf import engram_runtime, freeze_base, inject
-from ..models.pretrained import check_model, load_pretrained
-from ..ranges import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Range, check_ranges
-from ..retrieval.compress import Compression, tokenizer_fingerprint
-from ..retrieval.config import EngramConfig
-from .batches import TokenBatches, val_batches
-from .checkpoint import (
+from ..artifacts.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from .corpus import Corpus, open_corpus
-from .hooks import LossCurve, SaveCheckpoints
-from .loop import Run, fit, restore
-from .optim import Optimizers, build_optimizers
-from .precision import (
+from ..errors import UserError
+from ..files import publish_text
+from ..artifacts.adapter import save_engram
+from ..models.adapter import base_fingerprint, engram_state_dict, load_engram_state_dict
+from ..models.hf import engram_runtime, freeze_base, inject
+from ..models.precision import (
     PRECISIONS,
     LossScaler,
     autocast,
@@ -69,6 +56,15 @@ from .precision import (
     model_device,
     resolve,
 )
+from ..models.pretrained import check_model, load_pretrained
+from ..ranges import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Range, check_ranges
+from ..retrieval.compress import Compression, tokenizer_fingerprint
+from ..retrieval.config import EngramConfig
+from .batches import TokenBatches, val_batches
+from .corpus import Corpus, open_corpus
+from .hooks import LossCurve, SaveCheckpoints
+from .loop import Run, fit, restore
+from .optim import Optimizers, build_optimizers
 
 ADAPTER_KIND = "adapter"
 

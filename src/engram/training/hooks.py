@@ -37,7 +37,7 @@ def log_record(run: Run, lr: float, last_loss: float, tokens_per_step: int, t_la
 def first_run_note(cfg: Any) -> None:
     """One line before a first run's one-time work, so a slow first step is no surprise (issue
     50): numba compiling the Engram module's kernels into its cache (~20 s, docs/speed.md)."""
-    from .. import jit
+    from ..compute import jit
     from ..module import kernels
 
     if cfg.engram and cfg.device == "cpu" and not jit.cached(kernels.__file__):
@@ -154,10 +154,10 @@ class SaveCheckpoints:
 
 
 def write_model_files(run: Run, out: Path) -> None:
-    """``out/model/`` (models/run_files.py): what opening the run needs besides a checkpoint, so
+    """``out/model/`` (artifacts/run.py): what opening the run needs besides a checkpoint, so
     it opens with its data gone. A resume finds the same files there and keeps them (the row
     counts cost a pass over the training text)."""
-    from ..models.run_files import identity, read_identity, write_run_files
+    from ..artifacts.run import identity, read_identity, write_run_files
 
     corpus, hasher, cfg = run.corpus, run.hasher, run.cfg
     comp = hasher.compression if hasher is not None else corpus.compression()

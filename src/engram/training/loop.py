@@ -24,7 +24,7 @@ What differs between ways of training is passed in as small objects, not subclas
 
 Step, evaluation and clipping exist only here (clipping's arithmetic in ``optim.clip_grad_norm_``).
 
-Device, precision and compile (cfg.device / precision / compile; training/precision.py):
+Device, precision and compile (cfg.device / precision / compile; models/precision.py):
 batches are made on the CPU and reach the model's device in ``Ranks.cut``; the forward and loss
 of ``train_step`` and ``evaluate`` run under the precision's autocast (none for fp32); under
 fp16 the loss scale (``run.optim.scaler``) scales the loss before ``backward`` and unscales the
@@ -54,13 +54,13 @@ import torch
 from torch import nn
 
 from .. import interrupts
+from ..artifacts.checkpoint import CheckpointError
 from ..errors import Interrupted, NonFinite
+from ..models.precision import autocast, model_device
 from ..retrieval.hashing import NgramHasher
 from .batches import Batch, val_batches
-from .checkpoint import CheckpointError
 from .corpus import Corpus
 from .optim import Optimizers, clip_grad_norm_
-from .precision import autocast, model_device
 
 STOPPING = ("engram: stopping after this step and saving a checkpoint (Ctrl-C again: stop now, "
             "without saving)")

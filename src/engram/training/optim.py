@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..models.precision import LossScaler
 from ..tables.store import MemoryTable
 from . import sparse_rows
-from .precision import LossScaler
 from .row_optim import RowAdagrad, RowAdam, RowOptimizer, RowRMSprop
 
 
@@ -99,7 +99,7 @@ def _clip_across_ranks(params: list[torch.Tensor], max_norm: float, sharded: set
 
 class Optimizers:
     """AdamW for the dense parameters and a table optimiser (RowAdam by default) for the tables,
-    stepped together; ``scaler``: fp16's loss scale (training/precision.py), None otherwise."""
+    stepped together; ``scaler``: fp16's loss scale (models/precision.py), None otherwise."""
 
     def __init__(self, dense: torch.optim.Optimizer | None, tables: RowOptimizer | None,
                  table_lr_mult: float = 5.0, scaler: LossScaler | None = None):

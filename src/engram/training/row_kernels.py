@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..jit import fma, kernel
+from ..compute.jit import fma, kernel
 
 
 @kernel()

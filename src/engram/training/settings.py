@@ -2,7 +2,7 @@
 when it resumes; and the allocator environment training processes start with.
 
 Recorded (``record``): the GEMM route of each shape bucket the run's products took
-(engram/gemm.py: torch's MKL or oneDNN, whose summation orders differ), torch's thread count (a
+(engram/compute/gemm.py: torch's MKL or oneDNN, whose summation orders differ), torch's thread count (a
 product's summation order follows it too) and the allocator environment. A bucket's route is timed
 on its first use on a machine and kept in the user's cache, where a later measurement may replace
 it (one made on a busy machine is measured again once it is quiet): the same command on the same
@@ -34,7 +34,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .. import gemm
+from ..compute import gemm
 from ..files import publish_text
 
 SETTINGS = "settings.json"  # in a run's out_dir: the record of its latest start

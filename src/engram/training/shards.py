@@ -32,7 +32,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ..errors import InputNotFound, UserError
-from ..files import publish_bytes, publish_text
+from ..files import publish_bytes, publish_text, sha256_file
 from .streams import NpyFile, TokenStream
 
 FORMAT = "engram-shards-1"  # bump when the layout changes: older folders are refused, not misread
@@ -42,17 +42,6 @@ MANIFEST = "manifest.json"
 
 class DataError(UserError):
     """A prepared corpus that must not be trained on: unfinished, corrupt, or from other inputs."""
-
-
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    """Digest of a file read in chunks: plain reads, so checking a corpus larger than memory
-    leaves this process's memory flat (memory-mapped pages would count as resident)."""
-    h, buf = hashlib.sha256(), bytearray(chunk)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def _save_stream(path: Path, length: int, pieces: Iterable[np.ndarray]) -> str:

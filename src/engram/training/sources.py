@@ -19,7 +19,6 @@ from typing import Callable, Iterator
 
 from ..errors import InputNotFound, UserError
 
-EOS_TOKEN = "<｜end▁of▁sentence｜>"  # id 1 in DeepSeek's tokenizer; ends every document
 
 @dataclass(frozen=True)
 class Document:

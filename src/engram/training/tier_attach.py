@@ -13,10 +13,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..artifacts.tier_files import TierError, TierFiles
 from ..errors import UserError
 from ..tables.store import normal_chunks
 from .optim import make_table_optimizer
-from .tier_files import TierError, TierFiles
 from .tier_tables import WS_INDEX, TierTables
 from .working_table import WorkingShard, WorkingTable
 

@@ -1,9 +1,10 @@
 """A torchrun rank's part of a file-tier run (``torchrun ... engram train --table_tier file``):
 each rank keeps its shard of every table (rows [lo, hi), ``tables.sharded.shard_bounds``) and their
-optimiser state in its own tier folder, ``<table_dir>/rank-RRRRR-of-WWWWW`` (tier_files.py), and
-trains from it as one process does (tier_tables.py): every rank reads the global batch, so each
-computes, with no communication, the rows of its shard the step's lookups will ask it for (row ids
-depend on token ids only, paper section 2.5) and loads exactly those before the step.
+optimiser state in its own tier folder, ``<table_dir>/rank-RRRRR-of-WWWWW``
+(artifacts/tier_files.py), and trains from it as one process does (tier_tables.py): every rank reads
+the global batch, so each computes, with no communication, the rows of its shard the step's lookups
+will ask it for (row ids depend on token ids only, paper section 2.5) and loads exactly those before
+the step.
 
 A checkpoint records every rank's tier (run id) in its dense part; a resume puts each rank's
 folder back to it. The folders are not resharded: a tier run resumes at the world size it was
@@ -16,10 +17,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..artifacts.checkpoint import CheckpointError, latest_distributed
+from ..artifacts.tier_files import rank_folder
 from ..errors import UserError
 from ..tables.sharded import shard_bounds
-from .checkpoint import CheckpointError, latest_distributed
-from .tier_files import rank_folder
 
 
 class Shard:

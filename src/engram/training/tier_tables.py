@@ -1,5 +1,5 @@
 """Training from a file tier (``engram train --table_tier file``): each Engram table and its row
-optimiser's state live in files, read and written by row ids (training/tier_files.py); a step
+optimiser's state live in files, read and written by row ids (artifacts/tier_files.py); a step
 holds only its own rows in memory.
 
 Row ids are known from token ids before the forward (paper section 2.5), so per step:
@@ -12,10 +12,11 @@ Row ids are known from token ids before the forward (paper section 2.5), so per 
 2. the forward, backward, clip and table optimiser run on the working set as on a whole table:
    the same floats (the gradient is coalesced in global row ids, as the in-memory table's is; the
    optimiser's per-row state is the same, in other slots), so losses equal in-memory training's;
-3. ``Optimizers.after_step`` writes the rows and state back, sparse, journaled (tier_files.py);
-   with a read-ahead the write runs on the worker, queued after step k+1's read, so rows of step
-   k+1 that step k updated are patched from step k's result (not the file read), and step k+2's
-   read comes after the write. Evaluation (which reads the files) and checkpoints wait for it.
+3. ``Optimizers.after_step`` writes the rows and state back, sparse, journaled
+   (artifacts/tier_files.py); with a read-ahead the write runs on the worker, queued after step
+   k+1's read, so rows of step k+1 that step k updated are patched from step k's result (not the
+   file read), and step k+2's read comes after the write. Evaluation (which reads the files) and
+   checkpoints wait for it.
 
 The budget (``--table_budget_mb``) bounds the working sets (rows, state, ids) and the journal's
 marks (a byte a table row); the gradient and activations are the model's, as in memory. The files
@@ -44,8 +45,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointError
-from .tier_files import JOURNAL, Journal, TierFiles, roll_back
+from ..artifacts.checkpoint import CheckpointError
+from ..artifacts.tier_files import JOURNAL, Journal, TierFiles, roll_back
 
 if TYPE_CHECKING:
     from .tier_shards import Shard

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputNotFound, UserError
-from ..retrieval.compress import default_tokenizer
-from .sources import EOS_TOKEN
+from ..retrieval.compress import EOS_TOKEN, default_tokenizer
 
 # Names of end-of-text tokens, tried in order when the tokenizer's config names none.
 EOS_NAMES = (EOS_TOKEN, "<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")

@@ -10,6 +10,7 @@ resumed reaches the same losses as one that was never interrupted. The loop itse
 from __future__ import annotations
 
 import dataclasses
+import json
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,31 +19,31 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import gemm
-from ..errors import UserError
-from ..ranges import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Range, check_ranges
-from ..models.layers import AdaptiveHead
-from ..models.model import EngramLM, ModelConfig
-from ..module import fused
-from ..retrieval.compress import Compression, build_compression
-from ..retrieval.config import EngramConfig
-from ..retrieval.hashing import NgramHasher
-from ..tables.store import deferred_rows
-from . import precision as precision_
-from . import settings as run_settings
-from . import tier_attach, tier_tables
-from .batches import TokenBatches
-from .checkpoint import (
+from ..compute import gemm
+from ..artifacts.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
+from ..errors import UserError
+from ..models import precision as precision_
+from ..models.layers import AdaptiveHead
+from ..models.model import EngramLM, ModelConfig
+from ..models.precision import PRECISIONS, LossScaler, check_names
+from ..module import fused
+from ..ranges import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Range, check_ranges
+from ..retrieval.compress import Compression, build_compression
+from ..retrieval.config import EngramConfig
+from ..retrieval.hashing import NgramHasher
+from ..tables.store import deferred_rows
+from . import settings as run_settings
+from . import tier_attach, tier_tables
+from .batches import TokenBatches
 from .corpus import Corpus, DataConfig, build_corpus
 from .hooks import LogMetrics, SaveCheckpoints, log_record  # noqa: F401  (log_record: its old home)
 from .loop import ONE_PROCESS, Run, evaluate, fit, lr_at, restore, train_step  # noqa: F401
 from .optim import build_optimizers, check_table_optimizer
-from .precision import PRECISIONS, LossScaler, check_names
 from .settings import ALLOCATOR_ENV, allocator_env  # noqa: F401  (their old home)
 
 
@@ -245,6 +246,44 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_record(cls, record: dict[str, Any], source: str | Path) -> TrainConfig:
+        """The options a run recorded (its config.json, a checkpoint's meta) as a TrainConfig: the
+        one reader of them (issue 48: four readers, two of which disagreed). torchrun's records
+        (RUN_RECORDS) are passed over; an option this engram does not know is refused in one line,
+        not dropped: it may have changed what was trained."""
+        from ..artifacts import RUN_RECORDS
+
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(record) - names - set(RUN_RECORDS))
+        if unknown:
+            raise UserError(f"{source} records options this engram does not know "
+                            f"({', '.join(unknown)}): it was written by another version of engram "
+                            "(use that version to read it)")
+        # JSON keeps a tuple as a list: read back, a field is what the run was built with
+        tuples = {f.name for f in dataclasses.fields(cls) if str(f.type).startswith("tuple")}
+        return cls(**{k: tuple(v) if k in tuples and isinstance(v, list) else v
+                      for k, v in record.items() if k in names})
+
+
+def saved_config(run_dir: str | Path) -> TrainConfig:
+    """The options run folder ``run_dir`` was trained with (RUN/config.json)."""
+    from ..artifacts.run import CONFIG
+
+    path = Path(run_dir) / CONFIG
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{run_dir}: {CONFIG} is missing (the options the run was trained with): "
+                        "copy the run back from a copy") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} cannot be read ({type(e).__name__}: {e}): copy the run back "
+                        "from a copy") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{path} is not a run's options (a JSON object): copy the run back "
+                        "from a copy")
+    return TrainConfig.from_record(record, path)
+
 
 def build_model(cfg: TrainConfig, corpus: Corpus,
                 tables: dict[int, Any] | None = None) -> EngramLM:
@@ -265,7 +304,7 @@ def resolve_machine(threads: int | None, device: str = "cpu", precision: str = "
     the device (a UserError if this machine lacks it, its autocast lacks the precision or
     torch.compile cannot build code for it when asked),
     torch's thread count, the numba kernels' plan (module/fused.py) and the GEMM route
-    (``ENGRAM_GEMM`` and the decisions already measured on this machine, gemm.py)."""
+    (``ENGRAM_GEMM`` and the decisions already measured on this machine, compute/gemm.py)."""
     dev = precision_.resolve(device, precision, compile)
     if threads:
         torch.set_num_threads(threads)
@@ -307,7 +346,7 @@ def build_run(cfg: TrainConfig, corpus: Corpus | None = None,
     if cfg.freeze_tables:  # no gradient, so no optimiser state: the rows stay as drawn
         for p in model.table_parameters():
             p.requires_grad_(False)
-    if device.type == "cpu" and cfg.precision == "fp32":  # the only products gemm.py routes
+    if device.type == "cpu" and cfg.precision == "fp32":  # the only products gemm routes
         run_settings.reuse(cfg.out_dir)  # the routes this run took before, whatever the cache says
         gemm.prepare(model, [cfg.batch_size * cfg.seq_len])  # routes measured now, not in a step
     tier = None

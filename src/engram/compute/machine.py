@@ -2,7 +2,7 @@
 
 A virtual machine may show only 'AMD EPYC' for a Zen 2, a Zen 4 and a Zen 5 alike, and they ran
 this package's training 2x apart; so the record carries the family and model numbers and the
-widest vector ISA too, read from /proc/cpuinfo. engram/gemm.py keys its measured routes by it.
+widest vector ISA too, read from /proc/cpuinfo. engram/compute/gemm.py keys its measured routes by it.
 """
 
 from __future__ import annotations

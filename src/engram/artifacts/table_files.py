@@ -1,12 +1,14 @@
-"""Export a model's or a training run's Engram tables as table files (one per part of a table set).
+"""A model's or a checkpoint's Engram tables as table files (one per part of a table set).
 
-Lives in training, not tables: reading a run folder needs the run's TrainConfig and checkpoint format.
+Lives in artifacts, not tables: a checkpoint is a run folder's part; tables/ owns the file's bytes.
+A checkpoint's Engram config comes from its saved run config through ``engram_of``, which the
+layer that wrote the config passes in (training.run_tables: the run's TrainConfig).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -18,7 +20,10 @@ from ..retrieval.hot import checkpoint_hasher
 from ..tables.hotcold import parts_of, write_index_files
 from ..tables.tablefile import table_path, write_table
 from .checkpoint import latest_checkpoint, load_checkpoint
-from .train import TrainConfig
+
+# A run's saved config (a checkpoint meta's "config") -> (its Engram config or None, whether one
+# table set is shared by every layer).
+EngramOf = Callable[[dict[str, Any]], tuple[EngramConfig | None, bool]]
 
 # A table set's entries in a model's state dict, after "blocks.{layer}.engram.table.": a plain
 # table's own weight is its cold part; a hot+cold store (tables/hotcold.py) names its parts.
@@ -28,7 +33,8 @@ _STATE_PARTS = {"weight": "cold", "cold.weight": "cold", "hot.weight": "hot"}
 def export_tables(source: Any, directory: str | Path, *, dtype: str = "fp32",
                   hasher: Hasher | None = None, tag: str = "", scale_block: int = 32,
                   progress: bool = False, scale_format: str = "fp32",
-                  kept: list[Path] | None = None) -> dict[int, Path]:
+                  kept: list[Path] | None = None, engram_of: EngramOf | None = None
+                  ) -> dict[int, Path]:
     """Write every table file of ``source`` into ``directory``; returns each layer's cold file.
 
     ``source`` is an EngramLM, or a checkpoint: a ``.safetensors`` file, a checkpoints folder, or a
@@ -43,9 +49,10 @@ def export_tables(source: Any, directory: str | Path, *, dtype: str = "fp32",
     carries the stamp (``hasher.profile``). A table set shared by several layers is written once, under
     its first layer (the returned paths map every layer to the file it reads).
     ``kept``: given, a table file already holding exactly its rows is kept and named there
-    (``tables.tablefile.write_table``).
+    (``tables.tablefile.write_table``). ``engram_of``: a checkpoint's Engram config and table
+    sharing from its saved run config (needed for a checkpoint; training.run_tables passes it).
     """
-    config, sets, hasher, source_tag = _tables_of(source, hasher)
+    config, sets, hasher, source_tag = _tables_of(source, hasher, engram_of)
     kw = dict(config=config, dtype=dtype, scale_block=scale_block, tag=tag or source_tag,
               progress=progress, scale_format=scale_format)
     for lid, parts in sets.items():
@@ -63,7 +70,7 @@ def _default_hasher(config: EngramConfig) -> NgramHasher:
     return NgramHasher(config, build_compression())
 
 
-def _tables_of(source: Any, hasher: Hasher | None
+def _tables_of(source: Any, hasher: Hasher | None, engram_of: EngramOf | None
                ) -> tuple[EngramConfig, dict[int, dict[str, Any]], Hasher, str]:
     """(Engram config, {owner layer: {part: weight tensor or a (start, stop) row function}}, the
     hasher, the source's default tag)."""
@@ -81,6 +88,9 @@ def _tables_of(source: Any, hasher: Hasher | None
         return config, {lid: {part: _rows(t) for part, t in
                               parts_of(engrams[lid].table, hasher).items()}
                         for lid in hasher.owners}, hasher, ""
+    if engram_of is None:
+        raise ValueError("a checkpoint's tables need engram_of, its Engram config from its saved "
+                         "config (engram.training.run_tables.export_tables passes the run's)")
     path = Path(source)
     if path.is_dir():
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
@@ -91,12 +101,11 @@ def _tables_of(source: Any, hasher: Hasher | None
     elif not path.exists():
         raise InputNotFound(f"no checkpoint at {path}")
     state, meta, _ = load_checkpoint(path)
-    # The run's TrainConfig says which Engram config built the tables.
-    tc = TrainConfig(**meta["config"])
-    config = tc.engram_config()
+    # The run's saved config says which Engram config built the tables.
+    config, shared = engram_of(meta["config"])
     if config is None:
         raise UserError(f"checkpoint {path} is of a model without Engram")
-    hasher = checkpoint_hasher(hasher or _default_hasher(config), state, tc.shared_tables)
+    hasher = checkpoint_hasher(hasher or _default_hasher(config), state, shared)
     sets = {}
     for lid in hasher.owners:
         prefix = f"blocks.{lid}.engram.table."

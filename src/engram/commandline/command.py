@@ -6,7 +6,7 @@ every output is checked, then its folders are created, locked (one writer per fo
 command ends) and marked; a command that fails removes the folders it created that are still empty,
 so bad input leaves the file tree as it was.
 
-The foundation layer (beside engram/options.py, whose parsers it builds): imports nothing above
+The foundation layer (beside options.py, whose parsers it builds): imports nothing above
 the foundation, so every layer may use it.
 """
 
@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from . import configfile, outputs
-from .errors import UserError
+from .. import outputs
+from ..errors import UserError
+from . import configfile
 from .options import (
     FILE_DEST,
     PRESET_DEST,

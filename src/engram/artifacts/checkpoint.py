@@ -8,7 +8,6 @@ killed at any instant leaves either the old or the new checkpoint, never a mix.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -17,10 +16,13 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import InputNotFound, UserError
-from ..files import publish, publish_text
+from ..files import publish, publish_text, sha256_file
 
+FOLDER = "checkpoints"  # RUN/checkpoints/ (an adapter folder's too: its resume state)
 LATEST = "latest.json"
 _TENSOR = "__tensor__"
+# What to do about a damaged checkpoint file or pointer (nothing rebuilds what training learned).
+_AGAIN = "copy the checkpoints back from a copy of the run, or train again"
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -62,13 +64,6 @@ def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any],
                     meta: dict[str, Any], keep: int = 2) -> Path:
@@ -82,7 +77,7 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any],
         "skeleton": json.dumps(skeleton), "meta": json.dumps(meta), "step": str(step)}),
         need=sum(t.numel() * t.element_size() for t in tensors.values()))
     publish_text(directory / LATEST, json.dumps(
-        {"file": path.name, "step": step, "sha256": _sha256(path)}))
+        {"file": path.name, "step": step, "sha256": sha256_file(path)}))
     old = sorted(directory.glob("step_*.safetensors"))[:-keep] if keep > 0 else []
     for p in old:
         p.unlink(missing_ok=True)
@@ -93,7 +88,7 @@ def saved_step(out_dir: str | Path) -> int | None:
     """The step of the newest checkpoint of run folder ``out_dir`` (one process or sharded), from
     its pointer alone; None when there is none."""
     try:
-        return int(json.loads((Path(out_dir) / "checkpoints" / LATEST).read_text())["step"])
+        return int(json.loads((Path(out_dir) / FOLDER / LATEST).read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -107,7 +102,7 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
         sharded = "dir" in info and "file" not in info  # dist_checkpoint's pointer
         path = None if sharded else Path(directory) / info["file"]
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{pointer} is corrupted: {e}") from e
+        raise CheckpointError(f"{pointer} is corrupted ({e}): {_AGAIN}") from e
     if path is None:
         tier = any((pointer.parents[1] / "tier").glob("rank-*-of-*"))  # table_tier=file's
         ranks = (f"--nproc-per-node {info.get('world')}: its tables are in per-rank tier "
@@ -116,9 +111,9 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
                               f"it under torchrun ({ranks}); "
                               "engram.open / generate / eval read it as it is")
     if not path.exists():
-        raise CheckpointError(f"{pointer} names {path.name}, which is missing")
-    if _sha256(path) != info["sha256"]:
-        raise CheckpointError(f"checkpoint {path} is corrupted (checksum mismatch)")
+        raise CheckpointError(f"{pointer} names {path.name}, which is missing: {_AGAIN}")
+    if sha256_file(path) != info.get("sha256"):
+        raise CheckpointError(f"checkpoint {path} is corrupted (checksum mismatch): {_AGAIN}")
     return path
 
 
@@ -142,6 +137,17 @@ def load_checkpoint(path: str | Path, parts: tuple[str, ...] | None = None
     return _unflatten(skeleton, tensors), meta, step
 
 
+def saved_meta(path: str | Path) -> dict[str, Any]:
+    """The JSON metadata of one checkpoint file (its options, data identity), tensors unread."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return json.loads(f.metadata()["meta"])
+    except Exception as e:  # safetensors raises several types for a torn or foreign file
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
+
+
 def _tensor_names(obj: Any) -> list[str]:
     """Every tensor name under a node of the skeleton."""
     if not isinstance(obj, dict):
@@ -154,7 +160,7 @@ def _tensor_names(obj: Any) -> list[str]:
 
 def latest_distributed(out_dir: str | Path) -> tuple[Path, dict] | None:
     """(step directory, pointer) of the newest complete sharded checkpoint, or None."""
-    pointer = Path(out_dir) / "checkpoints" / LATEST
+    pointer = Path(out_dir) / FOLDER / LATEST
     if not pointer.exists():
         return None
     try:
@@ -174,10 +180,10 @@ def latest_distributed(out_dir: str | Path) -> tuple[Path, dict] | None:
 def newest_checkpoint(out_dir: str | Path) -> Path | None:
     """The newest checkpoint file of a run folder: train.py's, or a torchrun run's dense part;
     None when there is none."""
-    pointer = Path(out_dir) / "checkpoints" / LATEST
+    pointer = Path(out_dir) / FOLDER / LATEST
     try:
         sharded = "dir" in json.loads(pointer.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError):  # latest_checkpoint says what is wrong
         sharded = False
     if not sharded:
         return latest_checkpoint(pointer.parent) if pointer.parent.is_dir() else None
@@ -203,7 +209,7 @@ def served_checkpoint(out_dir: str | Path) -> tuple[dict[str, Any], Path, list[P
         return state, ckpt, []
     step_dir, info = latest_distributed(out_dir)
     for name, sha in info["shards"]:
-        if _sha256(step_dir / name) != sha:
+        if sha256_file(step_dir / name) != sha:
             raise CheckpointError(f"checkpoint shard {step_dir / name} is corrupted (checksum "
                                   "mismatch)")
     return state, ckpt, [step_dir / name for name, _ in info["shards"]]

@@ -3,7 +3,7 @@
 A config file is a flat mapping of option name to value, the command line's options as a file
 (``steps: 300``, ``sources: [kjv, peoples-daily]``), so a run's own ``config.json`` (TrainConfig's
 fields, written by `engram train`) is one. ``.json`` files are read as JSON, any other as YAML
-(PyYAML's safe loader; JSON is YAML too). ``engram.options`` maps the keys to the command's
+(PyYAML's safe loader; JSON is YAML too). ``engram.commandline.options`` maps the keys to the command's
 options and types the values; this module only reads and writes the mapping, and says in one line
 (UserError) what is wrong with a file: missing, a folder, not text, bad syntax (line and column), or
 not a mapping.
@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import UserError
-from .outputs import read_text
+from ..errors import UserError
+from ..outputs import read_text
 
 FORMATS = ("yaml", "json")  # what --print_config writes
 

@@ -77,7 +77,7 @@ def _onednn_available() -> bool:
 def _check(name: str) -> str:
     if name not in BACKENDS:
         raise ValueError(f"GEMM backend must be one of {BACKENDS}, got {name!r} "
-                         "(set by ENGRAM_GEMM or engram.gemm.set_backend)")
+                         "(set by ENGRAM_GEMM or engram.compute.gemm.set_backend)")
     if name == "onednn" and not _onednn_available():
         raise RuntimeError("GEMM backend 'onednn': this torch build has no oneDNN "
                            "(torch.backends.mkldnn.is_available() is False)")

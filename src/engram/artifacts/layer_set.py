@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 Engram layers on our side: a layer set, read from a V4.1 checkpoint
+"""A V4.1 layer set, the folder of DeepSeek-V4.1 Engram layers on our side: read from a V4.1 checkpoint
 (``engram import-v41``), written back as one (``engram export-v41``), made from one of our v4.1
 models, and loaded into an EngramLM.
 
@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from ..errors import InputNotFound, UserError
-from ..files import publish
+from ..errors import InputNotFound, UserError, one_line
+from ..files import publish, read_json_object, sha256_file
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import NgramHasher
 from ..tables.fp8 import FP8_MAX, e8m0_to_float, quantize_fp8_e8m0
 from ..tables.tablefile import read_header, table_path, verify, write_table
-from .v41_checkpoint import (
+from ..models.v41_checkpoint import (
     EMBED,
     EMBED_SCALE,
     INDEX,
@@ -58,6 +58,7 @@ from .v41_checkpoint import (
 
 FORMAT = "engram-v41-layers-1"
 META, WEIGHTS, TABLES = "engram_layers.json", "engram_layers.safetensors", "tables"
+DIGEST = "weights_sha256"  # in META: what WEIGHTS hashes to (a flipped byte opened silently)
 
 
 @dataclass
@@ -79,17 +80,50 @@ class LayerSet:
                 if k.startswith(pre) and not k.endswith("wkv_scale")}
 
 
+def detect(path: str | Path) -> bool:
+    """Whether ``path`` is a layer set (``engram import-v41``'s folder): it holds its META."""
+    return (Path(path) / META).is_file()
+
+
 def read_layer_set(path: str | Path) -> LayerSet:
+    """The layer set at ``path``; a missing or unreadable part is one line naming it (its table
+    files are checked where a tier opens them)."""
     from safetensors.torch import load_file
 
     path = Path(path)
     if not (path / META).exists():
         raise InputNotFound(f"no {META} in {path}: write a layer set with `engram import-v41`")
-    meta = json.loads((path / META).read_text())
+    again = "write it again with `engram import-v41` (or copy it back)"
+    try:
+        meta = read_json_object((path / META))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: {META} cannot be read ({type(e).__name__}: {one_line(e)}): "
+                        f"{again}") from None
     if meta.get("format") != FORMAT:
         raise UserError(f"{path / META} is format {meta.get('format')!r}, expected {FORMAT!r}")
-    return LayerSet(path, EngramConfig.from_dict(meta["engram_config"]),
-                    V41Config(**meta["v41_config"]), meta, load_file(str(path / WEIGHTS)))
+    try:
+        if "gate" not in meta:
+            raise KeyError("gate")
+        configs = EngramConfig.from_dict(meta["engram_config"]), V41Config(**meta["v41_config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{path}: {META} is not a layer set's ({type(e).__name__}: "
+                        f"{one_line(e)}): {again}") from None
+    for part in [WEIGHTS] + [table_path(TABLES, lid).as_posix() for lid in configs[1].layer_ids]:
+        if not (path / part).is_file():
+            raise UserError(f"{path}: {part} is missing: {again}")
+    digest = meta.get(DIGEST)  # layer sets written before it carry none, and open unchecked
+    if digest is not None and sha256_file(path / WEIGHTS) != digest:
+        raise UserError(f"{path}: {WEIGHTS} is not the file {META} records (its sha256 "
+                        f"differs: damaged or replaced): {again}")
+    try:
+        weights = load_file(str(path / WEIGHTS))
+    except Exception as e:  # safetensors raises several types for a torn file
+        raise UserError(f"{path}: {WEIGHTS} cannot be read ({type(e).__name__}: "
+                        f"{one_line(e)}): {again}") from None
+    return LayerSet(path, *configs, meta, weights)
+
+
+read = read_layer_set  # the artifacts kinds' name
 
 
 def _hasher(cfg: V41Config, ecfg: EngramConfig, tokenizer: Any) -> NgramHasher:
@@ -156,10 +190,11 @@ def import_v41(ckpt_dir: str | Path, out_dir: str | Path, *, tokenizer: Any = No
 
 
 def _write_meta(path: Path, ecfg: EngramConfig, cfg: V41Config, dtypes: dict, source: str) -> None:
+    """META, written last: after WEIGHTS, whose digest it records."""
     (path / META).write_text(json.dumps({
         "format": FORMAT, "engram_config": ecfg.to_dict(), "v41_config": cfg.to_dict(),
-        "gate": "demo", "norm_eps": cfg.rms_norm_eps, "dtypes": dtypes, "source": source},
-        indent=1))
+        "gate": "demo", "norm_eps": cfg.rms_norm_eps, "dtypes": dtypes, "source": source,
+        DIGEST: sha256_file(path / WEIGHTS)}, indent=1))
 
 
 def _block_scales(scale: torch.Tensor, shape: tuple[int, int], block: list[int]) -> torch.Tensor:

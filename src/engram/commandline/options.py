@@ -7,15 +7,15 @@ shows each field's comment from the dataclass source, its type, valid values
 (``field(metadata={"choices": ...})``) and default, or "required" for a field without one, so the
 config stays the one place an option is documented. An unknown option names the closest known one;
 every parse error is one line and exit status 2. A command with configs also takes ``--config FILE``
-(YAML or JSON, ``engram.configfile``: the same options as a mapping, ``steps: 300``; the command
+(YAML or JSON, ``engram.commandline.configfile``: the same options as a mapping, ``steps: 300``; the command
 line overrides it) and ``--print_config [yaml|json]`` (the effective options as such a file; no work
 is done).
 
-Configs are read from their source (``engram.schema``), so a config may be named by
+Configs are read from their source (``engram.commandline.schema``), so a config may be named by
 ``"module:Class"`` and its module is imported only when ``build`` makes the instance.
 
 Commands (one subcommand's declaration, its parser built from its configs here) are
-``engram.command``.
+``engram.commandline.command``.
 
 The foundation layer: imports nothing above the foundation, so every layer may use it.
 """
@@ -27,7 +27,7 @@ import dataclasses
 import difflib
 from typing import Any, Sequence
 
-from .errors import UserError
+from ..errors import UserError
 from .schema import Field, fields_of, resolve, split_ref
 
 SET_PREFIX = "_engram_set_"  # namespace prefix of values the user gave: dest = f"{SET_PREFIX}{index}.{field}"

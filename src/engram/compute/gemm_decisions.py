@@ -1,4 +1,4 @@
-"""Where engram/gemm.py keeps its measured routes between processes: a JSON file in the user's
+"""Where engram/compute/gemm.py keeps its measured routes between processes: a JSON file in the user's
 cache, keyed by machine (CPU, torch version) and bucket, written atomically and decided under a
 file lock, so concurrent first uses agree and a later run on the machine repeats bit for bit.
 """
@@ -11,7 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .files import publish_text
+from ..files import publish_text
 
 # The file's format. 2: oneDNN's weight gradient changed (gemm._grad_weight, ~10x cheaper at the
 # adaptive head's tail), so decisions timed before it are measured again.
