@@ -3,8 +3,9 @@ tables exported in each lossy dtype are measured against its own fp32 tables on 
 split (quality.json beside the files, one line on stderr); fp32 files measured the same way cost
 exactly nothing; a format over the threshold is refused in one line and its files removed (no
 tier opens them), and --accept_loss keeps it; --text that overlaps the training stream is refused;
-`engram export-hf` is gated the same way, leaving its folder as it was when it refuses; `engram
-generate` and `engram eval` print the recorded cost of the table files they read."""
+`engram export-hf` is gated the same way, leaving its folder as it was when it refuses, and so are
+the public engram.write_tables and engram.export_hf; `engram generate` and `engram eval` print the
+recorded cost of the table files they read."""
 
 import json
 
@@ -156,6 +157,32 @@ def test_commands_measure_refuse_and_print_the_cost(run, tmp_path, capsys):
     text.write_text(NEW_TEXT)
     assert main(["eval", str(out), "--text", str(text)]) == 0
     assert "engram eval: int8 table files: cost never measured" in capsys.readouterr().err
+
+
+def test_the_python_exports_are_gated(run, tmp_path):
+    """engram.write_tables and engram.export_hf, the public names, take the commands' path: a lossy
+    format over the threshold is refused in one line with no table file left; a kept one has its
+    cost beside its files and said; a layer set's rows go only to the formats that hold them."""
+    import engram
+
+    run_dir, _ = run
+    for call in (lambda: engram.write_tables(run_dir, tmp_path / "t", "int4", accept_loss=0.0),
+                 lambda: engram.export_hf(run_dir, tmp_path / "x", table_dtype="int4",
+                                          accept_loss=0.0)):
+        with pytest.raises(UserError) as e:
+            call()
+        assert "\n" not in str(e.value) and "int4 table files raise the loss by" in str(e.value)
+    assert not list(tmp_path.rglob("*.table"))
+    said: list[str] = []
+    folder = engram.write_tables(run_dir, tmp_path / "t", "int8", say=said.append)
+    assert json.loads((folder / QUALITY).read_text())["verdict"] == "kept"
+    out = engram.export_hf(run_dir, tmp_path / "x", table_dtype="int8", say=said.append)
+    assert json.loads((out / "tables" / QUALITY).read_text())["verdict"] == "kept"
+    assert sum(line.startswith("int8 table files, cost ") for line in said) == 2
+    with pytest.raises(UserError, match="a V4.1 layer set's rows are fp8"):
+        engram.export_hf(run_dir, tmp_path / "v", table_dtype="int8",
+                         engram_layers=tmp_path / "layers")
+    assert not (tmp_path / "v").exists()
 
 
 def test_export_hf_is_gated(run, tmp_path, capsys):

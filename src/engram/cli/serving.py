@@ -124,15 +124,13 @@ def _generate(run_dir: str, o: Prompts, t: Tables, g: Gate, gen) -> None:
          "quality.json, one line on stderr) and refused, its files removed, when the loss rises "
          "more than 0.01 nats a token (--accept_loss).")
 def _export_tables(run_dir: str, t: Tables, g: Gate) -> None:
-    from ..studies.table_cost import describe, export_gated
+    from ..studies.table_cost import write_tables
 
     def say(line: str) -> None:
         print(f"engram export-tables: {line}", file=sys.stderr)
 
-    folder, rec = export_gated(run_dir, t.table_dir, t.table_dtype, accept_loss=g.accept_loss,
-                               text=g.text, max_tokens=g.quality_tokens, say=say)
-    if rec is not None:
-        say(describe(rec))
+    folder = write_tables(run_dir, t.table_dir, t.table_dtype, accept_loss=g.accept_loss,
+                          text=g.text, max_tokens=g.quality_tokens, say=say)
     print(f"table files in {folder}")
 
 
@@ -151,37 +149,16 @@ def _export_tables(run_dir: str, t: Tables, g: Gate) -> None:
          "(--accept_loss).",
          interrupted="the files written whole so far are kept; the same command writes the rest")
 def _export_hf(run_dir: str, out_dir: str, t: Tables, g: Gate) -> None:
-    from ..serving.loader import export_hf
-    from ..studies.table_cost import describe, export_hf_gated
+    from ..studies.table_cost import export_hf
 
     def say(line: str) -> None:
         print(f"engram export-hf: {line}", file=sys.stderr)
 
-    if t.engram_layers is not None and t.table_dtype not in ("fp32", "fp8"):
-        # Issue 47: every lossy export is measured, against the rows it rounds; a layer set's
-        # are fp8 + E8M0 (fp8 and fp32 files hold them exactly), and the gate measures against a
-        # run's own tables, not a layer set's.
-        raise UserError(f"--table_dtype {t.table_dtype} with --engram_layers: a V4.1 layer "
-                        "set's rows are fp8 with E8M0 scales, held exactly by fp8 or fp32 table "
-                        "files; another format's cost against them is not measured, so it is "
-                        "not exported (choose --table_dtype fp8)")
     kept: list[Path] = []
-
-    def write() -> Path:
-        return export_hf(run_dir, out_dir, tier=t.tier, table_dtype=t.table_dtype,
-                         cache_fraction=t.cache_fraction, prefetch=t.prefetch,
-                         engram_layers=t.engram_layers, kept=kept)
-
-    if t.engram_layers is not None:  # the layer set's own rows (fp8 + E8M0), or fp32: exact
-        out = write()
-    else:
-        placed: list[Path] = []
-        out, rec = export_hf_gated(run_dir, out_dir, t.table_dtype, write,
-                                   accept_loss=g.accept_loss, text=g.text,
-                                   max_tokens=g.quality_tokens, say=say, placed=placed)
-        if rec is not None:
-            say(describe(rec))
-        kept = [p for p in kept if p not in placed]  # written by this command, through the gate
+    out = export_hf(run_dir, out_dir, tier=t.tier, table_dtype=t.table_dtype,
+                    cache_fraction=t.cache_fraction, prefetch=t.prefetch,
+                    engram_layers=t.engram_layers, accept_loss=g.accept_loss, text=g.text,
+                    max_tokens=g.quality_tokens, say=say, kept=kept)
     if kept:
         names = ", ".join(str(p.relative_to(out)) for p in kept)
         print(f"engram export-hf: kept {len(kept)} file{'s' if len(kept) > 1 else ''} already "

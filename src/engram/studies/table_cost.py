@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
 
@@ -210,6 +211,77 @@ def export_hf_gated(run_dir: str | Path, out_dir: str | Path, dtype: str,
         raise UserError(f"the table files in {tables} changed while the export was written (a "
                         f"new checkpoint of {run_dir}?); run the command again to measure them")
     return path, rec
+
+
+# -- the exports a user calls (engram.write_tables, engram.export_hf): the commands' own path --------
+
+def write_tables(run_dir: str | Path, table_dir: str | Path | None = None, dtype: str = "fp32",
+                 *, accept_loss: float | None = None, text: str | Path | None = None,
+                 max_tokens: int = MAX_TOKENS, say: Callable[[str], None] | None = None) -> Path:
+    """The table files of a run's newest checkpoint in ``table_dir`` (default RUN/tables), as
+    ``engram export-tables`` writes them: a lossy ``dtype`` (all but fp32) is measured against
+    the fp32 tables (quality.json beside the files; ``say``, given, hears its one line) and
+    refused in one UserError line, its files removed, when the loss rises more than
+    ``LOSS_THRESHOLD`` nats a token (or ``accept_loss``). Returns the folder."""
+    folder, rec = export_gated(run_dir, table_dir, dtype, accept_loss=accept_loss, text=text,
+                               max_tokens=max_tokens, say=say)
+    if rec is not None and say is not None:
+        say(describe(rec))
+    return folder
+
+
+def export_hf(run_dir: str | Path, out_dir: str | Path, *, tier: str = "memory",
+              table_dtype: str = "fp32", cache_fraction: float = 0.0, prefetch: bool = False,
+              engram_layers: str | Path | None = None, accept_loss: float | None = None,
+              text: str | Path | None = None, max_tokens: int = MAX_TOKENS,
+              say: Callable[[str], None] | None = None, kept: list[Path] | None = None) -> Path:
+    """An export of the newest checkpoint of ``run_dir`` in ``out_dir`` (artifacts/export.py),
+    as ``engram export-hf`` writes it: a lossy ``table_dtype`` is measured before it replaces any
+    table file and refused in one UserError line, ``out_dir`` left as it was, when the loss rises
+    more than ``LOSS_THRESHOLD`` nats a token (or ``accept_loss``); ``engram_layers``: a V4.1
+    layer set replacing its Engram layers (fp8 or fp32 table files, which hold its rows exactly).
+    ``kept``, given, is extended with the files already there and current, not written again.
+    Returns the export's folder."""
+    from ..outputs import claim_folder, release
+    from ..serving.loader import export_hf as write_export
+
+    if engram_layers is not None and table_dtype not in ("fp32", "fp8"):
+        # Every lossy export is measured, against the rows it rounds; a layer set's are fp8 +
+        # E8M0 (fp8 and fp32 files hold them exactly), and the gate measures against a run's own
+        # tables, not a layer set's.
+        raise UserError(f"table_dtype {table_dtype} with engram_layers: a V4.1 layer set's rows "
+                        "are fp8 with E8M0 scales, held exactly by fp8 or fp32 table files; "
+                        "another format's cost against them is not measured, so it is not "
+                        "exported (choose table_dtype fp8)")
+    ours: list[Path] = []  # files the export found current (the gate's own are not "kept")
+
+    def write() -> Path:
+        return write_export(run_dir, out_dir, tier=tier, table_dtype=table_dtype,
+                            cache_fraction=cache_fraction, prefetch=prefetch,
+                            engram_layers=engram_layers, kept=ours)
+
+    # The folder is an export's before the gate stages its files in it (the command claims it
+    # first too; a claim nests), and goes again when this call made it and the gate refused.
+    with ExitStack() as hold:
+        created = claim_folder(out_dir, "export", "engram export-hf", "out_dir",
+                               of=str(Path(run_dir).resolve()), hold=hold)
+        try:
+            if engram_layers is not None:  # the layer set's own rows (fp8 + E8M0), or fp32
+                out = write()
+            else:
+                placed: list[Path] = []
+                out, rec = export_hf_gated(run_dir, out_dir, table_dtype, write,
+                                           accept_loss=accept_loss, text=text,
+                                           max_tokens=max_tokens, say=say, placed=placed)
+                if rec is not None and say is not None:
+                    say(describe(rec))
+                ours = [p for p in ours if p not in placed]  # written through the gate
+        except BaseException:
+            release(created, out_dir)
+            raise
+    if kept is not None:
+        kept.extend(ours)
+    return out
 
 
 def remove_tables(folder: Path, dtype: str, tag: str) -> int:
