@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 
 from ..commandline.command import Arg, Command, Config, In, Out
 
-TRAIN = "engram.training.train:TrainConfig"
+TRAIN = "engram.training.config:TrainConfig"
 
 from ..artifacts import RUN_RECORDS  # noqa: F401  (torchrun's records in a run's config.json)
 

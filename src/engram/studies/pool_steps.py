@@ -35,7 +35,8 @@ def build_setup(run_dir: str | None, tc: Any, seed: int = 0) -> Setup:
     """The run's model (tables in memory), or ``tc``'s model with random weights."""
     from ..retrieval.compress import build_compression
     from ..training.corpus import build_corpus
-    from ..training.train import build_model, saved_config
+    from ..training.config import saved_config
+    from ..training.train import build_model
 
     if run_dir is not None:
         from ..serving.loader import open_model
