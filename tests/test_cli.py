@@ -243,3 +243,21 @@ def test_torchrun_takes_the_same_train_options(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["world_size"] == 2 and out["step"] == 2
+
+
+def test_the_last_line_follows_every_open_progress_bar():
+    """The command line closes the progress bars still open before its one line: a bar that a
+    reference cycle keeps alive past the exception would otherwise share it ("analyze: 0/8
+    ...engram analyze: interrupted; ...", seen once under load)."""
+    import io
+
+    from tqdm import tqdm
+
+    from engram.cli import _close_bars
+
+    out = io.StringIO()
+    held = [tqdm(total=8, desc="analyze", file=out)]
+    held.append(held)  # a cycle: nothing closes the bar until the collector runs
+    assert not out.getvalue().endswith("\n")
+    _close_bars()
+    assert out.getvalue().endswith("\n")

@@ -122,11 +122,21 @@ def main(argv: list[str] | None = None) -> int:
         kept = f"; {disk.kept}" if disk.kept else ""  # else the line says to rerun
         code, line = 1, f"engram {name}{rank}: error: {disk}{kept}"
         disk = None  # its traceback holds what the work held open (a progress bar): let it close
-    # Printed once the exception is gone: what it held (a progress bar) has closed by now, so the
-    # line stands on its own, last.
+    # Printed once the exception is gone and every progress bar closed, so the line stands on its
+    # own, last. A bar the exception's frames held closes when they are collected, which a
+    # reference cycle can put off past this line (seen: "analyze: 0/8 ...engram analyze:
+    # interrupted" on one line), so the bars still open are closed here.
     if line:
+        _close_bars()
         print(line, file=sys.stderr)
     return code
+
+
+def _close_bars() -> None:
+    """Close every tqdm bar still open (each ends its line), if tqdm was loaded at all."""
+    std = sys.modules.get("tqdm.std")
+    for bar in list(getattr(getattr(std, "tqdm", None), "_instances", ())):
+        bar.close()
 
 
 def run() -> int:
