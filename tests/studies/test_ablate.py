@@ -7,7 +7,7 @@ import pytest
 
 from engram.cli.registry import STUDY_SKIP
 from engram.studies.ablate import AblateConfig, ablation_configs, run_ablate
-from engram.studies.ablate_report import verdict
+from engram.studies.ablate_report import claims, verdict
 from engram.studies.compare import counts
 from engram.training.train import TrainConfig
 
@@ -48,6 +48,29 @@ def test_verdict_words():
     assert verdict(0.1, 0.02, True) == "holds"
     assert verdict(-0.1, 0.02, True).startswith("does not hold")
     assert verdict(0.1, None, True).startswith("no seed spread")
+
+
+def test_controls_are_judged_by_their_own_arms_spreads():
+    """A control's verdict uses its two arms' spreads: a noisy variant run beside it (orders234,
+    spread 0.2) moves the other claims' verdicts, not the controls'."""
+    def v(losses, ref=None):
+        return {"val_loss": sum(losses) / 3, "val_loss_per_seed": losses,
+                "seed_spread": max(losses) - min(losses), "compared_with": "reference",
+                "delta_per_seed": [a - b for a, b in zip(losses, ref)] if ref else [],
+                "delta": sum(a - b for a, b in zip(losses, ref)) / 3 if ref else None}
+
+    ref = [5.77, 5.75, 5.79]
+    vs = {"reference": v(ref), "pathway": v([5.86, 5.87, 5.88], ref),
+          "bigram-hash": v([5.76, 5.75, 5.78], ref), "orders234": v([5.6, 5.8, 5.7], ref)}
+    rows = {c.split(" (")[0]: (m, verdict_, i) for c, m, verdict_, i in
+            claims({"variants": vs, "max_seed_spread": 0.2})}
+    pathway = rows["The memory's rows carry a gain"]
+    assert pathway[0].startswith("pathway - reference: +0.1000 nats")
+    assert pathway[1] == "holds"  # 0.1 > 2 x 0.04 (its arms' spread), not 2 x 0.2
+    bigram = rows["Engram beats one hashed bigram table at the input"]
+    assert bigram[1].startswith("not resolved") and "its arms' spread 0.0400" in bigram[1]
+    assert rows["{2,3,4}-grams are slightly worse than {2,3} at equal rows"][1].startswith(
+        "not resolved")  # judged by the largest spread, as before
 
 
 @pytest.mark.slow  # ~70 s: spawns workers, trains 10 tiny runs
