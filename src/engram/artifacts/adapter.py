@@ -199,11 +199,6 @@ def read_tokenizer(directory: str | os.PathLike, meta: dict[str, Any] | None = N
     return tok, compression
 
 
-def adapter_tokenizer(directory: str | os.PathLike) -> tuple[Any, Compression]:
-    """(tokenizers.Tokenizer, its compression map) a self-contained adapter holds."""
-    return read_tokenizer(directory)
-
-
 def _check_copy(d: Path, meta: dict[str, Any]) -> None:
     """engram_config.json, the readable copy of the header, agrees with it (or is gone)."""
     path = d / META
