@@ -12,9 +12,7 @@ tests/tables/test_blocks.py (int8, int4) and tests/tables/test_fp8.py (fp8, bf16
 import contextlib
 import filecmp
 import io
-import glob
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +23,7 @@ from engram.serving.generate import GenerationConfig, Generator
 from engram.studies.table_cost import QUALITY, is_lossy
 from engram.tables.tablefile import read_header, table_paths
 from engram.training.train import TrainConfig, train
+from lm_eval_run import lm_eval_samples  # tests/: the way every test runs lm-eval
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FORMATS = ("fp32", "bf16", "fp16", "fp8", "int8", "int4")
@@ -35,7 +34,6 @@ TINY = dict(max_chars=30_000, n_layer=2, d_model=128, n_head=2, seq_len=32, batc
             warmup=1, eval_batches=1, log_every=1, eval_every=6, ckpt_every=6, lr=3e-3)
 PROMPTS = ["In the beginning God created", "And God said, Let there be"]
 MAX_NEW = 8
-LM_EVAL_TASKS = Path(__file__).parent.parent / "data" / "lm_eval"
 
 
 @pytest.fixture(scope="module")
@@ -148,16 +146,8 @@ def test_lm_eval_generates_the_same_text(run, kind, tmp_path, monkeypatch):
     pytest.importorskip("lm_eval")
     _, run_dir, _, _ = run
     _, folder, out, _ = _served(run, kind)
-    monkeypatch.chdir(LM_EVAL_TASKS)  # the task's data_files are relative
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert main(["lm-eval", "--model_args", f"pretrained={out},tier=file", "--tasks",
-                 "engram_gen", "--include_path", str(LM_EVAL_TASKS), "--output_path",
-                 str(tmp_path / "res"), "--log_samples", "--batch_size", "4"]) == 0
-    (path,) = glob.glob(str(tmp_path / "res" / "**" / "samples_engram_gen_*.jsonl"),
-                        recursive=True)
-    samples = sorted((json.loads(line) for line in open(path)), key=lambda r: r["doc_id"])
+    found, _ = lm_eval_samples(f"pretrained={out},tier=file", tmp_path, monkeypatch, "engram_gen")
+    samples = found["engram_gen"]
     rt = engram.open(run_dir, tier="file", table_dir=folder, table_dtype=kind)
     gen = Generator(rt, config=GenerationConfig(max_new_tokens=6, stop_ids=(rt.eos_id,)))
     assert len(samples) == 4

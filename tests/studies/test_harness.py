@@ -3,9 +3,7 @@
 log-likelihoods equal `engram eval --per_document`'s on the same run; multiple-choice scores equal
 the transformers model's logits; generations equal `engram generate`'s greedy tokens."""
 
-import glob
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +12,7 @@ import torch
 lm_eval = pytest.importorskip("lm_eval")
 
 from engram.cli import main  # noqa: E402
-
-TASKS = Path(__file__).parent.parent / "data" / "lm_eval"
+from lm_eval_run import TASKS, lm_eval_samples  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -31,31 +28,11 @@ def run_and_export(tmp_path_factory):
     return root / "run", root / "hf"
 
 
-def lm_eval_samples(out, tmp_path, monkeypatch, tasks, *extra):
-    """Run `engram lm-eval` from the task folder (its data_files are relative); the logged
-    samples of each task, in document order."""
-    monkeypatch.chdir(TASKS)
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    rc = main(["lm-eval", "--model_args", f"pretrained={out},tier=file", "--tasks", tasks,
-               "--include_path", str(TASKS), "--output_path", str(tmp_path / "res"),
-               "--log_samples", "--batch_size", "4", *extra])
-    assert rc == 0
-    found = {}
-    for task in tasks.split(","):
-        (path,) = glob.glob(str(tmp_path / "res" / "**" / f"samples_{task}_*.jsonl"),
-                            recursive=True)
-        rows = [json.loads(line) for line in open(path)]
-        found[task] = sorted(rows, key=lambda r: r["doc_id"])
-    (results,) = glob.glob(str(tmp_path / "res" / "**" / "results_*.json"), recursive=True)
-    return found, json.load(open(results))
-
-
 def test_rolling_loglikelihoods_equal_engram_eval(run_and_export, tmp_path, monkeypatch,
                                                    capsys):
     run, out = run_and_export
-    samples, results = lm_eval_samples(out, tmp_path, monkeypatch, "engram_docs")
+    samples, results = lm_eval_samples(f"pretrained={out},tier=file", tmp_path, monkeypatch,
+                                         "engram_docs")
     got = [float(s["resps"][0][0]) for s in samples["engram_docs"]]  # logged as text
     docs = [json.loads(line)["text"] for line in open(TASKS / "docs.jsonl")]
     text = tmp_path / "docs.txt"
@@ -79,7 +56,8 @@ def test_choices_and_generations(run_and_export, tmp_path, monkeypatch):
     from engram.serving.loader import open_model
 
     run, out = run_and_export
-    samples, _ = lm_eval_samples(out, tmp_path, monkeypatch, "engram_choice,engram_gen")
+    samples, _ = lm_eval_samples(f"pretrained={out},tier=file", tmp_path, monkeypatch,
+                                 "engram_choice,engram_gen")
     m = AutoModelForCausalLM.from_pretrained(out)
     served = open_model(run)
     tok = served.tokenizer
@@ -130,17 +108,9 @@ def test_a_finetuned_adapter_scores_as_engram_eval(tok, tmp_path, monkeypatch, c
     from hf_models import make_adapter
 
     adapter = make_adapter(tmp_path, "llama", tok)
-    monkeypatch.chdir(TASKS)
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert main(["lm-eval", "--model_args", f"pretrained={adapter},max_length=64", "--tasks",
-                 "engram_docs", "--include_path", str(TASKS), "--output_path",
-                 str(tmp_path / "res"), "--log_samples", "--batch_size", "4"]) == 0
-    (path,) = glob.glob(str(tmp_path / "res" / "**" / "samples_engram_docs_*.jsonl"),
-                        recursive=True)
-    rows = sorted((json.loads(line) for line in open(path)), key=lambda r: r["doc_id"])
-    got = [float(r["resps"][0][0]) for r in rows]
+    samples, _ = lm_eval_samples(f"pretrained={adapter},max_length=64", tmp_path, monkeypatch,
+                                 "engram_docs")
+    got = [float(r["resps"][0][0]) for r in samples["engram_docs"]]
     docs = [json.loads(line)["text"] for line in open(TASKS / "docs.jsonl")]
     text = tmp_path / "docs.txt"
     text.write_text("\n\n".join(docs))
