@@ -477,3 +477,28 @@ def record_times():
             "rerun": "ENGRAM_INTERRUPTS_JSON=benchmarks/results/interrupts.json python -m pytest "
                      "-m 'slow or not slow' tests/test_interrupts.py",
             "seconds": {**old.get("seconds", {}), **TIMES}})
+
+
+def test_a_line_on_stderr_is_one_write(monkeypatch):
+    """``print`` writes a line's text and its newline apart: a Ctrl-C between the two glued the
+    command's last line onto the one before ("...max_new_tokens=2000)engram generate:
+    interrupted; ..."). The command line's lines go through ``stderr_line``, one write each, and
+    nothing under src/ prints to stderr another way."""
+    import io
+
+    from engram.interrupts import stderr_line
+
+    class Writes(io.StringIO):
+        calls: list[str] = []
+
+        def write(self, s):
+            self.calls.append(s)
+            return super().write(s)
+
+    monkeypatch.setattr(sys, "stderr", Writes())
+    stderr_line("engram generate: a line")
+    assert Writes.calls == ["engram generate: a line\n"]
+    printing = [f"{p.relative_to(SRC)}:{n}" for p in (SRC / "engram").rglob("*.py")
+                for n, line in enumerate(p.read_text().splitlines(), 1)
+                if "file=sys.stderr" in line and "tqdm(" not in line]
+    assert not printing, printing

@@ -31,6 +31,13 @@ def clear() -> None:
     _received.clear()
 
 
+def stderr_line(line: str) -> None:
+    """``line`` and its newline on stderr in one write. ``print`` writes them apart, and a Ctrl-C
+    between the two glued the command's last line ("...: interrupted; ...") onto this one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def _handler(say: str | None, escalate: bool, also: Callable[[int], None] | None):
     def handle(signum: int, frame) -> None:
         if escalate and _received and signum == signal.SIGINT:
@@ -38,7 +45,8 @@ def _handler(say: str | None, escalate: bool, also: Callable[[int], None] | None
         first = not _received
         _received.append(signum)
         if first and say:
-            print(say, file=sys.stderr, flush=True)
+            sys.stderr.write(say + "\n")
+            sys.stderr.flush()
         if also is not None:
             also(signum)
     handle.engram_stop = True  # type: ignore[attr-defined]
@@ -80,4 +88,4 @@ def stop_requests(say: str | None = None, escalate: bool = True,
             restore()
 
 
-__all__ = ["SIGNALS", "clear", "install", "requested", "stop_requests"]
+__all__ = ["SIGNALS", "clear", "install", "requested", "stderr_line", "stop_requests"]

@@ -29,13 +29,18 @@ VLLM_RUN = Path(__file__).parents[2] / "benchmarks" / "vllm_run.py"  # run by it
 RUNS = {}  # the memory tier's vLLM tokens, for the transformers comparison below
 
 
-def run_vllm(model_dir, ps, tmp_path, name, overrides=None, kv_blocks=None, max_new=MAX_NEW):
+def run_vllm(model_dir, ps, tmp_path, name, overrides=None, kv_blocks=None, max_new=MAX_NEW,
+             in_process=True):
+    """vLLM's greedy tokens for prompts ``ps``. ``in_process``: the engine in one process (an
+    engine start ~half as long); test_vllm_greedy_equals_engram_generate runs it as a server does,
+    the engine core and its worker in processes of their own (where our plugin is imported anew)."""
     req, res = tmp_path / f"{name}.req.json", tmp_path / f"{name}.res.json"
     req.write_text(json.dumps({"prompts": ps, "max_tokens": max_new}))
     cmd = [VLLM_PYTHON, str(VLLM_RUN), str(model_dir), "--requests", str(req),
            "--result", str(res), "--hf_overrides", json.dumps(overrides or {}),
            "--max_num_batched_tokens", "64", "--max_num_seqs", "64"]
     cmd += [] if kv_blocks is None else ["--kv_blocks", str(kv_blocks)]
+    cmd += ["--in_process"] if in_process else []
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(res.read_text())
@@ -62,7 +67,7 @@ def served(tmp_path_factory, deepseek):
 ], ids=["memory", "file-cache-prefetch", "shared"])
 def test_vllm_greedy_equals_engram_generate(served, tmp_path, overrides):
     out, ps, want, _ = served
-    got = run_vllm(out, ps, tmp_path, "run", overrides)
+    got = run_vllm(out, ps, tmp_path, "run", overrides, in_process=False)
     if overrides is None:
         RUNS["memory"] = got
     assert len(ps) == 64 and max(map(len, ps)) > 64  # chunked prefill

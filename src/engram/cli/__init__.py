@@ -53,6 +53,7 @@ from typing import Any, Iterator
 
 from ..errors import Interrupted, UserError
 from ..files import disk_error
+from ..interrupts import stderr_line
 from ..commandline.options import ConfigParser, new_parser
 # Each declares its commands, in `engram --help` order: making a run, studies, serving.
 from . import training  # noqa: F401, I001
@@ -98,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
 
         close = difflib.get_close_matches(name, list(COMMANDS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        print(f"engram: error: unknown command {name!r}{hint} (commands: "
-              f"{', '.join(COMMANDS)})", file=sys.stderr)
+        stderr_line(f"engram: error: unknown command {name!r}{hint} (commands: "
+                    f"{', '.join(COMMANDS)})")
         return 2
     cmd = COMMANDS[name]
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     # interrupted" on one line), so the bars still open are closed here.
     if line:
         _close_bars()
-        print(line, file=sys.stderr)
+        stderr_line(line)
     return code
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputNotFound, UserError
+from ..interrupts import stderr_line
 from ..commandline.command import Arg, Config, In, Out
 from ..ranges import AT_LEAST_1, check_ranges
 from .registry import GENERATION, RUN_DIR, RUN_RECORDS, TIER_OPTIONS, TRAIN, command
@@ -75,7 +76,7 @@ def _generate(run_dir: str, o: Prompts, t: Tables, g: Gate, gen) -> None:
     from ..studies.table_cost import cost_line, export_gated, is_run, table_folder
 
     def say(line: str) -> None:
-        print(f"engram generate: {line}", file=sys.stderr)
+        stderr_line(f"engram generate: {line}")
 
     if o.threads:
         torch.set_num_threads(o.threads)
@@ -127,7 +128,7 @@ def _export_tables(run_dir: str, t: Tables, g: Gate) -> None:
     from ..studies.table_cost import write_tables
 
     def say(line: str) -> None:
-        print(f"engram export-tables: {line}", file=sys.stderr)
+        stderr_line(f"engram export-tables: {line}")
 
     folder = write_tables(run_dir, t.table_dir, t.table_dtype, accept_loss=g.accept_loss,
                           text=g.text, max_tokens=g.quality_tokens, say=say)
@@ -152,7 +153,7 @@ def _export_hf(run_dir: str, out_dir: str, t: Tables, g: Gate) -> None:
     from ..studies.table_cost import export_hf
 
     def say(line: str) -> None:
-        print(f"engram export-hf: {line}", file=sys.stderr)
+        stderr_line(f"engram export-hf: {line}")
 
     kept: list[Path] = []
     out = export_hf(run_dir, out_dir, tier=t.tier, table_dtype=t.table_dtype,
@@ -161,8 +162,8 @@ def _export_hf(run_dir: str, out_dir: str, t: Tables, g: Gate) -> None:
                     max_tokens=g.quality_tokens, say=say, kept=kept)
     if kept:
         names = ", ".join(str(p.relative_to(out)) for p in kept)
-        print(f"engram export-hf: kept {len(kept)} file{'s' if len(kept) > 1 else ''} already "
-              f"written: {names}", file=sys.stderr)
+        files = "file" if len(kept) == 1 else "files"
+        stderr_line(f"engram export-hf: kept {len(kept)} {files} already written: {names}")
     print(f"wrote {out}; serve with: vllm serve {out} --dtype float32")
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..errors import UserError
+from ..interrupts import stderr_line
 from ..commandline.command import Arg, In, Out
 from .registry import RUN_DIR, RUNS_KEPT, STUDY_BASE, _on_this_machine, command
 
@@ -105,14 +106,12 @@ def _study_vision(cfg) -> None:
          args=(RUN_DIR,), configs=("engram.studies.evaluate:EvalConfig",),
          reads=("run_dir", In("text", text=True)), writes=(Out("json"),))
 def _eval(run_dir: str, ec) -> None:
-    import sys
-
     from ..studies.evaluate import run_eval
     from ..studies.table_cost import cost_line, table_folder
 
     line = cost_line(table_folder(run_dir))  # an export's table files (a run's are fp32, in memory)
     if line:
-        print(f"engram eval: {line}", file=sys.stderr)
+        stderr_line(f"engram eval: {line}")
     print(json.dumps(run_eval(run_dir, ec)))
 
 

@@ -17,13 +17,13 @@ import contextlib
 import dataclasses
 import difflib
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .. import outputs
 from ..errors import UserError
+from ..interrupts import stderr_line
 from . import configfile
 from .options import (
     FILE_DEST,
@@ -205,8 +205,8 @@ class Command:
                     raise UserError(f"{label}: {e}") from None
                 action.required = False
             if passed:
-                print(f"engram {self.name}: {label}: passed over {', '.join(passed)} (this "
-                      "command sets them itself)", file=sys.stderr)
+                stderr_line(f"engram {self.name}: {label}: passed over {', '.join(passed)} (this "
+                            "command sets them itself)")
         return filled
 
     def effective(self, configs: list[Any], fmt: str) -> str:
@@ -297,9 +297,9 @@ class Command:
                 if tok == old and i + 1 < len(argv) or tok.startswith(f"{old}="):
                     value = argv[i + 1] if tok == old else tok.split("=", 1)[1]
                     del argv[i:i + (2 if tok == old else 1)]
-                    print(f"engram {self.name}: warning: {old} is deprecated and goes away in the "
-                          f"next release; give the folder first: engram {self.name} "
-                          f"{a.name.upper()} ...", file=sys.stderr)
+                    stderr_line(f"engram {self.name}: warning: {old} is deprecated and goes away "
+                                f"in the next release; give the folder first: engram "
+                                f"{self.name} {a.name.upper()} ...")
                     return [value, *argv]
         return argv
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 
 from ..errors import UserError
+from ..interrupts import stderr_line
 from ..ranges import AT_LEAST_1, NON_NEGATIVE, check_ranges
 from ..training.train import TrainConfig
 from .pool_report import layer_budget, write_report
@@ -117,7 +117,7 @@ def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
         why = get_tier(split_name(name)[0]).missing()
         if why:
             missing[name] = why
-            print(f"engram pool-budget: leaving out {name}: {why}", file=sys.stderr)
+            stderr_line(f"engram pool-budget: leaving out {name}: {why}")
     names = tuple(t for t in pc.tiers if t not in missing)
     remote = [t for t in pc.tiers if t.startswith("mooncake")]
     counts = None

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..files import disk_errors, publish_text
+from ..interrupts import stderr_line
 from ..outputs import finite, mark
 from . import settings
 from .loop import ONE_PROCESS, Checkpoints, Ranks, Run, evaluate
@@ -41,8 +42,8 @@ def first_run_note(cfg: Any) -> None:
     from ..module import kernels
 
     if cfg.engram and cfg.device == "cpu" and not jit.cached(kernels.__file__):
-        print("engram: the first step compiles the Engram module's kernels once (~20 s; numba "
-              "keeps them for later runs)", file=sys.stderr, flush=True)
+        stderr_line("engram: the first step compiles the Engram module's kernels once (~20 s; "
+                    "numba keeps them for later runs)")
 
 
 class LogMetrics:
@@ -65,8 +66,7 @@ class LogMetrics:
             # Records past a resumed checkpoint are dropped: they are written again, identically.
             publish_text(out / "metrics.jsonl", "".join(_line(r) for r in run.history))
             if run.step and self.progress:
-                print(f"engram: resuming {out} from step {run.step} (of {cfg.steps})",
-                      file=sys.stderr)
+                stderr_line(f"engram: resuming {out} from step {run.step} (of {cfg.steps})")
             elif self.progress and sys.stderr.isatty():  # beside the bar a person watches
                 first_run_note(cfg)
         from tqdm.auto import tqdm
