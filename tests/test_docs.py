@@ -511,7 +511,7 @@ def test_readme_is_short_and_its_test_command_is_what_ci_runs():
         assert re.search(rf"^python3? {re.escape(step[len('python '):])}$", ci, re.M), step
     # A file the main run leaves out (to keep CI in its budget) runs in the newcomer leg instead.
     for left_out in re.findall(r"--ignore=(\S+?)\"?$", ci, re.M):
-        leg = ci.split("newcomer_tests() {", 1)[1].split("\n}", 1)[0]
+        leg = ci.split("newcomer_leg() {", 1)[1].split("\n}", 1)[0]
         assert re.search(rf"python -m pytest .*{re.escape(left_out)}", leg), left_out
     ci_extras = set(re.search(r'pip install -q -e "\.\[([^\]]*)\]"', ci).group(1).split(","))
     for extras in re.findall(r'pip install -e "\.\[([^\]]*)\]"', block):
