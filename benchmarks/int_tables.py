@@ -10,8 +10,8 @@ decode step and of a prefill (uniform random: the cold worst case), new ones eve
 (timing.IdSets: timed on the same ids every call, as this benchmark did until 2026-12-07, every
 call after the first read rows the last one left in L2 / L3, and the table's size stopped
 mattering; that condition is still timed and reported as "in cache", not the goal); the fp32
-gather (torch's index_select from fp32 rows in memory) timed in every round beside every other path, rounds
-interleaved, the median of each path's per-call medians and of its per-round ratios to the fp32
+gather (torch's index_select from fp32 rows in memory) timed in every round beside every other
+path, rounds interleaved, the median of each path's per-call medians and of its per-round ratios to the fp32
 gather (median of 5 by default). Paths: the memory tier (tables.host.HostTable: the rows as
 stored, gathered and dequantised in one pass by tables/read_kernels.py's gather_blocks), the
 fused read alone, torch's separate gather + dequantise, and the file and pool tiers warm (pages
@@ -46,8 +46,9 @@ from engram.tables.host import HostTable
 from engram.tables.pool import PoolRegion, write_pool
 from engram.tables.tablefile import write_table
 from engram.tables.tiers import FileTable
-from timing import IdSets, llc_bytes, median_seconds, read_all  # benchmarks/timing.py: the script's folder is on sys.path
-from record import write_json  # benchmarks/record.py: the script's folder is on sys.path
+# benchmarks/timing.py and record.py: the script's folder is on sys.path
+from timing import IdSets, llc_bytes, median_seconds, read_all
+from record import write_json
 
 WIDTHS, BLOCK, KINDS = (32, 256), 32, ("int8", "int4")
 SHAPES = {"decode (64 seqs x 24 heads)": 64 * 24, "prefill (4 x 512 x 24 heads)": 4 * 512 * 24}
@@ -177,15 +178,15 @@ def run_width(dim: int, rows: int, a, tmp: Path) -> dict:
                     assert torch.equal(fn().view(torch.int32), want), name
         # Two conditions: rows from memory (new ids every call: the table's size is what a read
         # pays for) and rows in cache (the same ids every call: what the CPU does to the bytes)
-        fresh = {name: lambda fn=fn: fn(sets.fresh()) for name, fn in reads.items()}
-        cached = {name: lambda fn=fn: fn(ids) for name, fn in reads.items()}
+        timed = sets.conditions(reads)
         for f in ("fp32", *KINDS):  # pages resident and mapped: the warm tiers
             read_all(files[f].lookup, rows)
             read_all(pools[f].lookup, rows)
         rounds, in_cache = [], []  # interleaved: a burst of load hits every path alike
         for _ in range(a.rounds):
-            rounds.append({name: median_seconds(fn, a.repeat) for name, fn in fresh.items()})
-            in_cache.append({name: median_seconds(fn, a.repeat) for name, fn in cached.items()})
+            for got, cond in ((rounds, "from_memory"), (in_cache, "in_cache")):
+                got.append({name: median_seconds(fn, a.repeat)
+                            for name, fn in timed[cond].items()})
         for t in rounds:  # after the warm rounds: each cold call drops its tier's pages
             t |= {name: cold_seconds(fn, drop, a.cold_repeat) for name, (fn, drop) in cold.items()}
         res = {}
@@ -253,11 +254,11 @@ def main() -> None:
                                            "met": all(v >= GOAL_X for v in got.values()),
                                            "in_cache_x (reported, not the goal)": cache}
     for name, goal in res["goals"].items():
+        cache = goal["in_cache_x (reported, not the goal)"]
         print(f"goal {name} >= {GOAL_X}x ({goal['against']}): "
               f"{'met' if goal['met'] else 'NOT met'} ("
               + ", ".join(f"{v:.2f}x" for v in goal["got_x"].values()) + ")"
-              + ("; in cache " + ", ".join(f"{v:.2f}x" for v in cache.values())
-                 if (cache := goal["in_cache_x (reported, not the goal)"]) else ""))
+              + ("; in cache " + ", ".join(f"{v:.2f}x" for v in cache.values()) if cache else ""))
     res["load_avg_end"] = os.getloadavg()[0]  # other jobs on the machine during the timings
     for w, b in res["bytes_per_row"].items():
         print(f"bytes per row at width {w}: " + ", ".join(f"{k} {v}" for k, v in b.items()))

@@ -59,6 +59,13 @@ class IdSets:
         self.at = (self.at + 1) % len(self.sets)
         return self.sets[self.at]
 
+    def conditions(self, reads: dict[str, Callable[[torch.Tensor], object]]
+                   ) -> dict[str, dict[str, Callable[[], object]]]:
+        """Each read (name -> f(ids)) as a timed call under both conditions: "from_memory" (new
+        ids every call) and "in_cache" (``same`` every call)."""
+        return {"from_memory": {k: (lambda f=f: f(self.fresh())) for k, f in reads.items()},
+                "in_cache": {k: (lambda f=f: f(self.same)) for k, f in reads.items()}}
+
 
 def read_all(lookup, rows: int, chunk: int = 1 << 16) -> None:
     """Every row once through ``lookup``: a warm tier's pages resident (and mapped, for a

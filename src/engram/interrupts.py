@@ -45,8 +45,7 @@ def _handler(say: str | None, escalate: bool, also: Callable[[int], None] | None
         first = not _received
         _received.append(signum)
         if first and say:
-            sys.stderr.write(say + "\n")
-            sys.stderr.flush()
+            stderr_line(say)
         if also is not None:
             also(signum)
     handle.engram_stop = True  # type: ignore[attr-defined]

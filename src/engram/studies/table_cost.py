@@ -213,7 +213,7 @@ def export_hf_gated(run_dir: str | Path, out_dir: str | Path, dtype: str,
     return path, rec
 
 
-# -- the exports a user calls (engram.write_tables, engram.export_hf): the commands' own path --------
+# -- the exports a user calls (engram.write_tables, engram.export_hf): the commands' own path ---
 
 def write_tables(run_dir: str | Path, table_dir: str | Path | None = None, dtype: str = "fp32",
                  *, accept_loss: float | None = None, text: str | Path | None = None,

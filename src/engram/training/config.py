@@ -99,7 +99,8 @@ class TrainConfig:
     # How a batch's windows are drawn: "uniform" (anywhere in the stream) or "stratified" (window i
     # of a batch in the i-th b-th of the stream: each batch holds the sources in proportion;
     # training/batches.py).
-    sampling: str = field(default="uniform", metadata={"choices": "engram.training.batches:SAMPLINGS"})
+    sampling: str = field(default="uniform",
+                          metadata={"choices": "engram.training.batches:SAMPLINGS"})
     grad_accum: int = 1
     lr: float = 3e-3
     table_lr_mult: float = 5.0  # paper: tables at 5x the learning rate, no weight decay

@@ -3,8 +3,9 @@
 One flat dataclass config (config.py), `--key=value` overrides, warmup + cosine schedule, gradient
 accumulation, periodic validation, JSONL metrics, tqdm progress, atomic safetensors checkpoints and
 exact resume: batches depend on (seed, step) alone and the RNG state is saved, so a run killed at
-any point and resumed reaches the same losses as one that was never interrupted. The loop itself is loop.py's
-(shared with torchrun training and the studies); this file builds a run and its checkpoints.
+any point and resumed reaches the same losses as one that was never interrupted. The loop itself is
+loop.py's (shared with torchrun training and the studies); this file builds a run and its
+checkpoints.
 """
 
 from __future__ import annotations
