@@ -11,6 +11,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from tier_params import tier_fronts
 
 from engram.cli import main
 from engram.errors import UserError
@@ -64,8 +65,7 @@ def run(tmp_path_factory):
     return run, prompts, out, _logits(memory)
 
 
-@pytest.mark.parametrize("front", ["bare", "cache+prefetch"])
-@pytest.mark.parametrize("tier", [t for t in TIERS if t != "memory"])
+@pytest.mark.parametrize("tier,front", tier_fronts([t for t in TIERS if t != "memory"]))
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_tier_serves_the_same_tokens_and_logits(run, kind, tier, front):
     why = REGISTRY[tier].missing()

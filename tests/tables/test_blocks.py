@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from tier_params import tier_fronts
 
 from engram import EngramConfig, EngramLM, MemoryTable, NgramHasher
 from engram.artifacts.table_files import export_tables
@@ -207,8 +208,7 @@ def table(request, tmp_path_factory):
 HELD_AS_STORED = ("file", "shared", "pool")
 
 
-@pytest.mark.parametrize("front", ["bare", "cache+prefetch"])
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier,front", tier_fronts())
 def test_every_tier_serves_the_memory_tiers_rows_bit_for_bit(tier, front, table):
     folder, cfg, hasher, want, rb = table
     if REGISTRY[tier].missing():

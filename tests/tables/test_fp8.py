@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from tier_params import tier_fronts
 
 from engram import EngramConfig, MemoryTable, NgramHasher
 from engram.tables.cache import CachedTable
@@ -292,8 +293,7 @@ def edge_table(request, tmp_path_factory):
     return folder, hasher, dequantize_fp8(q, sc)
 
 
-@pytest.mark.parametrize("front", ["bare", "cache+prefetch"])
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier,front", tier_fronts())
 def test_every_tier_reads_edge_rows_bit_for_bit(tier, front, edge_table):
     folder, hasher, want = edge_table
     if REGISTRY[tier].missing():
