@@ -4,6 +4,7 @@ import-v41, export-v41."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +60,11 @@ class Prompts:
                             "continue)")
 
 
+def _sayer(command: str) -> Callable[[str], None]:
+    """A command's progress line on stderr, named by the command (one write: stderr_line)."""
+    return lambda line: stderr_line(f"engram {command}: {line}")
+
+
 @command("generate", "continue prompts with a trained run, tables on any tier",
          args=(Arg("run_dir", RUN_DIR.help, deprecated="--run"),),
          configs=(Prompts, Tables, Config(Gate, skip=("text", "quality_tokens")), GENERATION),
@@ -75,9 +81,7 @@ def _generate(run_dir: str, o: Prompts, t: Tables, g: Gate, gen) -> None:
     from ..serving.loader import open_model
     from ..studies.table_cost import cost_line, export_gated, is_run, table_folder
 
-    def say(line: str) -> None:
-        stderr_line(f"engram generate: {line}")
-
+    say = _sayer("generate")
     if o.threads:
         torch.set_num_threads(o.threads)
     if t.tier != "memory" and t.engram_layers is None and is_run(run_dir):
@@ -127,9 +131,7 @@ def _generate(run_dir: str, o: Prompts, t: Tables, g: Gate, gen) -> None:
 def _export_tables(run_dir: str, t: Tables, g: Gate) -> None:
     from ..studies.table_cost import write_tables
 
-    def say(line: str) -> None:
-        stderr_line(f"engram export-tables: {line}")
-
+    say = _sayer("export-tables")
     folder = write_tables(run_dir, t.table_dir, t.table_dtype, accept_loss=g.accept_loss,
                           text=g.text, max_tokens=g.quality_tokens, say=say)
     print(f"table files in {folder}")
@@ -152,9 +154,7 @@ def _export_tables(run_dir: str, t: Tables, g: Gate) -> None:
 def _export_hf(run_dir: str, out_dir: str, t: Tables, g: Gate) -> None:
     from ..studies.table_cost import export_hf
 
-    def say(line: str) -> None:
-        stderr_line(f"engram export-hf: {line}")
-
+    say = _sayer("export-hf")
     kept: list[Path] = []
     out = export_hf(run_dir, out_dir, tier=t.tier, table_dtype=t.table_dtype,
                     cache_fraction=t.cache_fraction, prefetch=t.prefetch,
