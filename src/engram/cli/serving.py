@@ -163,7 +163,7 @@ def _export_hf(run_dir: str, out_dir: str, t: Tables, g: Gate) -> None:
     if kept:
         names = ", ".join(str(p.relative_to(out)) for p in kept)
         files = "file" if len(kept) == 1 else "files"
-        stderr_line(f"engram export-hf: kept {len(kept)} {files} already written: {names}")
+        say(f"kept {len(kept)} {files} already written: {names}")
     print(f"wrote {out}; serve with: vllm serve {out} --dtype float32")
 
 
