@@ -4,6 +4,7 @@ halves when the tokens double).
 
     python benchmarks/split_tokens.py --out out/split_tokens [--steps 480,960,1920] \
         [--seeds 0,1,2] [--workers 2] --json benchmarks/results/compare/split_tokens/split.json
+    python benchmarks/split_tokens.py --from A/results.json,B/results.json,... --json OUT.json
     python benchmarks/split_tokens.py --smoke --json out/split.json   # tiny sizes (CI)
 
 Each budget is `engram compare --arms=dense,engram,pathway --steps S` (the default's warmup of
@@ -12,13 +13,15 @@ budget) in OUT/steps<S>/; finished runs are read back, so the default's and the 
 runs serve as 1x and 2x (their dense, engram and pathway runs copied into steps480/runs/ and
 steps960/runs/). The figure: the gain (dense - engram), the pathway's part
 (dense - pathway) and the memory's (pathway - engram) against training tokens, each with its
-paired 95% interval.
+paired 95% interval. ``--from`` draws the same figure from finished compares' results.json
+(e.g. `engram compare --data DIR` at 480, 960 and 1920 steps), training nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -33,8 +36,9 @@ PARTS = (("gain", "dense - engram", "tab:red"), ("pathway", "dense - pathway", "
          ("memory", "pathway - engram", "tab:blue"))
 
 
-def budget_point(summary: dict, steps: int) -> dict:
-    """One budget's split, as the figure and the JSON keep it."""
+def budget_point(summary: dict, steps: int | None) -> dict:
+    """One budget's split, as the figure and the JSON keep it (``steps`` None: a results.json,
+    which does not record them; its tokens do)."""
     sp = summary["split"]
     gain = summary["paired_interval"]["engram_vs_dense"]
     tokens = summary["runs"]["dense"]["tokens"]
@@ -69,6 +73,26 @@ def plot(points: list[dict], path: Path) -> None:
     save(fig, path)
 
 
+def from_recorded(paths: list[str], out: str | None) -> dict:
+    """The split of finished compares (their results.json), in order of tokens."""
+    points = []
+    for path in paths:
+        summary = json.loads(Path(path).read_text())
+        missing = [a for a in ARMS if a not in summary["runs"]]
+        if missing or not summary.get("split"):
+            raise SystemExit(f"{path}: a compare without the {', '.join(missing) or 'split'} "
+                             "arm(s) (it needs dense, engram and pathway)")
+        points.append({**budget_point(summary, None), "results": str(path),
+                       "machine": summary.get("machine")})
+    points.sort(key=lambda p: p["tokens"])
+    # each point's machine is its compare's; "cpu" is where the figure was drawn
+    res = {"cpu": machine.cpu_id(), "recorded": True, "points": points, "smoke": False}
+    if out:
+        write_json(out, res)
+        plot(points, Path(out).with_suffix(".png"))
+    return res
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="out/split_tokens", help="one compare folder per budget")
@@ -77,7 +101,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json", help="write the figures here (the PNG beside it)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2/4 steps, 2 seeds (CI)")
+    ap.add_argument("--from", dest="recorded", help="finished compares' results.json files, "
+                    "comma-separated: their splits, nothing trained")
     args = ap.parse_args(argv)
+    if args.recorded:
+        return from_recorded(args.recorded.split(","), args.json)
     small, extra = {}, {}
     if args.smoke:
         small, args.steps, args.seeds = SMOKE, "2,4", "0,1"
@@ -95,6 +123,11 @@ def main(argv: list[str] | None = None) -> dict:
         p = points[-1]
         print(f"{p['tokens']:,} tokens: gain {p['gain']['mean']:+.4f}, pathway "
               f"{p['pathway']['mean']:+.4f}, memory {p['memory']['mean']:+.4f}", flush=True)
+    if args.smoke:  # --from reads the same splits back from the compares' results.json
+        again = from_recorded([str(Path(args.out) / f"steps{p['steps']}" / "results.json")
+                               for p in points], None)["points"]
+        assert [(p["tokens"], p["memory"]) for p in again] == \
+            [(p["tokens"], p["memory"]) for p in points]
     res = {"cpu": machine.cpu_id(), "seeds": list(seeds), "points": points, "smoke": args.smoke,
            "wall_s": time.perf_counter() - t0}
     if args.json:

@@ -4,7 +4,12 @@ against the run's own fp32 tables, KL and top-1 agreement per seed, with bytes p
 
     python benchmarks/table_formats.py out/compare/runs [--formats bf16,fp16,fp8,int8,int4] \
         [--max_tokens 32768] --json benchmarks/results/tables/formats.json
+    python benchmarks/table_formats.py --adapters A0,A1,A2 [--max_tokens 8192] \
+        --json benchmarks/results/tables/formats_smollm2.json  # `engram finetune` adapters
     python benchmarks/table_formats.py --smoke --json out/formats.json   # tiny runs trained here
+
+Adapters (``--adapters``, one per seed) are scored on the held-out split of the data they were
+finetuned on, as `engram export-tables ADAPTER` scores them.
 
 Each run's files go to a folder of their own under --out (the runs are only read). The gate is
 told to keep every format (``accept_loss`` 1e9 nats): this records what each costs; the gate's own
@@ -43,6 +48,17 @@ def engram_runs(runs: Path) -> list[Path]:
     return found
 
 
+def head_dim(path: Path) -> int:
+    """The head width of a run's or an adapter's tables (a table row's values)."""
+    from engram.artifacts import adapter
+    from engram.artifacts.run import read_run_files
+    from engram.retrieval.config import EngramConfig
+
+    if adapter.detect(path):
+        return EngramConfig.from_dict(adapter.read_meta(path)["config"]).head_dim
+    return read_run_files(path).config.engram.head_dim
+
+
 def per_format(records: list[dict], width: int, fmt: str) -> dict:
     means = [r["mean"] for r in records]
     mean = statistics.fmean(means)
@@ -76,6 +92,8 @@ def plot(res: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="?", help="compare's OUT/runs folder")
+    ap.add_argument("--adapters", help="`engram finetune` adapter folders, comma-separated (one "
+                    "per seed), instead of compare's runs")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--max_tokens", type=int, default=32_768, help="held-out tokens scored a run")
     ap.add_argument("--out", help="table files, a folder per run and format (default: a temp dir)")
@@ -90,11 +108,12 @@ def main(argv: list[str] | None = None) -> dict:
                            arms=("dense", "engram"))
         run_compare(cc, dataclasses.replace(TrainConfig(), **SMOKE))
         args.runs, args.formats, args.max_tokens = str(Path(tmp.name) / "runs"), "fp8,int4", 256
-    if not args.runs:
-        ap.error("give compare's runs folder (or --smoke)")
+    if not args.runs and not args.adapters:
+        ap.error("give compare's runs folder, --adapters (or --smoke)")
     out = Path(args.out or Path(tmp.name) / "tables")
     formats = args.formats.split(",")
-    runs = engram_runs(Path(args.runs))
+    runs = [Path(a) for a in args.adapters.split(",")] if args.adapters else \
+        engram_runs(Path(args.runs))
     records: dict[str, list[dict]] = {f: [] for f in formats}
     width = None
     for run in runs:
@@ -105,11 +124,10 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{run.name} {fmt}: {rec['mean']:+.2e} nats/token, KL {rec['kl']:.2e}, "
                   f"top-1 {rec['top1']:.2%}", flush=True)
         if width is None:
-            from engram.artifacts.run import read_run_files
-
-            width = read_run_files(run).config.engram.head_dim
-    res = {"cpu": machine.cpu_id(), "runs": [r.name for r in runs],
-           "runs_folder": None if args.smoke else args.runs, "max_tokens": args.max_tokens,
+            width = head_dim(run)
+    res = {"cpu": machine.cpu_id(), "runs": [str(r) if args.adapters else r.name for r in runs],
+           "runs_folder": None if args.smoke or args.adapters else args.runs,
+           "max_tokens": args.max_tokens,
            "width": width, "formats": {f: per_format(records[f], width, f) for f in formats},
            "gate_threshold": 0.01, "smoke": args.smoke, "wall_s": time.perf_counter() - t0}
     res["formats"]["fp32"] = {"bytes_per_row": row_bytes(width, "fp32"), "loss_change": 0.0,

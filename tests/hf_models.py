@@ -41,3 +41,21 @@ def make_adapter(tmp_path, family, tok):
     save_engram(base, tmp_path / "adapter", base_model=str(tmp_path / "base"), tokenizer=backend,
                 eos_id=1)
     return tmp_path / "adapter"
+
+
+def model_and_corpus(root, family, tok, docs=None):
+    """root/model (a saved tiny model of ``family`` and its tokenizer) and root/corpus (``docs``,
+    default 40 KJV documents, prepared with that tokenizer: 20% held out)."""
+    from engram.training.corpus import load_documents
+    from engram.training.prepare import PrepareConfig, prepare
+
+    if docs is None:
+        docs = [d.text for d in load_documents("kjv", max_chars=40_000)][:40]
+    tiny_model(family, len(tok)).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    (root / "text").mkdir()
+    for i, d in enumerate(docs):
+        (root / "text" / f"{i}.txt").write_text(d)
+    prepare(PrepareConfig(out=str(root / "corpus"), input=[str(root / "text")],
+                          tokenizer=str(root / "model"), workers=0, val_fraction=0.2),
+            progress=False)

@@ -70,7 +70,8 @@ def test_another_base_and_file_tier_are_refused(tok, tmp_path):
     other.save_pretrained(tmp_path / "other")
     with pytest.raises(AdapterMismatch, match="another base model"):
         from_pretrained(adapter, base=str(tmp_path / "other"))
-    with pytest.raises(UserError, match="served from memory only"):
+    with pytest.raises(UserError, match="holds no current table files of the adapter .* write "
+                       "them with `engram export-tables"):
         engram.open(adapter, tier="file")
     # The base folder the adapter names now holds other weights: refused, not served wrongly.
     other.save_pretrained(tmp_path / "base")

@@ -117,16 +117,9 @@ def test_cli_errors_and_help(capsys):
 def test_study_over_seeds_on_a_prepared_corpus(tok, tmp_path):
     """--data (a folder prepared with the model's tokenizer) and two seeds: each seed's run kept in
     seedN/, the spread and the verdicts over them; a rerun reads the finished seeds back."""
-    from engram.training.prepare import PrepareConfig, prepare
+    from hf_models import model_and_corpus
 
-    tiny_llama(len(tok)).save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
-    (tmp_path / "text").mkdir()
-    for i, d in enumerate(load_documents("kjv", max_chars=40_000)[:40]):
-        (tmp_path / "text" / f"{i}.txt").write_text(d.text)
-    prepare(PrepareConfig(out=str(tmp_path / "corpus"), input=[str(tmp_path / "text")],
-                          tokenizer=str(tmp_path / "model"), workers=0, val_fraction=0.2),
-            progress=False)
+    model_and_corpus(tmp_path, "llama", tok)
     cfg = FinetuneStudyConfig(
         out_dir=str(tmp_path / "study"), model=str(tmp_path / "model"), data=str(tmp_path / "corpus"),
         seeds=(0, 1), forget_sources=("peoples-daily",), max_chars=20_000, steps=4, warmup=1,

@@ -121,4 +121,5 @@ def test_a_finetuned_adapter_scores_as_engram_eval(tok, tmp_path, monkeypatch, c
     assert got == want and len(got) == 6 and all(np.isfinite(got))
     rc = main(["lm-eval", "--model_args", f"pretrained={adapter},tier=file", "--tasks",
                "engram_docs", "--include_path", str(TASKS)])
-    assert rc == 2 and "served from memory only" in capsys.readouterr().err
+    assert rc == 2 and "without table files for tier=file: write them with `engram " \
+        "export-tables" in capsys.readouterr().err

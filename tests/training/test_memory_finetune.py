@@ -18,7 +18,7 @@ from engram.training.corpus import load_documents  # noqa: E402
 from engram.training.finetune import FinetuneConfig, finetune  # noqa: E402
 from engram.training.prepare import PrepareConfig, prepare  # noqa: E402
 
-from hf_models import tiny_model  # noqa: E402
+from hf_models import model_and_corpus  # noqa: E402
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 PROMPT = "In the beginning God created the heaven"
@@ -34,14 +34,7 @@ def tiny_cfg(root, **kw):
 
 def setup(root, family, tok, docs):
     """root/model (a saved tiny model and its tokenizer), root/corpus (prepared with it)."""
-    tiny_model(family, len(tok)).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    (root / "text").mkdir()
-    for i, d in enumerate(docs):
-        (root / "text" / f"{i}.txt").write_text(d)
-    prepare(PrepareConfig(out=str(root / "corpus"), input=[str(root / "text")],
-                          tokenizer=str(root / "model"), workers=0, val_fraction=0.2),
-            progress=False)
+    model_and_corpus(root, family, tok, docs)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,11 @@
     DIR/engram_config.json     the same JSON, for people to read (opening checks it agrees)
     DIR/tokenizer.json         the tokenizer the tables are indexed by (self-contained adapters)
     DIR/compression.npy        its compression map
+    DIR/finetune.json          `engram finetune`'s summary: its data folder, held-out loss
+                               before and after (the held-out split a lossy format is scored on)
     DIR/checkpoints/           `engram finetune`'s resume state (not read by opening)
+    DIR/tables/                table files of its tables (`engram export-tables DIR`), for the
+                               file tiers; stamped with ``AdapterFiles.tag``
 
 ``write`` (public as ``save_engram``) writes it; ``read`` reads and checks it; ``load_engram``
 puts an adapter into a model and ``from_pretrained`` (public as ``engram.load_adapter``) loads the
@@ -40,6 +44,8 @@ WEIGHTS = "engram.safetensors"
 META = "engram_config.json"
 TOKENIZER = "tokenizer.json"
 COMPRESSION = "compression.npy"
+SUMMARY = "finetune.json"
+TABLES = "tables"  # the default folder of its table files, as a run's
 _DIGEST = "tensors_sha256"  # in the header's JSON: what the tensors hash to (see tensor_digest)
 _AGAIN = "copy the adapter back, or finetune it again (`engram finetune ... --out_dir DIR`)"
 
@@ -72,6 +78,14 @@ class AdapterFiles:
     @property
     def tokenizer_file(self) -> Path:
         return self.folder / TOKENIZER
+
+    @property
+    def tag(self) -> str:
+        """What its table files are stamped with (a run's are with their checkpoint's name): the
+        digest of its tensors, so files of another adapter, or of this one finetuned further,
+        are refused as stale."""
+        return "adapter-" + (self.meta.get(_DIGEST) or tensor_digest(self.tensors))[:16]
+
 
 
 def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -197,6 +211,17 @@ def read_tokenizer(directory: str | os.PathLike, meta: dict[str, Any] | None = N
         raise UserError(f"{d}: {COMPRESSION} cannot be read ({type(e).__name__}: "
                         f"{one_line(e)}): {_AGAIN}") from e
     return tok, compression
+
+
+def read_summary(directory: str | os.PathLike) -> dict[str, Any]:
+    """``engram finetune``'s finetune.json (its data folder, held-out losses, config), or one
+    UserError line: an adapter written by save_engram has none."""
+    path = Path(directory) / SUMMARY
+    try:
+        return read_json_object(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{directory}: {SUMMARY} cannot be read ({type(e).__name__}: "
+                        f"{one_line(e)}): it names the data the adapter was finetuned on") from e
 
 
 def _check_copy(d: Path, meta: dict[str, Any]) -> None:

@@ -37,6 +37,8 @@ from ..retrieval.hashing import Hasher, NgramHasher
 FOLDER = "model"
 FORMAT = "engram-run-1"
 CONFIG = "config.json"  # the run's options (TrainConfig), for people and `--config`
+TABLES = "tables"  # the default folder of its table files (`engram export-tables RUN`)
+SETTINGS = "settings.json"  # the process-wide settings of its latest start (training/settings.py)
 
 
 def detect(path: str | Path) -> bool:

@@ -79,13 +79,14 @@ def _generate(run_dir: str, o: Prompts, t: Tables, g: Gate, gen) -> None:
 
     from ..serving.generate import Generator
     from ..serving.loader import open_model
-    from ..studies.table_cost import cost_line, export_gated, is_run, table_folder
+    from ..studies.table_cost import cost_line, export_gated, table_folder, writes_tables
 
     say = _sayer("generate")
     if o.threads:
         torch.set_num_threads(o.threads)
-    if t.tier != "memory" and t.engram_layers is None and is_run(run_dir):
-        # a run's file tiers read table files written from its checkpoint; an export's are its own
+    if t.tier != "memory" and t.engram_layers is None and writes_tables(run_dir):
+        # a run's (an adapter's) file tiers read table files written from its checkpoint (its
+        # tensors); an export's are its own
         export_gated(run_dir, t.table_dir, t.table_dtype, accept_loss=g.accept_loss,
                      command="engram generate", say=say)
     if t.engram_layers is None:  # a V4.1 layer set's files are its own (fp8 + E8M0, as V4.1's)
@@ -118,9 +119,11 @@ def _generate(run_dir: str, o: Prompts, t: Tables, g: Gate, gen) -> None:
             "checkpoint": rt.checkpoint, "tier": t.tier, "cache": stats}, "engram generate")
 
 
-@command("export-tables", "a run's tables as table files, for the file tiers (generate, eval, "
-         "pool-budget read them)",
-         args=(RUN_DIR,), configs=(Config(Tables, skip=("tier", "cache_fraction", "prefetch",
+@command("export-tables", "a run's or an adapter's tables as table files, for the file tiers "
+         "(generate, eval, pool-budget read them)",
+         args=(Arg("run_dir", "a folder written by `engram train --out_dir` or by `engram "
+                   "finetune --out_dir` (an adapter)"),),
+         configs=(Config(Tables, skip=("tier", "cache_fraction", "prefetch",
                                                         "engram_layers")), Gate),
          reads=("run_dir", In("text", text=True)),
          writes=(Out("table_dir", "tables", of="run_dir"),),
@@ -265,14 +268,14 @@ def _check_model_args(args: dict[str, str]) -> None:
     if "pretrained" not in args:
         raise UserError("--model_args needs pretrained=DIR (an `engram export-hf` directory)")
     root = Path(args["pretrained"])
-    from ..artifacts import adapter
+    from ..artifacts import adapter, export
 
     if adapter.detect(root):  # `engram finetune`'s folder
-        if args.get("tier", "memory") != "memory":
-            raise UserError(f"pretrained={root} is a finetuned adapter: its tables are served from "
-                            "memory only")
+        if args.get("tier", "memory") != "memory" and not (root / adapter.TABLES).is_dir():
+            raise UserError(f"pretrained={root} is a finetuned adapter without table files for "
+                            f"tier={args['tier']}: write them with `engram export-tables {root}`")
         return
-    if not (root / "config.json").is_file():
+    if not (root / export.CONFIG).is_file():
         raise InputNotFound(f"pretrained={root}: no config.json there (an `engram export-hf` "
                             "directory is expected)")
     if "tier" in args:

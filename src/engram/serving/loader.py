@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..artifacts.run import FOLDER as RUN_FILES
+from ..artifacts.run import TABLES
 from ..artifacts.run import load_dense_state
 from ..errors import UserError
 from ..models.precision import check_names, resolve
@@ -43,10 +44,12 @@ def open_model(path: str | Path, *, tier: str = "memory", table_dir: str | Path 
     path = Path(path)
     kind = kind_of(path)
     if kind == "adapter":  # `engram finetune`'s folder: a transformers model + its Engram
-        if engram_layers is not None or table_dir is not None:
-            raise UserError(f"{path} is a finetuned adapter: --engram_layers and --table_dir "
-                            "apply to a run folder")
-        rt = open_adapter(path, tier)
+        if engram_layers is not None:
+            raise UserError(f"{path} is a finetuned adapter: --engram_layers applies to a run "
+                            "folder")
+        rt = open_adapter(path, tier=tier, table_dir=table_dir, table_dtype=table_dtype,
+                          cache_fraction=cache_fraction, prefetch=prefetch, verify=verify,
+                          **options)
     elif kind == "export":
         if engram_layers is not None:
             raise UserError(f"{path} is an export: --engram_layers applies to a run folder")
@@ -62,27 +65,43 @@ def open_model(path: str | Path, *, tier: str = "memory", table_dir: str | Path 
     return rt
 
 
-def open_adapter(path: Path, tier: str = "memory") -> Runtime:
+def open_adapter(path: Path, *, tier: str = "memory", table_dir: str | Path | None = None,
+                 table_dtype: str | None = None, cache_fraction: float = 0.0,
+                 prefetch: bool = False, verify: bool = True, **options: Any) -> Runtime:
     """``engram finetune``'s adapter folder: a ``Runtime`` over the base transformers model it
     names (models/pretrained.py) with its Engram loaded (models/adapter.py refuses another base
-    model), as models/injected.py's InjectedLM. Tables stay in memory: an adapter has no table
-    files."""
+    model), as models/injected.py's InjectedLM. On a tier other than memory its tables are read
+    from the table files ``engram export-tables ADAPTER`` wrote (``table_dir``, default
+    ADAPTER/tables), as a run's are; the adapter's own copy is read once, to check its digest,
+    and let go."""
     import torch
 
-    from ..artifacts.adapter import load_base, read
+    from ..artifacts.adapter import TABLES, load_base, read
     from ..models.hf import engram_runtime
     from ..models.injected import InjectedLM
 
-    if tier != "memory":
-        raise UserError(f"{path} is a finetuned adapter: its tables are served from memory only "
-                        f"(--tier {tier} reads table files, which an adapter does not have)")
+    if cache_fraction > 0:
+        raise UserError(f"{path} is a finetuned adapter: it has no row counts on its training "
+                        "text for a hot cache (leave --cache_fraction out)")
     files = read(path)
     model = load_base(files)
     lm = InjectedLM(model).eval()
+    hasher = engram_runtime(model).hasher
+    tables: dict[int, Any] = {}
+    if tier != "memory":
+        folder = Path(table_dir) if table_dir is not None else path / TABLES
+        stale = stale_tables(folder, hasher, files.tag, table_dtype)
+        if stale:
+            raise UserError(f"{folder} holds no current table files of the adapter {path} "
+                            f"({stale}); write them with `engram export-tables {path}`")
+        tables = open_tier(tier, folder, lm.config.engram, hasher, prefetch=prefetch,
+                           verify=verify, **options)
+        for lid, engram in lm.engrams().items():  # the files' rows replace the in-memory copy
+            del engram.table
+            engram.table = tables[lid]
     v = lm.config.vocab_size
-    return Runtime(lm, engram_runtime(model).hasher, VocabMap(torch.arange(v), v),
-                   files.tokenizer, files.eos_id, path, f"adapter of {files.base_model}", tier,
-                   tokenizer_file=files.tokenizer_file)
+    return Runtime(lm, hasher, VocabMap(torch.arange(v), v), files.tokenizer, files.eos_id, path,
+                   files.tag, tier, tables, tokenizer_file=files.tokenizer_file)
 
 
 def _open_run(run_dir: Path, *, tier: str, table_dir: str | Path | None, table_dtype: str | None,
@@ -114,7 +133,7 @@ def _open_run(run_dir: Path, *, tier: str, table_dir: str | Path | None, table_d
                                cache_fraction=cache_fraction, prefetch=prefetch, verify=verify,
                                **options)
     elif tier != "memory" and ecfg is not None:
-        folder = Path(table_dir) if table_dir is not None else run_dir / "tables"
+        folder = Path(table_dir) if table_dir is not None else run_dir / TABLES
         stale = stale_tables(folder, hasher, ckpt.name, table_dtype)
         if stale:
             raise UserError(f"{folder} holds no current table files of {ckpt.name} ({stale}); "
@@ -178,22 +197,29 @@ def stale_tables(folder: Path, hasher: Hasher, tag: str, dtype: str | None) -> s
 
 def write_tables(run_dir: str | Path, table_dir: str | Path | None = None, dtype: str = "fp32",
                  say: Callable[[str], None] | None = None) -> Path:
-    """The table files of a run's newest checkpoint in ``table_dir`` (default RUN/tables), for the
-    file tiers; nothing is written when they are current. The folder must be new, empty or one of
-    ours (a "tables" folder)."""
+    """The table files of a run's newest checkpoint, or of an ``engram finetune`` adapter, in
+    ``table_dir`` (default RUN/tables), for the file tiers; nothing is written when they are
+    current. The folder must be new, empty or one of ours (a "tables" folder)."""
     from contextlib import ExitStack
 
-    from ..artifacts.run import read_run_files
-    from ..outputs import claim_folder
+    from ..artifacts import adapter, kind_of
     from ..artifacts.checkpoint import newest_checkpoint
+    from ..artifacts.run import read_run_files
     from ..artifacts.table_files import export_tables
+    from ..outputs import claim_folder
 
     run_dir = Path(run_dir)
-    folder = Path(table_dir) if table_dir is not None else run_dir / "tables"
-    files, ckpt = read_run_files(run_dir), newest_checkpoint(run_dir)
-    if ckpt is not None and files.config.engram is not None and files.nine_shared is None and \
-            not stale_tables(folder, files.hasher(), ckpt.name, dtype):
-        return folder  # current, known without loading the checkpoint (a Nine run's parts need it)
+    kind = kind_of(run_dir)
+    if kind == "export":
+        raise UserError(f"{run_dir} is an `engram export-hf` folder: its table files are its own "
+                        "(write another format with `engram export-hf RUN OUT --table_dtype`)")
+    folder = Path(table_dir) if table_dir is not None else \
+        run_dir / (adapter.TABLES if kind == "adapter" else TABLES)
+    if kind == "run":
+        files, ckpt = read_run_files(run_dir), newest_checkpoint(run_dir)
+        if ckpt is not None and files.config.engram is not None and files.nine_shared is None \
+                and not stale_tables(folder, files.hasher(), ckpt.name, dtype):
+            return folder  # current, known without loading the checkpoint (Nine's parts need it)
     rt = open_model(run_dir)
     if rt.hasher is None:
         raise UserError(f"{run_dir} has no Engram layers: it has no tables to write")

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..artifacts.run import CONFIG
 from ..errors import UserError
 from ..files import publish_text
 from ..ranges import AT_LEAST_1, NON_NEGATIVE, check_ranges
@@ -190,12 +191,12 @@ def run_analyze(run_dir: str, baseline: str | None, ac: AnalyzeConfig,
         raise UserError(f"the probes need {ac.context + 4} (--context={ac.context} + a 4-gram) "
                         f"and {2 * ac.copy_span} (2 x --copy_span={ac.copy_span}) positions; the "
                         f"model has max_seq_len={n}")
-    saved = json.loads((Path(run_dir) / "config.json").read_text())
+    saved = json.loads((Path(run_dir) / CONFIG).read_text())
     for flag, other in (("--baseline", baseline), ("--pathway", pathway)):
         if other:  # compared token by token: the same data, seed and training windows
             check_pair(run_dir, saved, other, flag)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = TrainConfig.from_record(saved, Path(run_dir) / "config.json")
+    cfg = TrainConfig.from_record(saved, Path(run_dir) / CONFIG)
     corpus = build_corpus(cfg.data_config(), tok)
     base = open_model(baseline) if baseline else None
     if base is not None and not np.array_equal(base.vocab, vocab):

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..artifacts.checkpoint import saved_step
+from ..artifacts.run import CONFIG
 from ..errors import UserError
 from ..training.batches import TokenBatches
 from .common import largest_spread, resolved, seed_spread
@@ -134,7 +135,7 @@ def summarise(counts: dict[int, np.ndarray], nll: dict[str, np.ndarray]) -> dict
 
 
 def read_config(run_dir: str, flag: str) -> dict[str, Any]:
-    path = Path(run_dir) / "config.json"
+    path = Path(run_dir) / CONFIG
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ..artifacts.checkpoint import FOLDER as CHECKPOINTS
 from ..artifacts.checkpoint import LATEST
 from ..training.loop import evaluate, lr_at, train_step
 from ..training.train import FileCheckpoints, TrainConfig, build_run
@@ -196,6 +197,6 @@ def estimate(pool: Workers, jobs: list[Job], kinds: list[str], started: float,
 def _resumes_at(j: Job) -> int:
     """The step an interrupted run resumes from (its newest checkpoint's), else 0."""
     try:
-        return int(json.loads((Path(j.cfg.out_dir) / "checkpoints" / LATEST).read_text())["step"])
+        return int(json.loads((Path(j.cfg.out_dir) / CHECKPOINTS / LATEST).read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return 0

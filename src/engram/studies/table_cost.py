@@ -72,7 +72,12 @@ def export_gated(run_dir: str | Path, table_dir: str | Path | None, dtype: str, 
             rec["mean"] <= threshold:
         return folder, rec  # measured and kept already: nothing to write (readers need no lock)
     with writer(folder, "table_dir"):
-        rec = _measured(run_dir, folder, dtype, text, source, max_tokens, say)
+        try:
+            rec = _measured(run_dir, folder, dtype, text, source, max_tokens, say)
+        except UserError as e:  # no tokens to score (the data moved, --text overlaps, ...)
+            removed = sum(remove_tables(folder, dtype, tag) for tag in _tags(folder))
+            raise UserError(f"{e} (the {removed} {dtype} table file{'s' if removed != 1 else ''} "
+                            "written are removed: a lossy format is not served unmeasured)") from e
         kept = _judge(rec, folder, threshold, accept_loss, command)
         if kept:
             return folder, rec
@@ -298,6 +303,12 @@ def remove_tables(folder: Path, dtype: str, tag: str) -> int:
     return n
 
 
+def _tags(folder: Path) -> set[str]:
+    from ..tables.tablefile import read_header
+
+    return {read_header(p).tag for p in folder.glob("*.table")}
+
+
 def _round_up(x: float) -> float:
     """x rounded up to two significant digits: an --accept_loss that keeps it."""
     if x <= 0:
@@ -358,27 +369,28 @@ def describe(rec: dict[str, Any], recorded: bool = False) -> str:
 
 def table_folder(path: str | Path, tier: str = "memory",
                  table_dir: str | Path | None = None) -> Path | None:
-    """The folder of table files a command serving ``path`` reads: an export's own, a run's on a
-    file tier (``table_dir``, default RUN/tables); None when it reads none (a run's memory tier,
-    an adapter)."""
-    from ..artifacts import adapter, export
+    """The folder of table files a command serving ``path`` reads: an export's own, a run's or an
+    adapter's on a file tier (``table_dir``, default RUN/tables); None when it reads none (the
+    memory tier of a run or an adapter)."""
+    from ..artifacts import adapter, export, run
 
     path = Path(path)
-    if adapter.detect(path):
-        return None
     if export.detect(path):
         return path / export.read_export(path)["engram_serving"]["table_dir"]
     if tier == "memory":
         return None
-    return Path(table_dir) if table_dir is not None else path / "tables"
+    if table_dir is not None:
+        return Path(table_dir)
+    return path / (adapter.TABLES if adapter.detect(path) else run.TABLES)
 
 
-def is_run(path: str | Path) -> bool:
-    """Whether ``path`` is a run folder (not an ``engram export-hf`` folder or an adapter): the
-    one kind whose table files a command writes from its checkpoint."""
-    from ..artifacts import adapter, export
+def writes_tables(path: str | Path) -> bool:
+    """Whether ``path`` is a run folder or an adapter, not an ``engram export-hf`` folder: the
+    kinds whose table files a command writes (from the newest checkpoint, from the adapter's
+    tensors); an export's are its own."""
+    from ..artifacts import export
 
-    return not adapter.detect(path) and not export.detect(path)
+    return not export.detect(path)
 
 
 def cost_line(folder: Path | None) -> str | None:

@@ -47,7 +47,7 @@ def measure(run_dir: str | Path, table_dir: str | Path, dtype: str, *,
         raise UserError(f"{table_dir} serves {lossy.checkpoint}, the run's newest checkpoint is "
                         f"{exact.checkpoint}")
     raw = held_out_tokens(exact) if text is None else text_tokens(exact, Path(text))
-    seq_len = min(exact.max_seq_len, max_tokens)
+    seq_len = min(window(exact), max_tokens)
     wins = spread_windows(len(raw), seq_len, max_tokens)
     diff, kl, agree, nll = _score(exact, lossy, raw, wins, batch_size)
     if diff.size == 0:
@@ -59,6 +59,19 @@ def measure(run_dir: str | Path, table_dir: str | Path, dtype: str, *,
             "interval": {"low": lo, "high": hi, "level": 0.95, "method": "block bootstrap",
                          "block_tokens": BLOCK_TOKENS, "resamples": RESAMPLES, "seed": SEED},
             "kl": float(kl.mean()), "top1": float(agree.mean()), "seq_len": seq_len}
+
+
+def window(rt) -> int:
+    """The window scored at once: a run's context, or the windows an adapter was finetuned on
+    (its base model's context is the pretrained one, often 8k, which the memory never saw)."""
+    from ..artifacts import adapter
+
+    if rt.checkpoint_file is None and rt.source is not None and adapter.detect(rt.source):
+        try:
+            return min(rt.max_seq_len, int(adapter.read_summary(rt.source)["config"]["seq_len"]))
+        except (UserError, KeyError, TypeError, ValueError):
+            pass  # an adapter save_engram wrote: no record of its windows
+    return rt.max_seq_len
 
 
 def spread_windows(n: int, seq_len: int, max_tokens: int) -> list[tuple[int, int]]:
@@ -139,24 +152,66 @@ def run_corpus(rt) -> Any:
     return corpus
 
 
+def adapter_corpus(rt) -> Any:
+    """The corpus an ``engram finetune`` adapter was finetuned on: the folder its finetune.json
+    names, checked against the data fingerprint its newest checkpoint records (so that a
+    re-prepared folder, whose split may differ, is refused)."""
+    from ..artifacts.adapter import read_summary
+    from ..artifacts.checkpoint import FOLDER, latest_checkpoint, load_checkpoint
+    from ..training.corpus import open_corpus
+
+    need = (f"measuring a lossy table format on the adapter {rt.source} needs the data it was "
+            "finetuned on (its held-out split, or its training stream to check --text against)")
+    try:
+        data = read_summary(rt.source)["data"]
+        found = latest_checkpoint(Path(rt.source) / FOLDER)
+        if found is None:
+            raise UserError(f"{rt.source}/{FOLDER} holds no checkpoint (it records the data's "
+                            "fingerprint)")
+        _, meta, _ = load_checkpoint(found, parts=())  # the metadata, no tensors
+        corpus = open_corpus(data, vocab="full")  # an adapter's model ids are the tokenizer's
+        recorded = (meta.get("identity") or {}).get("data")
+        if corpus.fingerprint != recorded:
+            raise UserError(f"{data} is not the data it was finetuned on (fingerprint "
+                            f"{corpus.fingerprint}, its checkpoint records {recorded})")
+    except (UserError, KeyError, TypeError) as e:
+        raise UserError(f"{need}: {e}") from e
+    return corpus
+
+
+def _corpus(rt) -> Any:
+    """The corpus behind ``rt``: a run's or an adapter's (None: an export, which has none)."""
+    from ..artifacts import adapter
+
+    if rt.checkpoint_file is not None:
+        return run_corpus(rt)
+    if rt.source is not None and adapter.detect(rt.source):
+        return adapter_corpus(rt)
+    return None
+
+
 def held_out_tokens(rt) -> np.ndarray:
-    """The run's validation stream [n] (raw ids, int64): never trained on (training/corpus.py)."""
-    if rt.checkpoint_file is None:
-        raise UserError(f"{rt.source} is not a run folder: its held-out split is unknown; "
-                        "measure on --text FILE")
-    return np.asarray(run_corpus(rt).val, dtype=np.int64)
+    """The validation stream [n] (raw ids, int64) of a run's corpus or an adapter's finetune data:
+    never trained on (training/corpus.py)."""
+    corpus = _corpus(rt)
+    if corpus is None:
+        raise UserError(f"{rt.source} is neither a run folder nor an adapter: its held-out split "
+                        "is unknown; measure on --text FILE")
+    return np.asarray(corpus.val, dtype=np.int64)
 
 
 def text_tokens(rt, path: Path) -> np.ndarray:
     """``path`` read as ``engram eval --text`` reads it (paragraphs are documents, each followed
-    by EOS) [n]; refused where it overlaps the run's training stream (``check_unseen``)."""
+    by EOS) [n]; refused where it overlaps the training stream of a run or an adapter
+    (``check_unseen``)."""
     from .evaluate import EvalConfig, encode, read_documents
 
     raw = encode(rt.tokenizer, read_documents(EvalConfig(text=str(path))), rt.eos_id)
     if len(raw) < 2:
         raise UserError(f"--text {path} holds fewer than two tokens: nothing to score")
-    if rt.checkpoint_file is not None:
-        check_unseen(raw, run_corpus(rt).streams["train"], rt.tokenizer, path)
+    corpus = _corpus(rt)
+    if corpus is not None:
+        check_unseen(raw, corpus.streams["train"], rt.tokenizer, path)
     return raw
 
 

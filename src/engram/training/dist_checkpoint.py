@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..artifacts.checkpoint import FOLDER as CHECKPOINTS
 from ..artifacts.checkpoint import (
     LATEST,
     CheckpointError,
@@ -66,7 +67,7 @@ def _dense_state(run: Run) -> dict[str, Any]:
 
 def save_distributed(run: Run, d: Dist, keep: int = 2) -> Path:
     """Collective: each rank writes its shard, rank 0 the dense part, then publishes latest.json."""
-    root = Path(run.cfg.out_dir) / "checkpoints"
+    root = Path(run.cfg.out_dir) / CHECKPOINTS
     step_dir = root / f"step_{run.step:08d}"
     step_dir.mkdir(parents=True, exist_ok=True)
     name = f"shard-{d.rank:05d}-of-{d.world:05d}.safetensors"

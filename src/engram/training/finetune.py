@@ -44,7 +44,8 @@ from ..artifacts.checkpoint import (
 )
 from ..errors import UserError
 from ..files import publish_text
-from ..artifacts.adapter import save_engram
+from ..artifacts.adapter import SUMMARY, save_engram
+from ..artifacts.checkpoint import FOLDER as CHECKPOINTS
 from ..models.adapter import base_fingerprint, engram_state_dict, load_engram_state_dict
 from ..models.hf import engram_runtime, freeze_base, inject
 from ..models.precision import (
@@ -177,7 +178,7 @@ class AdapterCheckpoints:
     same one)."""
 
     def __init__(self, out_dir: str | Path, identity: dict[str, Any], keep: int = 2):
-        self.dir, self.identity, self.keep = Path(out_dir) / "checkpoints", identity, keep
+        self.dir, self.identity, self.keep = Path(out_dir) / CHECKPOINTS, identity, keep
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.dir)
@@ -304,14 +305,15 @@ def finetune(model: str, cfg: FinetuneConfig, progress: bool = True,
     n_table = sum(e.table.weight.numel() for e in rt.engrams.values())
     trained = run.step - start
     summary = {
-        "model": name, "data": str(cfg.data), "layers": list(layers), "steps": run.step,
+        "model": name, "data": str(Path(cfg.data).resolve()), "layers": list(layers),
+        "steps": run.step,
         "base_val_loss": run.hook_state["base_val_loss"], "val_loss": val,
         "val_gain": val - run.hook_state["base_val_loss"],
         "trainable_params": sum(p.numel() for p in params), "table_params": n_table,
         "train_seconds": seconds, "train_cpu_seconds": cpu,
         "tokens_per_second": trained * cfg.batch_size * cfg.seq_len / seconds if trained else None,
         "config": cfg.to_dict()}
-    publish_text(out / "finetune.json", json.dumps(summary, indent=2))
+    publish_text(out / SUMMARY, json.dumps(summary, indent=2))
     return summary
 
 

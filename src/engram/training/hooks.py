@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..artifacts.run import CONFIG
 from ..files import disk_errors, publish_text
 from ..interrupts import stderr_line
 from ..outputs import finite, mark
@@ -60,7 +61,7 @@ class LogMetrics:
         if self.ranks.logs:
             out.mkdir(parents=True, exist_ok=True)
             mark(out, "run", "engram train")
-            publish_text(out / "config.json", json.dumps(self.config or cfg.to_dict(), indent=2))
+            publish_text(out / CONFIG, json.dumps(self.config or cfg.to_dict(), indent=2))
             write_model_files(run, out)
             self.settings = settings.write(out)  # GEMM routes and threads: a repeat reuses them
             # Records past a resumed checkpoint are dropped: they are written again, identically.

@@ -34,10 +34,12 @@ from typing import Any, Iterator
 
 import torch
 
+from ..artifacts.checkpoint import FOLDER as CHECKPOINTS
+from ..artifacts.checkpoint import LATEST
+from ..artifacts.run import SETTINGS  # in a run's out_dir: the record of its latest start
 from ..compute import gemm
 from ..files import publish_text
 
-SETTINGS = "settings.json"  # in a run's out_dir: the record of its latest start
 
 # glibc gives every freed block above its mmap / trim thresholds back to the kernel, so each step's
 # large activations (logits, attention, the FFN's hidden) page-fault in again, zeroed: ~20k minor
@@ -86,7 +88,7 @@ def recorded(out_dir: str | Path) -> dict[str, Any]:
     (loading that checkpoint refuses it, with the reason)."""
     out = Path(out_dir)
     rec = _json(out / SETTINGS)
-    ckpt = _checkpoint_record(out / "checkpoints")
+    ckpt = _checkpoint_record(out / CHECKPOINTS)
     if not ckpt:
         return rec
     ours, theirs = rec.get("gemm") or {}, ckpt.get("gemm") or {}
@@ -116,10 +118,10 @@ def _json(path: Path) -> dict[str, Any]:
 def _checkpoint_record(ckpts: Path) -> dict[str, Any]:
     """The record in the meta of the checkpoint ``ckpts/latest.json`` names (train.py's file, or a
     sharded checkpoint's dense part), read from its header alone."""
-    latest = _json(ckpts / "latest.json")
+    latest = _json(ckpts / LATEST)
     if "dir" in latest:  # sharded (dist_checkpoint.py): the dense part is train.py's format
         ckpts = ckpts / str(latest["dir"]) / "dense"
-        latest = _json(ckpts / "latest.json")
+        latest = _json(ckpts / LATEST)
     if "file" not in latest:
         return {}
     try:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..compute import gemm
+from ..artifacts.checkpoint import FOLDER as CHECKPOINTS
 from ..artifacts.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -187,7 +188,7 @@ class FileCheckpoints:
     (checkpoint.py), the newest ``keep`` kept."""
 
     def __init__(self, out_dir: str | Path, keep: int = 2):
-        self.dir, self.keep = Path(out_dir) / "checkpoints", keep
+        self.dir, self.keep = Path(out_dir) / CHECKPOINTS, keep
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.dir)
