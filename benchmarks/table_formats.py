@@ -4,7 +4,7 @@ against the run's own fp32 tables, KL and top-1 agreement per seed, with bytes p
 
     python benchmarks/table_formats.py out/compare/runs [--formats bf16,fp16,fp8,int8,int4] \
         [--max_tokens 32768] --json benchmarks/results/tables/formats.json
-    python benchmarks/table_formats.py --adapters A0,A1,A2 [--max_tokens 8192] \
+    python benchmarks/table_formats.py --adapters A0,A1,A2 [--max_tokens 4096] \
         --json benchmarks/results/tables/formats_smollm2.json  # `engram finetune` adapters
     python benchmarks/table_formats.py --smoke --json out/formats.json   # tiny runs trained here
 

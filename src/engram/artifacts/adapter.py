@@ -87,7 +87,6 @@ class AdapterFiles:
         return "adapter-" + (self.meta.get(_DIGEST) or tensor_digest(self.tensors))[:16]
 
 
-
 def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
     """sha256 of the tensors' names, shapes, dtypes and bytes, in name order: safetensors has no
     checksum, and a flipped byte in a table would load without a word."""

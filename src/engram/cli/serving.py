@@ -123,8 +123,8 @@ def _generate(run_dir: str, o: Prompts, t: Tables, g: Gate, gen) -> None:
          "(generate, eval, pool-budget read them)",
          args=(Arg("run_dir", "a folder written by `engram train --out_dir` or by `engram "
                    "finetune --out_dir` (an adapter)"),),
-         configs=(Config(Tables, skip=("tier", "cache_fraction", "prefetch",
-                                                        "engram_layers")), Gate),
+         configs=(Config(Tables, skip=("tier", "cache_fraction", "prefetch", "engram_layers")),
+                  Gate),
          reads=("run_dir", In("text", text=True)),
          writes=(Out("table_dir", "tables", of="run_dir"),),
          about="Writes nothing when the files of the newest checkpoint are there already. A lossy "
