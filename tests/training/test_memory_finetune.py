@@ -32,11 +32,6 @@ def tiny_cfg(root, **kw):
     return FinetuneConfig(**{**base, **kw})
 
 
-def setup(root, family, tok, docs):
-    """root/model (a saved tiny model and its tokenizer), root/corpus (prepared with it)."""
-    model_and_corpus(root, family, tok, docs)
-
-
 @pytest.fixture(scope="module")
 def docs():
     return [d.text for d in load_documents("kjv", max_chars=40_000)][:40]
@@ -57,7 +52,7 @@ def rewind(run, step):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_finetune_resumes_exactly_and_generates_as_transformers(family, tok, docs, tmp_path):
-    setup(tmp_path, family, tok, docs)
+    model_and_corpus(tmp_path, family, tok, docs)
     cfg = tiny_cfg(tmp_path)
     first = finetune(str(tmp_path / "model"), cfg, progress=False)
     run = tmp_path / "run"
@@ -87,14 +82,14 @@ def test_finetune_resumes_exactly_and_generates_as_transformers(family, tok, doc
 
 
 def test_a_resume_with_another_config_is_refused(tok, docs, tmp_path):
-    setup(tmp_path, "llama", tok, docs)
+    model_and_corpus(tmp_path, "llama", tok, docs)
     finetune(str(tmp_path / "model"), tiny_cfg(tmp_path, steps=3), progress=False)
     with pytest.raises(UserError, match="another finetune .*lr"):
         finetune(str(tmp_path / "model"), tiny_cfg(tmp_path, steps=6, lr=2e-2), progress=False)
 
 
 def test_bad_inputs_are_one_line_before_any_work(tok, docs, tmp_path, capsys):
-    setup(tmp_path, "llama", tok, docs)
+    model_and_corpus(tmp_path, "llama", tok, docs)
     # A model folder of a family Engram does not inject into.
     bert = tmp_path / "bert"
     transformers.BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,

@@ -38,6 +38,8 @@ from ..files import publish, publish_bytes, publish_text, read_json_object
 from ..models.adapter import (AdapterMismatch, attach, base_fingerprint, compression_fingerprint,
                               engram_state_dict)
 from ..retrieval.compress import Compression, tokenizer_fingerprint
+from ..retrieval.config import EngramConfig
+from ..retrieval.hashing import NgramHasher
 
 FORMAT = "engram-hf-adapter-1"
 WEIGHTS = "engram.safetensors"
@@ -85,6 +87,11 @@ class AdapterFiles:
         digest of its tensors, so files of another adapter, or of this one finetuned further,
         are refused as stale."""
         return "adapter-" + (self.meta.get(_DIGEST) or tensor_digest(self.tensors))[:16]
+
+    def hasher(self) -> NgramHasher:
+        """The hasher its tables are indexed by (its config over its tokenizer's compression),
+        without its base model: what the injected model's runtime builds (models/hf.py)."""
+        return NgramHasher(EngramConfig.from_dict(self.meta["config"]), self.compression)
 
 
 def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:

@@ -215,11 +215,17 @@ def write_tables(run_dir: str | Path, table_dir: str | Path | None = None, dtype
                         "(write another format with `engram export-hf RUN OUT --table_dtype`)")
     folder = Path(table_dir) if table_dir is not None else \
         run_dir / (adapter.TABLES if kind == "adapter" else TABLES)
+    # current files are known without loading the checkpoint (Nine's parts need it) or the
+    # adapter's base model
     if kind == "run":
         files, ckpt = read_run_files(run_dir), newest_checkpoint(run_dir)
         if ckpt is not None and files.config.engram is not None and files.nine_shared is None \
                 and not stale_tables(folder, files.hasher(), ckpt.name, dtype):
-            return folder  # current, known without loading the checkpoint (Nine's parts need it)
+            return folder
+    else:
+        found = adapter.read(run_dir)
+        if not stale_tables(folder, found.hasher(), found.tag, dtype):
+            return folder
     rt = open_model(run_dir)
     if rt.hasher is None:
         raise UserError(f"{run_dir} has no Engram layers: it has no tables to write")

@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ..artifacts.checkpoint import FOLDER as CHECKPOINTS
-from ..artifacts.checkpoint import LATEST
+from ..artifacts.checkpoint import FOLDER as CHECKPOINTS, LATEST
 from ..training.loop import evaluate, lr_at, train_step
 from ..training.train import FileCheckpoints, TrainConfig, build_run
 from .common import Job, Workers, finished, sync_workers

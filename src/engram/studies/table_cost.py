@@ -75,7 +75,7 @@ def export_gated(run_dir: str | Path, table_dir: str | Path | None, dtype: str, 
         try:
             rec = _measured(run_dir, folder, dtype, text, source, max_tokens, say)
         except UserError as e:  # no tokens to score (the data moved, --text overlaps, ...)
-            removed = sum(remove_tables(folder, dtype, tag) for tag in _tags(folder))
+            removed = remove_tables(folder, dtype)  # those write_tables just wrote
             raise UserError(f"{e} (the {removed} {dtype} table file{'s' if removed != 1 else ''} "
                             "written are removed: a lossy format is not served unmeasured)") from e
         kept = _judge(rec, folder, threshold, accept_loss, command)
@@ -289,24 +289,18 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, tier: str = "memory",
     return out
 
 
-def remove_tables(folder: Path, dtype: str, tag: str) -> int:
+def remove_tables(folder: Path, dtype: str, tag: str | None = None) -> int:
     """Remove the table files in ``folder`` holding ``dtype`` rows of checkpoint ``tag`` (the
-    refused export's); how many."""
+    refused export's; None: of any); how many."""
     from ..tables.tablefile import read_header
 
     n = 0
     for p in sorted(folder.glob("*.table")):
         h = read_header(p)
-        if h.dtype == dtype and h.tag == tag:
+        if h.dtype == dtype and tag in (None, h.tag):
             p.unlink()
             n += 1
     return n
-
-
-def _tags(folder: Path) -> set[str]:
-    from ..tables.tablefile import read_header
-
-    return {read_header(p).tag for p in folder.glob("*.table")}
 
 
 def _round_up(x: float) -> float:

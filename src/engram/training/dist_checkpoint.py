@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..artifacts.checkpoint import FOLDER as CHECKPOINTS
 from ..artifacts.checkpoint import (
+    FOLDER as CHECKPOINTS,
     LATEST,
     CheckpointError,
     latest_checkpoint,

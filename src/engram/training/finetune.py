@@ -36,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..artifacts.adapter import SUMMARY, save_engram
 from ..artifacts.checkpoint import (
+    FOLDER as CHECKPOINTS,
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
@@ -44,8 +46,6 @@ from ..artifacts.checkpoint import (
 )
 from ..errors import UserError
 from ..files import publish_text
-from ..artifacts.adapter import SUMMARY, save_engram
-from ..artifacts.checkpoint import FOLDER as CHECKPOINTS
 from ..models.adapter import base_fingerprint, engram_state_dict, load_engram_state_dict
 from ..models.hf import engram_runtime, freeze_base, inject
 from ..models.precision import (

@@ -34,8 +34,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..artifacts.checkpoint import FOLDER as CHECKPOINTS
-from ..artifacts.checkpoint import LATEST
+from ..artifacts.checkpoint import FOLDER as CHECKPOINTS, LATEST
 from ..artifacts.run import SETTINGS  # in a run's out_dir: the record of its latest start
 from ..compute import gemm
 from ..files import publish_text

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from ..compute import gemm
-from ..artifacts.checkpoint import FOLDER as CHECKPOINTS
 from ..artifacts.checkpoint import (
+    FOLDER as CHECKPOINTS,
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
