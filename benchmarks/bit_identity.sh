@@ -7,7 +7,8 @@
 # the logits of a full forward and of a cached decode (engram.open), the Generator's tokens, the
 # export's logits and greedy tokens through transformers, the paged model's tokens under the
 # mini engine (tests/serving/engine_sim.py: chunked prefill, prefix cache), and `engram
-# analyze`'s analysis.json; logits compared by the sha256 of their bytes.
+# analyze`'s analysis.json and `engram pool-budget`'s counts (rows each step reads: its hash ids);
+# logits compared by the sha256 of their bytes.
 #
 #   benchmarks/bit_identity.sh [REV=main] [OUT=out/bit_identity]     (~8 min on 2 cores)
 #
@@ -48,7 +49,9 @@ runs() {  # $1: source tree, $2: output folder
      python3 -c "$DECODE" "$2/$run" "$2/$run.hf" "$1/tests/serving" "$2/$run.decode.json" || exit 1
    done &&
    $E analyze "$2/train_engram" --out_dir="$2/analysis" --batches=4 --lens_batches=1 \
-     --cka_tokens=512 --probes=32) > "$2.log" 2>&1 || { echo "failed: see $2.log"; exit 1; }
+     --cka_tokens=512 --probes=32 &&
+   $E pool-budget --run_dir="$2/train_engram" --out_dir="$2/pool" --tiers=memory,file --reps=3
+  ) > "$2.log" 2>&1 || { echo "failed: see $2.log"; exit 1; }
 }
 # The Python side of the decode check: RUN HF ENGINE_SIM_DIR OUT (the APIs both trees have).
 DECODE=$(cat <<'PY'
@@ -140,6 +143,17 @@ def analysis(root):  # every number analyze wrote, less its timings
 same = analysis(out / "before") == analysis(out / "after")
 ok &= same
 print(f"analyze: {'identical' if same else 'DIFFERENT'}")
+def budget(root):  # pool-budget's counts (rows read, distinct, cache hits); the rest are timings
+    counts = ("tokens", "rows", "distinct", "misses", "hits", "table_rows")
+    def keep(x):
+        if isinstance(x, dict):
+            return {k: keep(v) for k, v in x.items()
+                    if isinstance(v, (dict, list)) or k in counts}
+        return [keep(v) for v in x] if isinstance(x, list) else x
+    return json.dumps(keep(json.load(open(root / "pool" / "budget.json"))), sort_keys=True)
+same = budget(out / "before") == budget(out / "after")
+ok &= same
+print(f"pool-budget: {'identical' if same else 'DIFFERENT'}")
 print("all identical" if ok else "differences found")
 sys.exit(0 if ok else 1)
 PY

@@ -6,6 +6,7 @@ import torch
 
 import engram
 from engram.models.model import EngramLM, ModelConfig
+from engram.serving.runtime import Runtime
 from engram.studies.lens import linear_cka, read_layers
 from engram.training.batches import Batch
 
@@ -38,7 +39,8 @@ def test_logit_lens_of_the_last_layer_is_the_output(head):
     tokens = torch.randint(0, 97, (3, 20))
     ids = engram.NgramHasher(ecfg, np.arange(300) % 250).hash(tokens)
     batch = Batch(tokens, tokens, tokens, ids)
-    res = read_layers(model, [batch, batch], cka_tokens=50)
+    rt = Runtime.from_parts(model, engram.NgramHasher(ecfg, np.arange(300) % 250))
+    res = read_layers(rt, [batch, batch], cka_tokens=50)
     assert len(res["kl"]) == 4 and res["kl"][-1] == pytest.approx(0.0, abs=1e-5)
     assert all(k > 1e-4 for k in res["kl"][:-1])  # earlier layers are not the output yet
     assert [s.shape for s in res["states"]] == [(50, 32)] * 4

@@ -19,7 +19,7 @@ def setup():
 def test_layer_times_sum_to_forward(setup, mode):
     batch = steps(setup, mode, batch=4, prefill_len=96, decode_context=32, reps=15)
     for attempt in range(4):  # a shared machine: a burst of load can hit one side; a gap stays
-        t = time_layers(setup.model, setup.corpus, batch)
+        t = time_layers(setup.rt, batch)
         gap = abs(t["parts_over_forward"] - 1)  # per step, hooked vs plain call back to back
         if gap < 0.10:
             break
@@ -30,21 +30,23 @@ def test_layer_times_sum_to_forward(setup, mode):
 
 
 def test_hooks_are_removed_and_outputs_unchanged(setup):
-    step = steps(setup, "prefill", 2, 16, 8, 1)[0]
-    tokens = setup.corpus.to_local(step["raw"])
+    step = steps(setup, "prefill", 2, 16, 8, 1)[0]["step"]
     with torch.no_grad():
-        ref = setup.model(tokens, step["ids"]).hidden
+        ref = setup.model(step.local, step.ids).hidden
         clock = LayerClock(setup.model)
-        hooked = setup.model(tokens, step["ids"]).hidden
+        hooked = setup.model(step.local, step.ids).hidden
         clock.remove()
     assert torch.equal(ref, hooked) and set(clock.times) == {"embed", "norm"} | {
         f"block{i}" for i in range(4)}
     assert not any(b._forward_hooks or b._forward_pre_hooks for b in setup.model.blocks)
-    assert run_step(setup.model, setup.corpus, step)[0] > 0
+    assert run_step(setup.rt, {"step": step})[0] > 0
+    assert torch.equal(setup.rt.run(step).hidden, ref)  # the runtime's step is the model's
 
 
 def test_decode_step_ids_equal_full_sequence(setup):
     for s in steps(setup, "decode", 3, 8, 20, 2):
-        full = setup.hasher.hash(torch.cat([s["prompt"], s["raw"]], 1))
-        for lid, ids in s["ids"].items():
+        raw = setup.corpus.to_raw(torch.cat([s["prompt"].local, s["step"].local], 1))
+        full = setup.hasher.hash(raw)
+        for lid, ids in s["step"].ids.items():
             assert torch.equal(ids, full[lid][:, -1:])
+        assert s["step"].local.shape == (3, 1) and s["prompt"].local.shape == (3, 20)

@@ -15,8 +15,8 @@ so ``save_pretrained``/``from_pretrained`` and HF code that reads layer attribut
 under gradient checkpointing, so the hooks also stay outside the checkpoint.
 
 Cached generation keeps the n-gram history. The state a decode step needs (the last N-1
-compressed tokens of each row and each layer's conv context) lives beside the KV cache object it
-belongs to: a call with no cache or an empty one starts a new sequence, a call with a cache continues
+compressed tokens of each row and each layer's conv context: the one decode state,
+``models/cache.DecodeGroup``) lives beside the KV cache object it belongs to: a call with no cache or an empty one starts a new sequence, a call with a cache continues
 the state saved for that very cache, and anything else is refused instead of silently hashing
 without history. Beam search reorders it through ``_reorder_cache``. Dead positions (attention mask
 0, e.g. left padding) hash like a sequence start and feed zeros to the short conv, so a left-padded
@@ -46,7 +46,8 @@ from ..errors import UserError
 from ..module import Engram, EngramState, build_engram
 from ..retrieval.compress import Compression, build_compression
 from ..retrieval.config import EngramConfig
-from ..retrieval.hashing import HashStream, NgramHasher
+from ..retrieval.hashing import NgramHasher
+from .cache import DecodeGroup, InjectedCache
 
 # -- per-family adapters: where the decoder stack and its layers are ------------------------------
 
@@ -95,25 +96,12 @@ class InjectOptions:
 
 
 @dataclass
-class SequenceState:
-    """Engram's decode state for the sequences behind one KV cache."""
-    stream: HashStream  # last N-1 compressed tokens per row
-    convs: dict[int, EngramState]  # per layer: the conv's normalised inputs of the last positions
-    seen: int = 0  # positions consumed, to match the cache's length
-
-    def reorder(self, index: torch.Tensor) -> None:
-        self.stream.reorder(index)
-        for s in self.convs.values():
-            s.reorder(index)
-
-
-@dataclass
 class _Call:
     """What the layer hooks need during one forward of the decoder stack."""
     ids: dict[int, torch.Tensor]  # {layer: [b, t, H]}
     alive: torch.Tensor | None  # [b, t] bool, None when every position is alive
     convs: dict[int, EngramState] | None  # None: no cache, no state kept
-    pending: SequenceState | None = None  # a state to bind to the cache the forward creates
+    pending: DecodeGroup | None = None  # a state to bind to the cache the forward creates
 
 
 class EngramRuntime:
@@ -127,7 +115,7 @@ class EngramRuntime:
         self.layers = {lid: layers[lid] for lid in config.layer_ids}
         self.engrams: dict[int, Engram] = {}
         self._handles: list[Any] = []
-        self._states: dict[int, tuple[weakref.ref, SequenceState]] = {}  # id(cache) -> state
+        self._states: dict[int, tuple[weakref.ref, DecodeGroup]] = {}  # id(cache) -> state
         self._call: _Call | None = None
         self._given: _Call | None = None
         self._signature = inspect.signature(self.base.forward)
@@ -196,26 +184,28 @@ class EngramRuntime:
         state = None
         if cache is not None and cache.get_seq_length() > 0:
             state = self._lookup(cache)
-            if state is None or state.seen != cache.get_seq_length() or \
+            if state is None or state.cache.pos != cache.get_seq_length() or \
                     state.stream.history.shape[0] != b:
                 raise RuntimeError(
                     f"this KV cache holds {cache.get_seq_length()} positions whose token history "
                     "Engram does not know (a cache made before inject(), or cropped, expanded or "
                     "reordered outside generate): rerun the prompt without a cache")
         elif cache is not None or use_cache:
-            state = SequenceState(self.hasher.stream(b, ids.device),
-                                  {lid: EngramState() for lid in self.engrams})
+            # The one decode state (models/cache.py); transformers holds the KV cache itself.
+            state = DecodeGroup(list(range(b)), InjectedCache(
+                None, {lid: EngramState() for lid in self.engrams}, 0, b),
+                self.hasher.stream(b, ids.device))
         pending = None
         if state is None:
             hashed = self.hasher.hash(ids, mask)
         else:
             hashed = state.stream.step(ids, mask)
-            state.seen += t
+            state.cache.pos += t
             if cache is not None:
                 self._bind(cache, state)
             else:
                 pending = state  # the stack creates its cache inside forward: bind it afterwards
-        self._call = _Call(hashed, alive, None if state is None else state.convs, pending)
+        self._call = _Call(hashed, alive, None if state is None else state.cache.engram, pending)
 
     def _stack_done(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         call, self._call = self._call, None
@@ -240,13 +230,13 @@ class EngramRuntime:
         return args, {**kwargs, "hidden_states": h + y}
 
     # -- state per cache --------------------------------------------------------------------------
-    def _bind(self, cache: Any, state: SequenceState) -> None:
+    def _bind(self, cache: Any, state: DecodeGroup) -> None:
         # Keyed by identity with a weak reference: a cache that is gone takes its state with it.
         for k in [k for k, (r, _) in self._states.items() if r() is None]:
             del self._states[k]
         self._states[id(cache)] = (weakref.ref(cache), state)
 
-    def _lookup(self, cache: Any) -> SequenceState | None:
+    def _lookup(self, cache: Any) -> DecodeGroup | None:
         entry = self._states.get(id(cache))
         return entry[1] if entry is not None and entry[0]() is cache else None
 
@@ -258,7 +248,7 @@ class EngramRuntime:
         else:
             cache.reorder_cache(beam_idx)
         if state is not None:
-            state.reorder(beam_idx)
+            state.keep(beam_idx)  # its n-gram history and conv contexts (kv: transformers')
             self._bind(cache, state)
         return cache
 
@@ -362,5 +352,5 @@ def freeze_base(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-__all__ = ["ADAPTERS", "EngramRuntime", "InjectOptions", "SequenceState", "decoder_stack", "eject",
+__all__ = ["ADAPTERS", "EngramRuntime", "InjectOptions", "decoder_stack", "eject",
            "engram_runtime", "freeze_base", "inject", "zero_value"]

@@ -7,9 +7,9 @@ it exactly as they run a trained run.
 Hashing stays the runtime's (paper 2.2: row ids from token ids alone, on the CPU): its hash ids and
 the conv states of the runtime's cache reach the injected layers through
 ``EngramRuntime.given``, so the hooks' own per-KV-cache bookkeeping (for ``model.generate``) is
-not used here. The KV cache is transformers' ``DynamicCache``; ``InjectedCache`` adds the
-position and the Engram conv states, and reorders and joins both (the Generator's batch compaction
-and its merge of prompt-length groups). Model ids are the tokenizer's ids (an HF model embeds every
+not used here. The KV cache is transformers' ``DynamicCache``; ``InjectedCache`` (models/cache.py)
+adds the position and the Engram conv states, and reorders and joins both (the Generator's batch
+compaction and its merge of prompt-length groups). Model ids are the tokenizer's ids (an HF model embeds every
 id of its tokenizer), so the runtime's vocabulary map is the identity.
 
 Shape legend: b rows, t positions, d hidden size, V the model's vocabulary.
@@ -17,7 +17,6 @@ Shape legend: b rows, t positions, d hidden size, V the model's vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,40 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..module import EngramState
+from .cache import InjectedCache
 from .hf import engram_runtime
 from .model import ModelOutput
-
-
-@dataclass
-class InjectedCache:
-    """The decode state of rows of an ``InjectedLM``: transformers' KV cache, our position and
-    each Engram layer's conv context."""
-    kv: Any  # transformers.DynamicCache
-    engram: dict[int, EngramState] = field(default_factory=dict)
-    pos: int = 0
-    rows: int = 0
-
-    @property
-    def batch_size(self) -> int:
-        return self.rows
-
-    def reorder(self, index: torch.Tensor) -> None:
-        """Keep rows ``index`` (batch compaction)."""
-        if self.pos:
-            self.kv.reorder_cache(index.to(self.kv.layers[0].keys.device))
-        for s in self.engram.values():
-            s.reorder(index)
-        self.rows = int(index.numel())
-
-    def cat(self, other: InjectedCache) -> InjectedCache:
-        """This cache's rows, then ``other``'s (same position)."""
-        from transformers import DynamicCache
-
-        kv = DynamicCache([(torch.cat([a.keys, b.keys]), torch.cat([a.values, b.values]))
-                           for a, b in zip(self.kv.layers, other.kv.layers)])
-        convs = {i: EngramState(None if s.conv is None else torch.cat([s.conv, other.engram[i].conv]))
-                 for i, s in self.engram.items()}
-        return InjectedCache(kv, convs, self.pos, self.rows + other.rows)
 
 
 class InjectedLM(nn.Module):
@@ -119,4 +87,4 @@ class InjectedLM(nn.Module):
                              {i: EngramState() for i in self.config.engram_layers}, 0, batch_size)
 
 
-__all__ = ["InjectedCache", "InjectedLM"]
+__all__ = ["InjectedLM"]

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..models.cache import DecodeGroup
 from ..models.model import EngramLM
 from ..models.precision import (
     PRECISIONS,
@@ -36,7 +37,7 @@ from ..models.precision import (
 )
 from ..ranges import check_ranges
 from ..retrieval.hashing import Hasher
-from .runtime import DecodeGroup, Runtime, row_spans
+from .runtime import Runtime, row_spans
 
 
 @dataclass

@@ -31,11 +31,12 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..models.cache import DecodeGroup
 from ..models.model import EngramLM, ModelOutput
 from ..retrieval.hashing import NgramHasher
 from .hf_config import EngramLMConfig
 from .hf_load import check_config, load_export, save_export
-from .runtime import DecodeGroup, Runtime, row_spans
+from .runtime import Runtime, row_spans
 
 IGNORE = -100  # label left out of the loss (transformers' convention)
 

@@ -6,9 +6,11 @@ DeepSeek-V4.1 layer set in place of its Engram layers, with nothing else present
 no corpus re-hash, and nothing written. What it returns holds the model, the hasher, the
 vocabulary map, the tokenizer and the policies, and the few operations every entry point needs:
 
-    forward(raw, cache=, stream=)    hash on the CPU (row ids come from token ids alone, paper 2.2),
-                                     move to the device, announce rows to the tables (prefetch),
-                                     unseen ids -> the mean input embedding, autocast, the model
+    forward(raw, group)              prepare (on the CPU: model ids, hash ids; row ids come from
+                                     token ids alone, paper 2.2), then run (move to the device,
+                                     announce rows to the tables (prefetch), unseen ids -> the
+                                     mean input embedding, autocast, the model); a caller that
+                                     times the step alone (pool-budget) calls the two itself
     score(stream) / score_documents  next-token NLL over windows (``engram eval``, lm-eval)
     new_group(rows)                  a KV / conv cache and n-gram history for decoding;
                                      serving/generate.py's ``Generator(runtime)`` decodes batches
@@ -39,11 +41,11 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from ..models.cache import DecodeCache
+from ..models.cache import DecodeGroup
 from ..models.model import EngramLM, ModelOutput
 from ..models.precision import autocast, model_device, resolve
 from ..models.vocab import VocabMap, unknown_inputs
-from ..retrieval.hashing import HashStream, Hasher
+from ..retrieval.hashing import Hasher
 from ..tables.cache import CacheStats
 from ..tables.prefetch import prefetch_batch
 
@@ -54,21 +56,13 @@ def _warn(message: str) -> None:
     warnings.warn(message, stacklevel=4)
 
 
-@dataclass
-class DecodeGroup:
-    """Rows decoded together from one position: their KV / conv cache and n-gram history (the
-    one decode bookkeeping of our Generator and of transformers' EngramCache)."""
+@dataclass(frozen=True)
+class Prepared:
+    """One forward's inputs, made on the CPU from raw ids (``Runtime.prepare``)."""
 
-    rows: Any  # the caller's row indices (a list, or a tensor [g])
-    cache: DecodeCache
-    stream: HashStream | None  # None without Engram
-    pending: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # [g]
-
-    def keep(self, index: torch.Tensor) -> None:
-        """Row i continues old row ``index[i]`` (dropped rows, beam reordering)."""
-        self.cache.reorder(index)
-        if self.stream is not None:
-            self.stream.reorder(index)
+    local: torch.Tensor  # [b, t] model ids (unseen ids at 0)
+    unknown: torch.Tensor  # [b, t] bool: ids the run never saw
+    ids: dict[int, torch.Tensor] | None  # {layer: [b, t, H]} hash ids; None without Engram
 
 
 @dataclass
@@ -136,22 +130,38 @@ class Runtime:
 
     # -- the one hash-then-step --------------------------------------------------------------------
     def forward(self, raw: torch.Tensor, group: DecodeGroup | None = None, *, warn: bool = True,
-                announce: bool = True) -> ModelOutput:
+                announce: bool = True, gates: bool = False) -> ModelOutput:
         """Raw ids [b, t] (CPU) -> the model's output (hidden [b, t, d]); with ``group``,
-        continuing its decode; ``announce``: tell the tables the rows first (a prefetching tier
-        starts gathering them). Hashing and id bookkeeping stay on the CPU (the engine's side);
-        only the model's inputs move to its device."""
+        continuing its decode. ``prepare`` then ``run`` (see both)."""
+        return self.run(self.prepare(raw, group, warn=warn), group, announce=announce, gates=gates)
+
+    def prepare(self, raw: torch.Tensor, group: DecodeGroup | None = None, *,
+                warn: bool = True) -> Prepared:
+        """The CPU side of a forward, before the step (the engine's side): raw ids [b, t] -> model
+        ids and the hash ids (row ids from token ids alone, paper 2.2; with ``group``, its n-gram
+        history continues)."""
         raw = torch.as_tensor(raw).long().cpu()
         local, unknown = self.local_ids(raw, warn)  # [b, t]
-        dev = self.device
         ids = None
         if self.hasher is not None:
             ids = self.hasher.hash(raw) if group is None else group.stream.step(raw)  # [b, t, H]
-            ids = {k: v.to(dev) for k, v in ids.items()}
+        return Prepared(local, unknown, ids)
+
+    def run(self, x: Prepared, group: DecodeGroup | None = None, *, announce: bool = True,
+            gates: bool = False) -> ModelOutput:
+        """The step: ``x``'s inputs to the model's device, the rows announced to the tables first
+        (``announce``: a prefetching tier starts gathering them), the model under autocast, with
+        ``group``'s cache; ``gates``: the output keeps each Engram layer's gate (analyze)."""
+        dev = self.device
+        ids = None
+        if x.ids is not None:
+            ids = {k: v.to(dev) for k, v in x.ids.items()}
             if announce:
                 prefetch_batch(self.model, ids)  # a prefetching tier starts gathering now
-        with unknown_inputs(self.model, unknown), autocast(self.precision, dev):
-            return self.model(local.to(dev), ids, cache=None if group is None else group.cache)
+        extra = {"return_gates": True} if gates else {}
+        with unknown_inputs(self.model, x.unknown), autocast(self.precision, dev):
+            return self.model(x.local.to(dev), ids, cache=None if group is None else group.cache,
+                              **extra)
 
     def local_ids(self, raw: torch.Tensor, warn: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw ids [...] -> (model ids [...] with unseen ones at 0, the unseen mask [...]), on

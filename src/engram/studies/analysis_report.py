@@ -108,7 +108,7 @@ def gate_examples(batches, ho: dict[str, Any], lang: np.ndarray, tok, vocab, out
     save(fig, out / "gates_examples.png", dpi=110)
 
 
-def write_analysis(res, out: Path, model, hasher, vocab, tok, batches, ho, lang) -> None:
+def write_analysis(res, out: Path, vocab, tok, batches, ho, lang) -> None:
     plot_lens(res, out / "lens.png")
     if "cka" in res:
         plot_cka(res["cka"], out / "cka.png")

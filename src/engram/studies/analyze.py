@@ -67,11 +67,6 @@ def condition(model, name: str):
     return nullcontext()
 
 
-def forward(model, inputs: torch.Tensor, raw: torch.Tensor, hasher, gates: bool = False):
-    ids = hasher.hash(raw) if model.config.engram_layers else None
-    return model(inputs, ids, return_gates=gates and bool(model.config.engram_layers))
-
-
 def token_lang(tokenizer, vocab: np.ndarray) -> np.ndarray:
     """Per local id: 0 = English (Latin letters), 1 = Chinese (CJK), 2 = neither."""
     out = np.full(len(vocab), 2, dtype=np.int8)
@@ -85,17 +80,17 @@ def token_lang(tokenizer, vocab: np.ndarray) -> np.ndarray:
 
 
 @torch.no_grad()
-def score_windows(model, hasher, vocab: np.ndarray, windows: np.ndarray, scored: slice,
+def score_windows(rt, windows: np.ndarray, scored: slice,
                   conds: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    """Probe windows [b, t+1] (local ids): mean p(target) and top-1 accuracy on ``scored`` target
-    positions, per condition."""
-    x = torch.from_numpy(windows[:, :-1])
+    """Probe windows [b, t+1] (local ids) through the runtime ``rt``: mean p(target) and top-1
+    accuracy on ``scored`` target positions, per condition."""
+    model = rt.model
     y = torch.from_numpy(windows[:, 1:])[:, scored]  # [b, s]
-    raw = torch.from_numpy(vocab[windows[:, :-1]].astype(np.int64))
+    raw = torch.from_numpy(rt.vocab[windows[:, :-1]].astype(np.int64))
     out = {}
     for c in conds:
         with condition(model, c):
-            o = forward(model, x, raw, hasher)
+            o = rt.forward(raw, warn=False)
         lp = model.logits(o.hidden[:, scored]).float()  # [b, s, V]; log-probs either way
         lp = lp.log_softmax(-1)
         p = lp.gather(-1, y.unsqueeze(-1)).squeeze(-1).exp()
@@ -105,15 +100,16 @@ def score_windows(model, hasher, vocab: np.ndarray, windows: np.ndarray, scored:
 
 
 @torch.no_grad()
-def held_out(model, hasher, batches: list, conds: tuple[str, ...]) -> dict[str, Any]:
-    """Per condition: per-token nll [n] over the batches (targets in stream order), and the gates
-    [n] (mean over branches, first Engram layer) of the full model."""
+def held_out(rt, batches: list, conds: tuple[str, ...]) -> dict[str, Any]:
+    """Per condition: per-token nll [n] over the batches (targets in stream order) through the
+    runtime ``rt``, and the gates [n] (mean over branches, first Engram layer) of the full model."""
+    model = rt.model
     res: dict[str, Any] = {c: [] for c in conds}
     gates = []
     for b in batches:
         for c in conds:
             with condition(model, c):
-                o = forward(model, b.inputs, b.raw, hasher, gates=(c == "full"))
+                o = rt.forward(b.raw, warn=False, gates=(c == "full" and rt.hasher is not None))
             res[c].append(model.token_nll(o, b.targets).flatten().numpy())
             if c == "full" and o.gates:
                 gates.append(o.gates[min(o.gates)].mean(-1).flatten().numpy())
@@ -202,19 +198,20 @@ def run_analyze(run_dir: str, baseline: str | None, ac: AnalyzeConfig,
     if base is not None and not np.array_equal(base.vocab, vocab):
         raise UserError(f"{baseline} was trained on another vocabulary than {run_dir}")
     steps = tqdm(total=8, desc="analyze", disable=not progress)
-    batches = list(val_batches(corpus.val, cfg.batch_size, cfg.seq_len, corpus, hasher,
+    # Unhashed: every forward goes through the runtime, which hashes the raw ids itself.
+    batches = list(val_batches(corpus.val, cfg.batch_size, cfg.seq_len, corpus,
                                max_batches=ac.batches))
     # -- effective depth
     # Evenly spaced batches: the stream is English, then Chinese; both should be read.
     lens_b = batches[::max(1, len(batches) // max(1, ac.lens_batches))][:ac.lens_batches]
-    lens = read_layers(model, lens_b, ac.cka_tokens)
+    lens = read_layers(served, lens_b, ac.cka_tokens)
     res: dict[str, Any] = {"run": str(run_dir), "baseline": baseline, "pathway": pathway,
                            "checkpoint": served.checkpoint,
                            "engram_layers": model.config.engram_layers,
                            "lens": {"engram": lens["kl"]}}
     steps.update()
     if base is not None:
-        blens = read_layers(base.model, lens_b, ac.cka_tokens)
+        blens = read_layers(base, lens_b, ac.cka_tokens)
         res["lens"]["baseline"] = blens["kl"]
         res["cka"] = cka_matrix(lens["states"], blens["states"])
     steps.update()
@@ -234,17 +231,17 @@ def run_analyze(run_dir: str, baseline: str | None, ac: AnalyzeConfig,
     lang = np.repeat(np.asarray(win_lang), cfg.seq_len)[:len(tgt)]
     steps.update()
     # -- suppression on held-out text
-    ho = held_out(model, hasher, batches, CONDITIONS)
+    ho = held_out(served, batches, CONDITIONS)
     res["kinds"] = summarise_kinds(ho, kind, lang, CONDITIONS)
     if base is not None:
-        bho = held_out(base.model, hasher, batches, ("full",))
+        bho = held_out(base, batches, ("full",))
         res["kinds_baseline"] = summarise_kinds(bho, kind, lang, ("full",))
     steps.update()
     # -- where the gain lands
     nll = {"engram": ho["full"], **({"dense": bho["full"]} if base is not None else {})}
     if pathway:
         pw = open_model(pathway)
-        nll["pathway"] = held_out(pw.model, pw.hasher, batches, ("full",))["full"]
+        nll["pathway"] = held_out(pw, batches, ("full",))["full"]
     res["buckets"] = run_buckets(cfg, corpus, hasher, run_dir, batches, nll)
     steps.update()
     # -- probe sets
@@ -252,14 +249,12 @@ def run_analyze(run_dir: str, baseline: str | None, ac: AnalyzeConfig,
     mem = memorised_probes(val_local, ng, ac.context, ac.probes, ac.min_count, seed=ac.seed)
     cp = copy_probes(ng.unigram, ac.copy_span, ac.probes, seed=ac.seed)
     mem_sl, cp_sl = slice(-2, None), slice(ac.copy_span, 2 * ac.copy_span - 1)
-    res["probes"] = {"memorised": {"n": len(mem), **score_windows(model, hasher, vocab, mem,
-                                                                  mem_sl, CONDITIONS)},
-                     "copy": {"n": len(cp), **score_windows(model, hasher, vocab, cp, cp_sl,
-                                                            CONDITIONS)}}
+    res["probes"] = {"memorised": {"n": len(mem), **score_windows(served, mem, mem_sl,
+                                                                  CONDITIONS)},
+                     "copy": {"n": len(cp), **score_windows(served, cp, cp_sl, CONDITIONS)}}
     if base is not None:
         for name, w, sl in (("memorised", mem, mem_sl), ("copy", cp, cp_sl)):
-            res["probes"][name]["baseline"] = score_windows(base.model, hasher, vocab, w, sl,
-                                                            ("full",))["full"]
+            res["probes"][name]["baseline"] = score_windows(base, w, sl, ("full",))["full"]
     res["probe_examples"] = {"memorised": [tok.decode([int(vocab[i]) for i in w[-8:]])
                                            for w in mem[:8]]}
     steps.update()
@@ -272,7 +267,7 @@ def run_analyze(run_dir: str, baseline: str | None, ac: AnalyzeConfig,
                     **gate_table(gates, inp, prev, lang, tok, vocab)}
     steps.update()
     res["retention"] = retention(res)
-    write_analysis(res, out, model, hasher, vocab, tok, batches, ho, lang)
+    write_analysis(res, out, vocab, tok, batches, ho, lang)
     steps.update()
     steps.close()
     publish_text(out / "analysis.json", json.dumps(res, indent=2))

@@ -56,13 +56,13 @@ def lens_kl(model: torch.nn.Module, states: list[torch.Tensor], final: torch.Ten
 
 
 @torch.no_grad()
-def read_layers(model: torch.nn.Module, batches: list[Any], cka_tokens: int = 4096,
-                ) -> dict[str, Any]:
-    """Mean LogitLens KL per state over ``batches``, and the states of ``cka_tokens`` tokens taken
-    in equal shares from every batch (batches spread over the stream cover both languages).
+def read_layers(rt: Any, batches: list[Any], cka_tokens: int = 4096) -> dict[str, Any]:
+    """Mean LogitLens KL per state over ``batches`` read through the runtime ``rt``'s forward
+    (serving/runtime.py), and the states of ``cka_tokens`` tokens taken in equal shares from every
+    batch (batches spread over the stream cover both languages).
 
     Returns {"kl": [L+1 floats], "states": L+1 tensors [<= cka_tokens, d]}."""
-    model.eval()
+    model = rt.model.eval()
     share = -(-cka_tokens // max(1, len(batches)))
     kl_sum: list[float] | None = None
     n = 0
@@ -70,7 +70,7 @@ def read_layers(model: torch.nn.Module, batches: list[Any], cka_tokens: int = 40
     have = 0
     for b in batches:
         with captured_hidden(model) as states:
-            out = model(b.inputs, b.hash_ids if model.config.engram_layers else None)
+            out = rt.forward(b.raw, warn=False)
         flat = [h.flatten(0, 1) for h in states]  # L+1 x [n, d]
         kls = lens_kl(model, flat, out.hidden.flatten(0, 1))
         sums = [float(k.sum()) for k in kls]

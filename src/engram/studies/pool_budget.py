@@ -144,7 +144,7 @@ def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
         for mode in pc.modes:
             batch = steps(setup, mode, pc.batch, pc.prefill_len, pc.decode_context, pc.reps)
             rows = step_rows(setup, batch)
-            timing = time_layers(setup.model, setup.corpus, batch)
+            timing = time_layers(setup.rt, batch)
             reads, waits = {}, {}
             for name, tier in tqdm(tiers.items(), desc=f"{mode}: tiers", leave=False):
                 reads[name] = time_reads(tier, rows)
@@ -152,7 +152,7 @@ def run_pool_budget(pc: PoolBudgetConfig, tc: TrainConfig) -> dict[str, Any]:
             base = tiers.get("pool") or tiers.get("memory")
             sw = None if base is None else sweep(base, rows, pc.inject_us, pc.inflight, counts,
                                                  pc.cache_fraction, 3 * max(timing["window_s"]))
-            tokens = batch[0]["raw"].numel()
+            tokens = batch[0]["step"].local.numel()
             summary["modes"][mode] = layer_budget(timing, reads, waits, sw, tokens, summary)
     finally:
         for tier in tiers.values():

@@ -2,7 +2,8 @@
 
 A step is what a serving engine runs at once: the prefill of b sequences of t tokens, or one
 decode step of b sequences with their prompts already in the KV cache. Hash ids come from the
-token ids before the step (they are what makes prefetch possible, paper section 2.5).
+token ids before the step (they are what makes prefetch possible, paper section 2.5): the runtime
+prepares each step (``Runtime.prepare``) and the clock times its ``run`` alone.
 
 Shape legend: b batch, t positions of the step, H hash heads.
 """
@@ -17,18 +18,27 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..models.cache import DecodeGroup
 from ..models.model import EngramLM
 from ..retrieval.hashing import NgramHasher
+from ..serving.runtime import Runtime
 from ..training.corpus import Corpus
 
 # -- the model and its steps -----------------------------------------------------------------------
 
 @dataclass
 class Setup:
-    model: EngramLM
-    hasher: NgramHasher
+    rt: Runtime  # the model, its hasher and vocabulary: every step goes through it
     corpus: Corpus
     train_config: Any
+
+    @property
+    def model(self) -> EngramLM:
+        return self.rt.model
+
+    @property
+    def hasher(self) -> NgramHasher:
+        return self.rt.hasher
 
 
 def build_setup(run_dir: str | None, tc: Any, seed: int = 0) -> Setup:
@@ -42,19 +52,21 @@ def build_setup(run_dir: str | None, tc: Any, seed: int = 0) -> Setup:
         from ..serving.loader import open_model
 
         tc = saved_config(run_dir)
-        served = open_model(run_dir)
-        return Setup(served.model, served.hasher, build_corpus(tc.data_config()), tc)
+        return Setup(open_model(run_dir), build_corpus(tc.data_config()), tc)
     if not tc.engram:
         raise UserError("the model has no Engram layer (--engram=false): nothing to budget")
     corpus = build_corpus(tc.data_config())
     torch.manual_seed(seed)
     model = build_model(tc, corpus).eval()
-    return Setup(model, NgramHasher(tc.engram_config(), build_compression()), corpus, tc)
+    hasher = NgramHasher(tc.engram_config(), build_compression())
+    return Setup(Runtime(model, hasher, corpus.ids), corpus, tc)
 
 
 def steps(setup: Setup, mode: str, batch: int, prefill_len: int, decode_context: int,
           reps: int) -> list[dict]:
-    """``reps`` steps of held-out text: prefill batches, or decode steps after a prompt."""
+    """``reps`` steps of held-out text, prepared by the runtime (hash ids before the step): prefill
+    batches, or decode steps after a prompt ("prompt": its prompt, prepared)."""
+    rt = setup.rt
     val, c = setup.corpus.val.astype(np.int64), setup.model.config
     b = batch
     t = prefill_len if mode == "prefill" else decode_context + 1
@@ -65,27 +77,31 @@ def steps(setup: Setup, mode: str, batch: int, prefill_len: int, decode_context:
         a = (r * b * t) % max(1, val.size - b * t)
         raw = torch.from_numpy(val[a:a + b * t].reshape(b, t))  # [b, t]
         if mode == "prefill":
-            out.append({"raw": raw, "ids": setup.hasher.hash(raw)})
+            out.append({"step": rt.prepare(raw, warn=False)})
         else:
-            stream = setup.hasher.stream(b)
-            prompt_ids = stream.step(raw[:, :-1])
-            out.append({"prompt": raw[:, :-1], "prompt_ids": prompt_ids, "raw": raw[:, -1:],
-                        "ids": stream.step(raw[:, -1:])})
+            group = rt.new_group(list(range(b)), 1)  # its n-gram history (caches: per run)
+            out.append({"prompt": rt.prepare(raw[:, :-1], group, warn=False),
+                        "step": rt.prepare(raw[:, -1:], group, warn=False)})
     return out
 
 
+def step_group(rt: Runtime, step: dict) -> DecodeGroup | None:
+    """A fresh decode cache holding a decode step's prompt (None for a prefill step)."""
+    if "prompt" not in step:
+        return None
+    p = step["prompt"].local
+    group = rt.new_group(list(range(p.shape[0])), p.shape[1] + 1)
+    rt.run(step["prompt"], group, announce=False)
+    return group
+
+
 @torch.no_grad()
-def run_step(model: EngramLM, corpus: Corpus, step: dict) -> tuple[float, float]:
+def run_step(rt: Runtime, step: dict) -> tuple[float, float]:
     """One step (a decode prompt goes into a fresh cache first, untimed); -> (forward seconds,
     head seconds for the next token's logits, all serving needs)."""
-    cache = None
-    if "prompt" in step:
-        p = step["prompt"]
-        cache = model.new_cache(p.shape[0], p.shape[1] + 1)
-        model(corpus.to_local(p), step["prompt_ids"], cache=cache)
-    tokens = corpus.to_local(step["raw"])
+    group = step_group(rt, step)
     t0 = time.perf_counter()
-    out = model(tokens, step["ids"], cache=cache)
+    out = rt.run(step["step"], group, announce=False)
     t1 = time.perf_counter()
     out.head(out.hidden[:, -1:])
     return t1 - t0, time.perf_counter() - t1
@@ -121,20 +137,21 @@ class LayerClock:
             h.remove()
 
 
-def time_layers(model: EngramLM, corpus: Corpus, batch: list[dict]) -> dict[str, Any]:
+def time_layers(rt: Runtime, batch: list[dict]) -> dict[str, Any]:
     """Median seconds per part (hooked calls) and of whole forwards (plain calls, no hooks).
 
     Hooked and plain calls alternate step by step, so load from other jobs hits both alike.
     Window of the Engram layer at depth k: embedding + blocks 0..k-1.
     """
+    model = rt.model
     parts, plain, head = [], [], []
     for i, step in enumerate([batch[0]] + batch):  # the first is a warm-up
         clock = LayerClock(model)
         try:
-            run_step(model, corpus, step)
+            run_step(rt, step)
         finally:
             clock.remove()
-        fwd, hd = run_step(model, corpus, step)
+        fwd, hd = run_step(rt, step)
         if i:
             parts.append(clock.times)
             plain.append(fwd)
@@ -152,4 +169,5 @@ def time_layers(model: EngramLM, corpus: Corpus, batch: list[dict]) -> dict[str,
 
 def step_rows(setup: Setup, batch: list[dict]) -> list[dict[int, torch.Tensor]]:
     eng = setup.model.engrams()
-    return [{lid: e.rows(s["ids"][lid]) for lid, e in eng.items()} for s in batch]  # [b, t, H]
+    return [{lid: e.rows(s["step"].ids[lid]) for lid, e in eng.items()}  # [b, t, H]
+            for s in batch]

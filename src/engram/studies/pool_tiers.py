@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from ..tables.registry import TIERS as REGISTERED
 from ..tables.registry import Opened
 from ..tables.store import TableStore
 from ..tables.tiers import FileTable
-from .pool_steps import Setup
+from .pool_steps import Setup, step_group
 
 COLD = ("file",)  # tiers whose pages can be evicted before every read (FileTable.evict)
 # Tiers that serve FP8 + E8M0 table files (Mooncake publishes fp32 copies of any file).
@@ -179,27 +179,21 @@ def time_prefetched(setup: Setup, tier: BudgetTables, batch: list[dict]) -> dict
     """The model served from the tier behind PrefetchTable: each layer's rows are announced when
     the step starts; the wait each Engram layer sees for its rows (0: the read fit its window)."""
     from ..serving.loader import load_dense_state
-    from ..tables.prefetch import prefetch_batch, wrap_prefetch
+    from ..tables.prefetch import wrap_prefetch
 
     tables = wrap_prefetch(tier.stores)
     model = EngramLM(setup.model.config, tables=tables)
     load_dense_state(model, setup.model.state_dict())
-    model.eval()
+    rt = replace(setup.rt, model=model.eval(), tables=tables)
     waits = {lid: [] for lid in tables}
     fwd = []
     for i, step in enumerate([batch[0]] + batch):
-        cache = None
-        if "prompt" in step:
-            p = step["prompt"]
-            cache = model.new_cache(p.shape[0], p.shape[1] + 1)
-            model(setup.corpus.to_local(p), step["prompt_ids"], cache=cache)
+        group = step_group(rt, step)
         for f in tier.cold:
             f.evict()
         w0 = {lid: t.stats.wait_s for lid, t in tables.items()}
-        tokens = setup.corpus.to_local(step["raw"])
         t0 = time.perf_counter()
-        prefetch_batch(model, step["ids"])  # ids known at the step's start: reads begin now
-        model(tokens, step["ids"], cache=cache)
+        rt.run(step["step"], group)  # ids known at the step's start: reads begin as it does
         if i:
             fwd.append(time.perf_counter() - t0)
             for lid, t in tables.items():
