@@ -147,8 +147,8 @@ def budget(root):  # pool-budget's counts (rows read, distinct, cache hits); the
     counts = ("tokens", "rows", "distinct", "misses", "hits", "table_rows")
     def keep(x):
         if isinstance(x, dict):
-            return {k: keep(v) for k, v in x.items()
-                    if isinstance(v, (dict, list)) or k in counts}
+            return {k: keep(v) for k, v in x.items() if k in counts or isinstance(v, dict)
+                    or isinstance(v, list) and any(isinstance(e, dict) for e in v)}
         return [keep(v) for v in x] if isinstance(x, list) else x
     return json.dumps(keep(json.load(open(root / "pool" / "budget.json"))), sort_keys=True)
 same = budget(out / "before") == budget(out / "after")

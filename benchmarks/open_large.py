@@ -24,16 +24,14 @@ opening plus one read of everything is the fair total when every row will be use
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from record import SMOKE, write_json  # noqa: E402
+from record import SMOKE, open_line, open_summary, run_child, write_json  # noqa: E402
 
 RUN = dict(max_chars=30_000, n_layer=2, d_model=32, n_head=2, seq_len=32, batch_size=2,
            engram_layers=(0,), n_head_per_ngram=4, n_embed_per_ngram=128, steps=1, warmup=1,
@@ -88,16 +86,6 @@ def make_run(folder: Path, table_size: int, smoke: bool) -> dict:
     return {"rows": w.shape[0], "dim": w.shape[1], "mb": w.numel() * w.element_size() / 2**20}
 
 
-def open_once(run: Path, mode: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parent.parent / "src"), os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.run([sys.executable, "-c", CHILD, str(run), mode], capture_output=True,
-                       text=True, env=env, check=False)
-    if p.returncode != 0:
-        raise SystemExit(f"opening {run} ({mode}) failed:\n{p.stderr[-3000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--table_size", type=int, default=125_000)
@@ -119,16 +107,13 @@ def main() -> None:
         got: dict[str, list[dict]] = {"new": [], "old": []}
         for r in range(a.rounds):
             for mode in (("new", "old") if r % 2 == 0 else ("old", "new")):
-                got[mode].append(open_once(run, mode))
+                got[mode].append(run_child(CHILD, [str(run), mode]))
     load_after = os.getloadavg()
 
     def med(mode: str, key: str) -> float:
         return statistics.median(x[key] for x in got[mode])
 
-    summary = {m: {"open_s": med(m, "open_s"), "peak_mb": med(m, "peak_kb") / 1024,
-                   "peak_over_start_mb": statistics.median(
-                       (x["peak_kb"] - x["rss_before_kb"]) / 1024 for x in got[m]),
-                   "read_all_s": med(m, "read_all_s"),
+    summary = {m: {**open_summary(got[m]), "read_all_s": med(m, "read_all_s"),
                    "peak_after_read_mb": med(m, "peak_after_read_kb") / 1024}
                for m in got}
     same = len({x["digest"] for m in got for x in got[m]}) == 1
@@ -144,10 +129,8 @@ def main() -> None:
     }
     for m in ("old", "new"):
         s = summary[m]
-        print(f"{m}: open {s['open_s'] * 1e3:.0f} ms, peak RSS {s['peak_mb']:.0f} MB "
-              f"({s['peak_over_start_mb']:.0f} MB above the process before opening); then "
-              f"every value read once {s['read_all_s'] * 1e3:.0f} ms, peak "
-              f"{s['peak_after_read_mb']:.0f} MB")
+        print(f"{open_line(m, s)}; then every value read once {s['read_all_s'] * 1e3:.0f} ms, "
+              f"peak {s['peak_after_read_mb']:.0f} MB")
     r = result["new_over_old"]
     print(f"new / old: time {r['open_s']:.3f}x, peak {r['peak_mb']:.3f}x, above start "
           f"{r['peak_over_start_mb']:.3f}x, peak after reading all "

@@ -28,3 +28,34 @@ def with_allocator_env() -> None:
 
     if any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
+
+
+def run_child(code: str, args: list[str], src: Path | None = None) -> dict[str, Any]:
+    """Run the Python snippet ``code`` with ``args`` in a fresh process, ``src`` (default this
+    checkout's src/) first on its PYTHONPATH; its last line of output, as JSON."""
+    import subprocess
+
+    src = src or Path(__file__).resolve().parent.parent / "src"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
+                       check=False)
+    if p.returncode != 0:
+        raise SystemExit(f"{args} with {src} failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def open_summary(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Medians over fresh-process opens ("open_s", "peak_kb", "rss_before_kb" each): the time,
+    the peak resident memory and the peak above the process just before opening, in MB."""
+    import statistics
+
+    return {"open_s": statistics.median(x["open_s"] for x in runs),
+            "peak_mb": statistics.median(x["peak_kb"] for x in runs) / 1024,
+            "peak_over_start_mb": statistics.median((x["peak_kb"] - x["rss_before_kb"]) / 1024
+                                                    for x in runs)}
+
+
+def open_line(name: str, s: dict[str, float]) -> str:
+    """One line of ``open_summary``'s figures."""
+    return (f"{name}: open {s['open_s'] * 1e3:.0f} ms, peak RSS {s['peak_mb']:.0f} MB "
+            f"({s['peak_over_start_mb']:.0f} MB above the process before opening)")

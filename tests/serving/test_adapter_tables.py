@@ -140,3 +140,29 @@ def test_a_lossy_format_without_the_adapters_data_is_one_line(adapter, tmp_path)
     assert "needs the data it was finetuned on" in lines[0] and str(tmp_path / "gone") in lines[0]
     assert "int8 table files written are removed" in lines[0]
     assert not list((moved / TABLES).glob("*.table"))  # refused: no lossy file left to serve
+
+
+def test_a_file_tier_reads_no_table_from_the_adapters_file(adapter, tmp_path):
+    """On a file tier the adapter's tables are hashed from engram.safetensors a slice at a time and
+    not kept (the table files serve them): same digest as reading everything, and a flipped byte
+    in a table is still refused."""
+    import shutil
+
+    from engram.artifacts.adapter import TABLE_KEY, WEIGHTS, read, read_meta
+
+    whole, lean = read(adapter), read(adapter, tables=False)
+    tables = sorted(k for k in whole.tensors if k.endswith(TABLE_KEY))
+    assert tables and sorted(set(whole.tensors) - set(lean.tensors)) == tables
+    assert whole.digest == lean.digest == read_meta(adapter)["tensors_sha256"]
+    assert whole.tag == lean.tag
+    # a byte flipped inside a table's rows (safetensors' header gives where they are): refused on
+    # the file tier, which hashes the table without keeping it
+    damaged = tmp_path / "damaged"
+    shutil.copytree(adapter, damaged)
+    data = bytearray((damaged / WEIGHTS).read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    start, end = json.loads(data[8:8 + n])[tables[-1]]["data_offsets"]
+    data[8 + n + (start + end) // 2] ^= 0xFF
+    (damaged / WEIGHTS).write_bytes(bytes(data))
+    with pytest.raises(UserError, match="is damaged"):
+        engram.open(damaged, tier="file")

@@ -27,7 +27,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -49,6 +49,8 @@ COMPRESSION = "compression.npy"
 SUMMARY = "finetune.json"
 TABLES = "tables"  # the default folder of its table files, as a run's
 _DIGEST = "tensors_sha256"  # in the header's JSON: what the tensors hash to (see tensor_digest)
+TABLE_KEY = ".table.weight"  # a layer's table: layers.<id>.table.weight
+_CHUNK_BYTES = 8 << 20  # bytes of a table hashed at a time when it stays in the file
 _AGAIN = "copy the adapter back, or finetune it again (`engram finetune ... --out_dir DIR`)"
 
 
@@ -68,6 +70,7 @@ class AdapterFiles:
     tensors: dict[str, torch.Tensor]  # layers.<id>.<name>
     tokenizer: Any  # tokenizers.Tokenizer; None: an adapter saved without its tokenizer
     compression: Compression | None  # None with the tokenizer
+    digest: str  # what every tensor hashes to (tensor_digest), tables included whether read or not
 
     @property
     def base_model(self) -> str | None:
@@ -86,7 +89,7 @@ class AdapterFiles:
         """What its table files are stamped with (a run's are with their checkpoint's name): the
         digest of its tensors, so files of another adapter, or of this one finetuned further,
         are refused as stale."""
-        return "adapter-" + (self.meta.get(_DIGEST) or tensor_digest(self.tensors))[:16]
+        return "adapter-" + self.digest[:16]
 
     def hasher(self) -> NgramHasher:
         """The hasher its tables are indexed by (its config over its tokenizer's compression),
@@ -99,10 +102,30 @@ def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
     checksum, and a flipped byte in a table would load without a word."""
     h = hashlib.sha256()
     for k in sorted(tensors):
-        t = tensors[k].detach().cpu().contiguous()
-        h.update(f"{k}:{tuple(t.shape)}:{t.dtype}:".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        t = tensors[k]
+        _digest_part(h, k, tuple(t.shape), t.dtype, [t])
     return h.hexdigest()
+
+
+def _digest_part(h: Any, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 chunks: Any) -> None:
+    """One tensor into ``tensor_digest``'s hash from ``chunks`` of its bytes in order (tensors, or
+    bytes read from the file: a table streamed hashes as it would whole)."""
+    h.update(f"{name}:{shape}:{dtype}:".encode())
+    for t in chunks:
+        h.update(t if isinstance(t, bytes) else
+                 t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _file_bytes(path: Path, name: str) -> Iterator[bytes]:
+    """The bytes of tensor ``name`` of a safetensors file, read a chunk at a time with plain reads
+    (not mapped: the pages do not stay in the process)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        start, end = json.loads(f.read(n))[name]["data_offsets"]
+        f.seek(8 + n + start)
+        for a in range(start, end, _CHUNK_BYTES):
+            yield f.read(min(_CHUNK_BYTES, end - a))
 
 
 def write(model: nn.Module, directory: str | os.PathLike, *, base_model: str | None = None,
@@ -163,21 +186,32 @@ def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def read_tensors(directory: str | os.PathLike, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The adapter's tensors, checked against the digest its header records (when it has one)."""
+def read_tensors(directory: str | os.PathLike, meta: dict[str, Any], tables: bool = True
+                 ) -> tuple[dict[str, torch.Tensor], str]:
+    """(the adapter's tensors, their digest), checked against the digest its header records (when
+    it has one). ``tables=False`` leaves the tables out (their rows on a tier instead): they are
+    hashed from the file a chunk at a time, never held whole."""
     from safetensors import safe_open
 
     path = Path(directory) / WEIGHTS
+    h, tensors = hashlib.sha256(), {}
     try:
         with safe_open(str(path), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            for k in sorted(f.keys()):
+                if tables or not k.endswith(TABLE_KEY):
+                    tensors[k] = t = f.get_tensor(k)
+                    _digest_part(h, k, tuple(t.shape), t.dtype, [t])
+                    continue
+                part = f.get_slice(k)  # its shape and dtype; the bytes are read plainly
+                _digest_part(h, k, tuple(part.get_shape()), part[0:1].dtype, _file_bytes(path, k))
     except Exception as e:  # a file cut short after its header
         raise UserError(f"{directory}: {WEIGHTS} cannot be read ({type(e).__name__}: "
                         f"{one_line(e)}): {_AGAIN}") from e
-    if _DIGEST in meta and tensor_digest(tensors) != meta[_DIGEST]:
+    digest = h.hexdigest()
+    if _DIGEST in meta and digest != meta[_DIGEST]:
         raise UserError(f"{directory}: {WEIGHTS} is damaged (its tensors are not the ones its "
                         f"header records): {_AGAIN}")
-    return tensors
+    return tensors, digest
 
 
 def read_tokenizer(directory: str | os.PathLike, meta: dict[str, Any] | None = None
@@ -248,15 +282,17 @@ def _check_copy(d: Path, meta: dict[str, Any]) -> None:
                         "what was trained)")
 
 
-def read(directory: str | os.PathLike, tokenizer: bool = True) -> AdapterFiles:
+def read(directory: str | os.PathLike, tokenizer: bool = True, tables: bool = True
+         ) -> AdapterFiles:
     """Every part of an adapter folder, checked: one UserError naming the folder and the part for
-    a missing, torn or edited one. ``tokenizer=False``: an adapter saved without its tokenizer."""
+    a missing, torn or edited one. ``tokenizer=False``: an adapter saved without its tokenizer.
+    ``tables=False``: its tables are checked but not kept (served from its table files)."""
     d = Path(directory)
     meta = read_meta(d)
     _check_copy(d, meta)
-    tensors = read_tensors(d, meta)
+    tensors, digest = read_tensors(d, meta, tables)
     tok, compression = read_tokenizer(d, meta) if tokenizer else (None, None)
-    return AdapterFiles(d, meta, tensors, tok, compression)
+    return AdapterFiles(d, meta, tensors, tok, compression, digest)
 
 
 def load_engram(model: nn.Module, directory: str | os.PathLike, tokenizer: Any = None, *,
@@ -271,9 +307,10 @@ def load_engram(model: nn.Module, directory: str | os.PathLike, tokenizer: Any =
                   check_base=check_base)
 
 
-def load_base(files: AdapterFiles, base: str | None = None,
-              device: str | None = None) -> nn.Module:
-    """The base model an adapter names (or ``base``), with the adapter's Engram in it."""
+def load_base(files: AdapterFiles, base: str | None = None, device: str | None = None,
+              tables: dict[int, Any] | None = None) -> nn.Module:
+    """The base model an adapter names (or ``base``), with the adapter's Engram in it; ``tables``:
+    {layer: store} of its rows on a tier (``files`` read with ``tables=False``)."""
     from ..models.pretrained import load_pretrained
 
     name = base if base is not None else files.base_model
@@ -282,7 +319,7 @@ def load_base(files: AdapterFiles, base: str | None = None,
     model, _ = load_pretrained(name, tokenizer=False)
     if device is not None:
         model.to(device)
-    return attach(model, files.meta, files.tensors, compression=files.compression)
+    return attach(model, files.meta, files.tensors, compression=files.compression, tables=tables)
 
 
 def from_pretrained(directory: str | os.PathLike, base: str | None = None,

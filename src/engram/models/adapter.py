@@ -71,9 +71,11 @@ def compression_fingerprint(compression: Compression) -> str:
 
 def attach(model: nn.Module, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
            tokenizer: Any = None, *, compression: Compression | None = None,
-           check_base: bool = True) -> nn.Module:
+           check_base: bool = True, tables: dict[int, Any] | None = None) -> nn.Module:
     """Put an adapter (its header ``meta`` and ``tensors``, as artifacts/adapter.py reads them)
-    into ``model``: injects it first when the model has no Engram yet.
+    into ``model``: injects it first when the model has no Engram yet. ``tables``: {layer: store}
+    of its rows on a tier (its table files), injected as they are; ``tensors`` then leaves out
+    those layers' tables.
 
     A model without Engram needs its ``tokenizer`` (or ``compression``). Every check runs before
     the model is touched, so a refused adapter leaves the model as it was.
@@ -83,6 +85,8 @@ def attach(model: nn.Module, meta: dict[str, Any], tensors: dict[str, torch.Tens
         _check_base(meta["base"], base_fingerprint(model))
     rt = engram_runtime(model, required=False)
     if rt is not None:
+        if tables:
+            raise ValueError("tables= goes with a model that has no Engram yet (they are injected)")
         compression = rt.compression
         if rt.config.to_dict() != config.to_dict() or rt.options.structural() != meta["options"]:
             raise AdapterMismatch(
@@ -101,7 +105,7 @@ def attach(model: nn.Module, meta: dict[str, Any], tensors: dict[str, torch.Tens
                               "tokenizer's n-grams")
     if rt is None:
         inject(model, config, compression=compression,
-               options=InjectOptions(**meta["options"]))
+               options=InjectOptions(**meta["options"]), tables=tables)
         rt = engram_runtime(model)
     _copy_in(rt.engrams, tensors)
     return model

@@ -108,8 +108,9 @@ class EngramRuntime:
     """Everything ``inject`` attached: hasher, modules, hooks and the per-cache decode states."""
 
     def __init__(self, model: nn.Module, config: EngramConfig, compression: Compression,
-                 options: InjectOptions):
+                 options: InjectOptions, tables: dict[int, Any] | None = None):
         self.model, self.config, self.compression, self.options = model, config, compression, options
+        self.tables = tables or {}  # {layer: a tier's store}; others get in-memory tables
         self.base, layers, self.hidden_size = decoder_stack(model)
         self.hasher = NgramHasher(config, compression)
         self.layers = {lid: layers[lid] for lid in config.layer_ids}
@@ -126,7 +127,8 @@ class EngramRuntime:
         for lid, layer in self.layers.items():
             eng = build_engram(self.config, lid, self.hidden_size, gate=self.options.gate,
                                conv=self.options.conv, sparse=self.options.sparse,
-                               init_std=self.options.init_std)
+                               init_std=self.options.init_std,
+                               table=self.tables.get(lid, "memory"))
             zero_value(eng)
             eng.to(device=ref.device, dtype=ref.dtype)
             layer.engram = eng  # registered under the layer: base keys stay as they were
@@ -282,13 +284,16 @@ def _find_cache(output: Any) -> Any:
 
 def inject(model: nn.Module, config: EngramConfig, layer_ids: list[int] | None = None,
            tokenizer: Any = None, *, compression: Compression | None = None,
-           options: InjectOptions | None = None, **option_fields: Any) -> nn.Module:
+           options: InjectOptions | None = None, tables: dict[int, Any] | None = None,
+           **option_fields: Any) -> nn.Module:
     """Add Engram to ``model`` in place and return it.
 
     ``config``: the retrieval config; ``layer_ids`` (if given) replaces ``config.layer_ids``.
     ``tokenizer``: the model's own tokenizer; its compression P feeds the hasher.
     ``compression``: a prebuilt ``Compression`` instead of ``tokenizer``.
     ``options`` or ``option_fields``: ``InjectOptions`` (gate, conv, init_std, sparse).
+    ``tables``: {layer: store} rows already on a tier (an adapter's table files), so no table of
+    those layers is allocated in memory.
     """
     if engram_runtime(model, required=False) is not None:
         raise ValueError("this model already has Engram injected; eject(model) first")
@@ -311,7 +316,7 @@ def inject(model: nn.Module, config: EngramConfig, layer_ids: list[int] | None =
     if config.compressed_vocab_size is None:
         config = config.replace(compressed_vocab_size=len(compression))
     opts = options if options is not None else InjectOptions(**option_fields)
-    runtime = EngramRuntime(model, config, compression, opts)
+    runtime = EngramRuntime(model, config, compression, opts, tables)
     runtime.attach()
     model.engram_runtime = runtime
     if hasattr(model, "generate"):

@@ -70,10 +70,10 @@ def open_adapter(path: Path, *, tier: str = "memory", table_dir: str | Path | No
                  prefetch: bool = False, verify: bool = True, **options: Any) -> Runtime:
     """``engram finetune``'s adapter folder: a ``Runtime`` over the base transformers model it
     names (models/pretrained.py) with its Engram loaded (models/adapter.py refuses another base
-    model), as models/injected.py's InjectedLM. On a tier other than memory its tables are read
-    from the table files ``engram export-tables ADAPTER`` wrote (``table_dir``, default
-    ADAPTER/tables), as a run's are; the adapter's own copy is read once, to check its digest,
-    and let go."""
+    model), as models/injected.py's InjectedLM. On a tier other than memory its tables are the
+    table files ``engram export-tables ADAPTER`` wrote (``table_dir``, default ADAPTER/tables),
+    injected as they are, as a run's are: the adapter's own copy is hashed a slice at a time (its
+    digest) and never held, so its tables need not fit in memory."""
     import torch
 
     from ..artifacts.adapter import TABLES, load_base, read
@@ -83,25 +83,22 @@ def open_adapter(path: Path, *, tier: str = "memory", table_dir: str | Path | No
     if cache_fraction > 0:
         raise UserError(f"{path} is a finetuned adapter: it has no row counts on its training "
                         "text for a hot cache (leave --cache_fraction out)")
-    files = read(path)
-    model = load_base(files)
-    lm = InjectedLM(model).eval()
-    hasher = engram_runtime(model).hasher
+    files = read(path, tables=tier == "memory")
     tables: dict[int, Any] = {}
     if tier != "memory":
+        hasher = files.hasher()
         folder = Path(table_dir) if table_dir is not None else path / TABLES
         stale = stale_tables(folder, hasher, files.tag, table_dtype)
         if stale:
             raise UserError(f"{folder} holds no current table files of the adapter {path} "
                             f"({stale}); write them with `engram export-tables {path}`")
-        tables = open_tier(tier, folder, lm.config.engram, hasher, prefetch=prefetch,
+        tables = open_tier(tier, folder, hasher.config, hasher, prefetch=prefetch,
                            verify=verify, **options)
-        for lid, engram in lm.engrams().items():  # the files' rows replace the in-memory copy
-            del engram.table
-            engram.table = tables[lid]
+    lm = InjectedLM(load_base(files, tables=tables or None)).eval()
     v = lm.config.vocab_size
-    return Runtime(lm, hasher, VocabMap(torch.arange(v), v), files.tokenizer, files.eos_id, path,
-                   files.tag, tier, tables, tokenizer_file=files.tokenizer_file)
+    return Runtime(lm, engram_runtime(lm.hf).hasher, VocabMap(torch.arange(v), v),
+                   files.tokenizer, files.eos_id, path, files.tag, tier, tables,
+                   tokenizer_file=files.tokenizer_file)
 
 
 def _open_run(run_dir: Path, *, tier: str, table_dir: str | Path | None, table_dtype: str | None,
@@ -223,7 +220,7 @@ def write_tables(run_dir: str | Path, table_dir: str | Path | None = None, dtype
                 and not stale_tables(folder, files.hasher(), ckpt.name, dtype):
             return folder
     else:
-        found = adapter.read(run_dir)
+        found = adapter.read(run_dir, tables=False)
         if not stale_tables(folder, found.hasher(), found.tag, dtype):
             return folder
     rt = open_model(run_dir)
