@@ -123,3 +123,21 @@ def test_a_preset_fills_and_the_file_and_command_line_override_it(capsys, tmp_pa
     with pytest.raises(SystemExit) as bad:  # argparse's one line, exit 2
         main([name, *POSITIONALS.get(name, []), "--preset", "no-such", "--print_config"])
     assert bad.value.code == 2 and "invalid choice: 'no-such'" in capsys.readouterr().err
+
+
+def test_resolved_defaults_keep_their_meaning(capsys, tmp_path, monkeypatch):
+    """Every command's resolved options equal tests/data/print_config/configs.json (issue 48: a
+    recorded run's config.json keeps its meaning). An intended change of a default or an option
+    reruns tests/data/print_config/record.py and says so in its commit."""
+    from pathlib import Path
+
+    golden = json.loads((Path(__file__).parent / "data" / "print_config" / "configs.json")
+                        .read_text())
+    monkeypatch.chdir(tmp_path)
+    names = sorted(n for n, c in COMMANDS.items() if c.configs)
+    assert names == sorted(golden), "a command was added or removed: rerun record.py"
+    for name in names:
+        got = json.loads(printed(capsys, name, *REQUIRED.get(name, []), "--print_config=json"))
+        changed = sorted(k for k in set(got) | set(golden[name]) if got.get(k, "?") !=
+                         golden[name].get(k, "?"))
+        assert not changed, f"engram {name}: {changed} differ from the recorded defaults"

@@ -17,8 +17,8 @@ from ..errors import InputNotFound, UserError
 from ..retrieval.config import EngramConfig
 from ..retrieval.hashing import Hasher, NgramHasher
 from ..retrieval.hot import checkpoint_hasher
-from ..tables.hotcold import parts_of, write_index_files
-from ..tables.tablefile import table_path, write_table
+from ..tables.hotcold import index_paths, parts_of, write_index_files
+from ..tables.tablefile import read_header, table_path, table_paths, write_table
 from .checkpoint import latest_checkpoint, load_checkpoint
 
 # A run's saved config (a checkpoint meta's "config") -> (its Engram config or None, whether one
@@ -129,3 +129,17 @@ class _StoreRows:
 
     def __call__(self, a: int, b: int) -> torch.Tensor:
         return self.store.lookup(torch.arange(a, b)).float().cpu()
+
+
+def stale_tables(folder: Path, hasher: Hasher, tag: str, dtype: str | None) -> str:
+    """Why ``folder`` cannot serve checkpoint ``tag`` (``dtype``: None takes any); "" if it can."""
+    for p in table_paths(folder, hasher):
+        if not p.exists():
+            return f"{p.name} is missing"
+        h = read_header(p)
+        if h.tag != tag:
+            return f"{p.name} is of {h.tag or 'another checkpoint'}"
+        if dtype is not None and h.dtype != dtype:
+            return f"{p.name} holds {h.dtype} rows, {dtype} asked"
+    missing = [p.name for p in index_paths(folder, hasher) if not p.exists()]
+    return f"{missing[0]} is missing" if missing else ""

@@ -12,10 +12,10 @@ from typing import Any, Callable
 from ..artifacts.run import FOLDER as RUN_FILES
 from ..artifacts.run import TABLES
 from ..artifacts.run import load_dense_state
+from ..artifacts.table_files import stale_tables
 from ..errors import UserError
 from ..models.precision import check_names, resolve
 from ..models.vocab import VocabMap
-from ..retrieval.hashing import Hasher
 from ..tables.registry import open_tier
 from .runtime import Runtime
 
@@ -173,23 +173,6 @@ def _load(model: Any, state: dict[str, Any], shards: list[Path], tables: dict[in
             read_shards(shards, {lid: e.table for lid, e in model.engrams().items()}, None)
     else:
         load_dense_state(model, state["model"], outside=tables)
-
-
-def stale_tables(folder: Path, hasher: Hasher, tag: str, dtype: str | None) -> str:
-    """Why ``folder`` cannot serve checkpoint ``tag`` (``dtype``: None takes any); "" if it can."""
-    from ..tables.hotcold import index_paths
-    from ..tables.tablefile import read_header, table_paths
-
-    for p in table_paths(folder, hasher):
-        if not p.exists():
-            return f"{p.name} is missing"
-        h = read_header(p)
-        if h.tag != tag:
-            return f"{p.name} is of {h.tag or 'another checkpoint'}"
-        if dtype is not None and h.dtype != dtype:
-            return f"{p.name} holds {h.dtype} rows, {dtype} asked"
-    missing = [p.name for p in index_paths(folder, hasher) if not p.exists()]
-    return f"{missing[0]} is missing" if missing else ""
 
 
 def write_tables(run_dir: str | Path, table_dir: str | Path | None = None, dtype: str = "fp32",

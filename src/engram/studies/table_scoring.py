@@ -113,7 +113,7 @@ def _score(exact, lossy, raw: np.ndarray, wins: list[tuple[int, int]], batch_siz
             ne, nl = -le.gather(-1, at).squeeze(-1), -ll.gather(-1, at).squeeze(-1)  # [b, t]
             same = le.argmax(-1) == ll.argmax(-1)  # [b, t]
             ll.neg_().add_(le)  # le - ll, in place: [b, t, V] is the largest tensor here
-            kl = ll.mul_(le.exp_()).sum(-1)  # [b, t]
+            kl = ll.mul_(le.exp_()).sum(-1).clamp_min_(0)  # [b, t]; float32 sums dip below 0
             for i, v in enumerate((nl.double() - ne.double(), kl, same, ne)):
                 out[i].append(v.cpu().numpy()[keep])
     return tuple(np.concatenate(v).astype(np.float64) for v in out)  # type: ignore[return-value]
