@@ -135,8 +135,6 @@ def test_opening_a_run_and_generating_loads_no_training_module(tmp_path):
 
 # The names of the files and folders of the folders artifacts/ owns (run, checkpoints, adapter):
 # a module elsewhere names them through artifacts' constants, never spelled out (issue 48).
-# outputs.py is the one exception: the foundation cannot import artifacts, and its SIGNATURES
-# recognise folders an engram older than the markers wrote.
 FOLDER_NAMES = ('"checkpoints"', '"latest.json"', '"model.json"', '"maps.safetensors"',
                 '"engram.safetensors"', '"engram_config.json"', '"finetune.json"',
                 '"settings.json"')
@@ -144,7 +142,7 @@ FOLDER_NAMES = ('"checkpoints"', '"latest.json"', '"model.json"', '"maps.safeten
 
 def test_folder_file_names_are_spelled_only_in_artifacts():
     found = [f"{p.relative_to(SRC)}: {name}" for p in sorted(SRC.rglob("*.py"))
-             if p.relative_to(SRC).parts[0] != "artifacts" and p.name != "outputs.py"
+             if p.relative_to(SRC).parts[0] != "artifacts"
              for name in FOLDER_NAMES if name in p.read_text()]
     assert not found, found
 

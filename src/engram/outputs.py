@@ -29,6 +29,7 @@ The foundation layer: imports nothing else of engram but errors and files.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -51,21 +52,12 @@ FILE = "file"  # the kind of a one-file output
 WRITTEN_BY = "written_by"  # the key naming the command in a JSON file output
 
 
-def _config_has(*keys: str) -> Callable[[Path], bool]:
-    def test(folder: Path) -> bool:
-        try:
-            data = json.loads((folder / "config.json").read_text())
-        except (OSError, ValueError):
-            return False
-        return isinstance(data, dict) and all(k in data for k in keys)
-    return test
-
-
-# A folder of each kind as an engram without markers left it: any one test passing adopts it.
-SIGNATURES: dict[str, tuple[Callable[[Path], bool], ...]] = {
-    "run": (lambda p: (p / "checkpoints" / "latest.json").is_file(),
-            _config_has("n_layer", "engram_layers", "steps")),
-    "export": (_config_has("engram_format"),),
+# A folder of each kind as an engram without markers left it: any one test passing adopts it. A
+# model folder's test is its artifacts module's, named "module:function" and imported only when a
+# folder without a marker is met (the foundation does not know those folders' file names).
+SIGNATURES: dict[str, tuple[Callable[[Path], bool] | str, ...]] = {
+    "run": ("engram.artifacts.run:unmarked",),
+    "export": ("engram.artifacts.export:unmarked",),
     "analysis": (lambda p: (p / "analysis.json").is_file(),),
     "compare": (lambda p: (p / "results.json").is_file() and (p / "runs").is_dir(),),
     "sweep": (lambda p: (p / "runs").is_dir() and any((p / f).is_file() for f in
@@ -145,19 +137,27 @@ def check_folder(path: str | Path, kind: str, label: str, of: str | None = None)
         if not os.access(path, os.W_OK | os.X_OK):
             raise OutputExists(f"{label} {path}: permission denied")
         return True
-    if any(test(path) for test in SIGNATURES.get(kind, ())):
+    if any(_passes(test, path) for test in SIGNATURES.get(kind, ())):
         return True
     # A killed writer's lock and temporaries are no content: the next writer sweeps them.
     entries = [p for p in path.iterdir() if p.name != LOCK and not is_temporary(p.name)]
     if all(p.is_dir() and (p / MARKER).is_file() for p in entries):
         return False  # empty, or a folder of outputs (out/ with out/sweep): nothing to overwrite
-    other = next((k for k, tests in SIGNATURES.items() if any(t(path) for t in tests)), None)
+    other = next((k for k, tests in SIGNATURES.items() if any(_passes(t, path) for t in tests)),
+                 None)
     if other is not None:
         raise OutputExists(f"{label} {path} holds an engram {other}, not {_a(kind)}; name another "
                            "folder (nothing was written)")
     raise OutputExists(f"{label} {path} is not {_a(kind)} folder: it holds files engram did not "
                        f"write (no {MARKER} marker); name a new or empty folder (nothing was "
                        "written)")
+
+
+def _passes(test: Callable[[Path], bool] | str, path: Path) -> bool:
+    if isinstance(test, str):
+        module, name = test.split(":")
+        test = getattr(importlib.import_module(module), name)
+    return test(path)
 
 
 def _a(kind: str) -> str:

@@ -77,6 +77,16 @@ def detect(path: str | Path) -> bool:
         not run.detect(p) and not adapter.detect(p)
 
 
+def unmarked(path: Path) -> bool:
+    """Whether ``path`` is an export an engram from before folder markers wrote
+    (outputs.SIGNATURES): a config.json naming its format."""
+    try:
+        config = json.loads((path / CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "engram_format" in config
+
+
 @dataclass
 class ExportFiles:
     """What an export folder holds, read and checked against itself."""

@@ -53,6 +53,22 @@ def detect(path: str | Path) -> bool:
         not adapter.detect(p)
 
 
+def unmarked(path: Path) -> bool:
+    """Whether ``path`` is a run an engram from before folder markers wrote (outputs.SIGNATURES):
+    its checkpoints' latest.json, or a config.json holding TrainConfig's keys."""
+    from .checkpoint import FOLDER as CHECKPOINTS
+    from .checkpoint import LATEST
+
+    if (path / CHECKPOINTS / LATEST).is_file():
+        return True
+    try:
+        config = json.loads((path / CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and all(k in config for k in ("n_layer", "engram_layers",
+                                                                  "steps"))
+
+
 @dataclass
 class RunFiles:
     config: ModelConfig
