@@ -97,7 +97,7 @@ def main() -> None:
     if a.smoke:
         a.table_size, a.rounds = 997, 1
     try:
-        import transformers  # noqa: F401  (the [test] extra: an adapter's base is a transformers model)
+        import transformers  # noqa: F401  (the [test] extra: an adapter's base model's library)
     except ImportError:
         print("skipped: transformers is not installed (pip install engram[test])")
         write_json(a.json, {"skipped": "transformers is not installed"})

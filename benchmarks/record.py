@@ -36,7 +36,8 @@ def run_child(code: str, args: list[str], src: Path | None = None) -> dict[str, 
     import subprocess
 
     src = src or Path(__file__).resolve().parent.parent / "src"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
     p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
                        check=False)
     if p.returncode != 0:

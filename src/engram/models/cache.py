@@ -89,7 +89,8 @@ class InjectedCache:
 
         kv = DynamicCache([(torch.cat([a.keys, b.keys]), torch.cat([a.values, b.values]))
                            for a, b in zip(self.kv.layers, other.kv.layers)])
-        convs = {i: EngramState(None if s.conv is None else torch.cat([s.conv, other.engram[i].conv]))
+        convs = {i: EngramState(None if s.conv is None
+                                else torch.cat([s.conv, other.engram[i].conv]))
                  for i, s in self.engram.items()}
         return InjectedCache(kv, convs, self.pos, self.rows + other.rows)
 

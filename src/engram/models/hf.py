@@ -14,13 +14,14 @@ so ``save_pretrained``/``from_pretrained`` and HF code that reads layer attribut
 (``decoder_layer.attention_type``) would break. HF checkpoints ``forward`` and not ``__call__``
 under gradient checkpointing, so the hooks also stay outside the checkpoint.
 
-Cached generation keeps the n-gram history. The state a decode step needs (the last N-1
-compressed tokens of each row and each layer's conv context: the one decode state,
-``models/cache.DecodeGroup``) lives beside the KV cache object it belongs to: a call with no cache or an empty one starts a new sequence, a call with a cache continues
-the state saved for that very cache, and anything else is refused instead of silently hashing
-without history. Beam search reorders it through ``_reorder_cache``. Dead positions (attention mask
-0, e.g. left padding) hash like a sequence start and feed zeros to the short conv, so a left-padded
-row gets the same Engram output as the unpadded row.
+Cached generation keeps the n-gram history. The state a decode step needs (the last N-1 compressed
+tokens of each row and each layer's conv context: the one decode state,
+``models/cache.DecodeGroup``) lives beside the KV cache object it belongs to: a call with no cache
+or an empty one starts a new sequence, a call with a cache continues the state saved for that very
+cache, and anything else is refused instead of silently hashing without history. Beam search
+reorders it through ``_reorder_cache``. Dead positions (attention mask 0, e.g. left padding) hash
+like a sequence start and feed zeros to the short conv, so a left-padded row gets the same Engram
+output as the unpadded row.
 
 Identity at start: the value projection starts at zero (LoRA's B = 0), so
 ``Y = alpha * 0 + conv(0) = 0`` and the logits equal the base model's; its gradient (which sees e

@@ -9,8 +9,8 @@ the conv states of the runtime's cache reach the injected layers through
 ``EngramRuntime.given``, so the hooks' own per-KV-cache bookkeeping (for ``model.generate``) is
 not used here. The KV cache is transformers' ``DynamicCache``; ``InjectedCache`` (models/cache.py)
 adds the position and the Engram conv states, and reorders and joins both (the Generator's batch
-compaction and its merge of prompt-length groups). Model ids are the tokenizer's ids (an HF model embeds every
-id of its tokenizer), so the runtime's vocabulary map is the identity.
+compaction and its merge of prompt-length groups). Model ids are the tokenizer's ids (an HF model
+embeds every id of its tokenizer), so the runtime's vocabulary map is the identity.
 
 Shape legend: b rows, t positions, d hidden size, V the model's vocabulary.
 """
